@@ -1,0 +1,34 @@
+"""The `kiln` command. Each subcommand lives beside the code it drives and is imported
+only when used, so `kiln operator` never pays for importing torch."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("kiln.engine.cli", "generate text offline with the engine"),
+    "serve": ("kiln.engine.server", "run the OpenAI-compatible server"),
+    "router": ("kiln.router.main", "run the per-service router"),
+    "operator": ("kiln.operator.main", "run the Kubernetes operator"),
+    "crds": ("kiln.operator.crds", "write the CRD YAML generated from the models"),
+    "local": ("kiln.local.cli", "start/stop the local Kubernetes control plane"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        usage = "\n".join(f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items())
+        print(f"usage: kiln COMMAND [options]\n\ncommands:\n{usage}", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
