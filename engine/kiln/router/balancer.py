@@ -1,0 +1,35 @@
+"""Least-in-flight balancing: a replica that is busy with long generations gets fewer new
+requests. Ties rotate, so an idle service still spreads sequential requests."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection
+
+from kiln.router.endpoints import Endpoint, EndpointSource
+
+
+class LeastInFlight:
+    def __init__(self, source: EndpointSource) -> None:
+        self._source = source
+        self._in_flight: Counter[Endpoint] = Counter()
+        self._turn = 0
+
+    def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
+        candidates = [e for e in self._source.endpoints() if e not in exclude]
+        if not candidates:
+            return None
+        start = self._turn % len(candidates)
+        self._turn += 1
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda e: self._in_flight[e])  # min keeps the first tie
+
+    def acquire(self, endpoint: Endpoint) -> None:
+        self._in_flight[endpoint] += 1
+
+    def release(self, endpoint: Endpoint) -> None:
+        self._in_flight[endpoint] -= 1
+        if self._in_flight[endpoint] <= 0:
+            del self._in_flight[endpoint]  # endpoints come and go; forget idle ones
+
+    def in_flight(self, endpoint: Endpoint) -> int:
+        return self._in_flight[endpoint]
