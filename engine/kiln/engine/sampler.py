@@ -1,0 +1,133 @@
+"""Turn one row of logits per sequence into its next token, the whole batch at once.
+
+Order of work: penalties change the logits; greedy rows take the argmax; the others are scaled
+by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
+(argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
+noise from its own torch.Generator while the rest of the batch shares the engine's.
+Logprobs are those of the model's raw distribution, before any of this.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sequence import Sequence
+
+
+def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """counts[i, t] = how often token t occurs in token_lists[i]."""
+    width = max(1, max(len(tokens) for tokens in token_lists))
+    # Pad with an extra column id that is dropped afterwards.
+    ids = torch.tensor([tokens + [vocab_size] * (width - len(tokens)) for tokens in token_lists], device=device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition penalty (CTRL-style: divide positive logits, multiply negative ones) on tokens
+    seen in prompt or output; presence and frequency penalties (OpenAI-style) on output tokens.
+    repetition, presence, frequency: [M] per-row values."""
+    vocab_size = logits.shape[-1]
+    output_counts = token_counts(output_ids, vocab_size, logits.device)
+    seen = (token_counts(prompt_ids, vocab_size, logits.device) + output_counts) > 0
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf what top-k (0 = off), top-p and min-p rule out; per-row values of shape [M]."""
+    vocab_size = logits.shape[-1]
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+        k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[str, Any] | None]]:
+        """logits: [M, vocab] float32, one row per sequence. Returns the tokens and, per sequence,
+        its logprob entry (None when it asked for none)."""
+        params = [seq.params for seq in seqs]
+        logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        if any(p.penalized for p in params):
+            logits = apply_penalties(
+                logits,
+                [seq.token_ids[: seq.num_prompt_tokens] for seq in seqs],
+                [seq.output_token_ids for seq in seqs],
+                self._column(params, "repetition_penalty"),
+                self._column(params, "presence_penalty"),
+                self._column(params, "frequency_penalty"),
+            )
+        greedy = [p.greedy for p in params]
+        if all(greedy):  # fast path: no filtering, no noise
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, seqs, params, greedy)
+        token_list = tokens.tolist()
+        return token_list, self._logprob_entries(logprobs, token_list, params)
+
+    def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+        greedy_mask = torch.tensor(greedy, device=self.device)
+        temperature = self._column(params, "temperature").masked_fill(greedy_mask, 1.0)
+        scaled = filter_logits(
+            logits / temperature.unsqueeze(1),
+            self._column(params, "top_k", torch.int64),
+            self._column(params, "top_p"),
+            self._column(params, "min_p"),
+        )
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+
+    @staticmethod
+    def _logprob_entries(
+        logprobs: torch.Tensor | None, tokens: list[int], params: list[SamplingParams]
+    ) -> list[dict[str, Any] | None]:
+        if logprobs is None:
+            return [None] * len(tokens)
+        top_n = max(p.logprobs or 0 for p in params)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        entries: list[dict[str, Any] | None] = []
+        for i, (token, p) in enumerate(zip(tokens, params)):
+            if p.logprobs is None:
+                entries.append(None)
+                continue
+            n = p.logprobs
+            top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n else []
+            entries.append({"token_id": token, "logprob": chosen[i], "top": top})
+        return entries

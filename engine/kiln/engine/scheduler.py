@@ -1,0 +1,112 @@
+"""Continuous batching: each step picks which sequences run and how many tokens each.
+
+A step is bounded by max_num_seqs and by a token budget (max_num_batched_tokens). Running
+decodes go first (one token each, they keep latency low), then running prefills continue in
+chunks, then waiting requests are admitted first come, first served into what budget is left.
+When the KV pool runs dry, the most recently arrived running sequence is preempted by
+recompute: its blocks are freed and it goes back to the head of the queue with all its tokens,
+so nothing it produced is lost (its full blocks usually come back from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each sequence runs this step
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # Decodes first, then unfinished prefills; each group first come, first served.
+        queue = deque(sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, s.arrival)))
+        kept: list[Sequence] = []
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_tokens = self._fit(seq, min(seq.num_pending_tokens, budget))
+            while num_tokens == 0 and queue:
+                self._preempt(queue.pop())
+                preempted = True
+                num_tokens = self._fit(seq, min(seq.num_pending_tokens, budget))
+            if num_tokens == 0:
+                self._preempt(seq)  # alone and still no room: step aside for the others
+                preempted = True
+                break
+            self.block_manager.append_slots(seq, num_tokens)
+            batch.add(seq, num_tokens)
+            kept.append(seq)
+            budget -= num_tokens
+        kept.extend(queue)  # not scheduled this step (budget spent), still running
+
+        # Admitting while preempting would only thrash.
+        while self.waiting and budget > 0 and not preempted and len(kept) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq)
+            num_tokens = min(len(seq) - len(prefix) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(prefix, num_tokens):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, prefix)
+            self.block_manager.append_slots(seq, num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            batch.add(seq, num_tokens)
+            kept.append(seq)
+            budget -= num_tokens
+        self.running = sorted(kept, key=lambda s: s.arrival)
+        return batch
+
+    def _fit(self, seq: Sequence, num_tokens: int) -> int:
+        """How many of `num_tokens` fit into the sequence's blocks plus the free pool."""
+        bm = self.block_manager
+        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        return max(0, min(num_tokens, room))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def complete_step(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's tokens now have their K/V in the cache."""
+        for seq, num_tokens in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_tokens
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence, wherever it is."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)

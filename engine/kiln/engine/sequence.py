@@ -1,0 +1,66 @@
+"""One request's life inside the engine: its tokens, its place in the KV cache, its status."""
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Any
+
+from kiln.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, or preempted and waiting to be recomputed
+    RUNNING = auto()  # owns blocks and takes part in steps
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int):
+        self.request_id = request_id
+        self.params = params
+        self.arrival = arrival  # FCFS order, also across preemptions
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        # K/V of token_ids[:num_computed_tokens] sit in the cache; the rest still has to run.
+        self.num_computed_tokens = 0
+        # Of the computed tokens, how many came for free from the prefix cache at admission.
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks, filled lazily by the block manager.
+        self.block_hashes: list[int] = []
+        self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        # Output-side state, owned by the engine's output processing.
+        self.generator: Any = None
+        self.detokenizer: Any = None
+        self.text = ""
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens that still need a forward pass before the next one can be sampled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

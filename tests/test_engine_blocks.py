@@ -1,0 +1,192 @@
+"""Block manager and scheduler invariants under random workloads (pure bookkeeping, no model).
+
+A shadow copy of what each KV slot holds is kept beside the block manager: every token a
+sequence "computes" is written to its slot, and every sequence must still read its own tokens
+back from its blocks after any interleaving of allocate / append / preempt / free. Two owners
+of one block, or a prefix-cache hit on the wrong block, would break that."""
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Sequence, SequenceStatus
+
+BLOCK = 4
+# Few distinct prompt stems so that prefixes are shared often.
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9, 5, 5], [7] * 14]
+
+
+class BlockMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
+    def setup(self, num_blocks: int, caching: bool) -> None:
+        self.bm = BlockManager(num_blocks, BLOCK, caching)
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
+        self.live: list[Sequence] = []  # own blocks
+        self.parked: list[Sequence] = []  # preempted, waiting to come back
+        self.count = 0
+
+    def _write(self, seq: Sequence, num_tokens: int) -> None:
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + num_tokens):
+            self.slots[(seq.block_table[pos // BLOCK], pos % BLOCK)] = seq.token_ids[pos]
+        seq.num_computed_tokens += num_tokens
+        self.bm.cache_full_blocks(seq)
+
+    def _admit(self, seq: Sequence) -> bool:
+        prefix = self.bm.match_prefix(seq)
+        num_tokens = len(seq) - len(prefix) * BLOCK
+        if not self.bm.can_allocate(prefix, num_tokens):
+            return False
+        free_before = self.bm.num_free_blocks
+        self.bm.allocate(seq, prefix)
+        self.bm.append_slots(seq, num_tokens)
+        assert self.bm.num_free_blocks >= 0 and self.bm.num_free_blocks <= free_before
+        assert seq.num_cached_tokens == len(prefix) * BLOCK < len(seq)
+        self._write(seq, num_tokens)
+        self.live.append(seq)
+        return True
+
+    @rule(stem=st.sampled_from(STEMS), length=st.integers(1, 14), tail=st.lists(st.integers(0, 3), max_size=5))
+    def start(self, stem: list[int], length: int, tail: list[int]) -> None:
+        self.count += 1
+        seq = Sequence(str(self.count), (stem + tail)[:length] or [0], SamplingParams(), self.count)
+        self._admit(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), token=st.integers(0, 3))
+    def append(self, index: int, token: int) -> None:
+        seq = self.live[index % len(self.live)]
+        seq.append_token(token)
+        if self.bm.can_append(seq, 1):
+            self.bm.append_slots(seq, 1)
+            self._write(seq, 1)
+        else:
+            self.preempt_seq(seq)
+
+    def preempt_seq(self, seq: Sequence) -> None:
+        self.live.remove(seq)
+        self.bm.deallocate(seq)
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        self.parked.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def preempt(self, index: int) -> None:
+        self.preempt_seq(self.live[index % len(self.live)])
+
+    @precondition(lambda self: self.parked)
+    @rule()
+    def resume(self) -> None:
+        if self._admit(self.parked[0]):
+            self.parked.pop(0)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def free(self, index: int) -> None:
+        seq = self.live.pop(index % len(self.live))
+        self.bm.deallocate(seq)
+
+    @invariant()
+    def books_balance(self) -> None:
+        bm = self.bm
+        refs = [0] * bm.num_blocks
+        for seq in self.live:
+            assert len(set(seq.block_table)) == len(seq.block_table), "a block twice in one table"
+            assert len(seq.block_table) == bm.blocks_for(seq.num_computed_tokens)
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+            for pos in range(seq.num_computed_tokens):  # every sequence reads back its own tokens
+                assert self.slots[(seq.block_table[pos // BLOCK], pos % BLOCK)] == seq.token_ids[pos]
+        assert [b.ref_count for b in bm.blocks] == refs
+        free = list(bm.empty_free) + list(bm.cached_free)
+        assert len(free) == len(set(free)), "a block twice in the free pool"
+        assert sorted(free) == [i for i, r in enumerate(refs) if r == 0], "leaked or double-used block"
+        assert all(bm.blocks[b].hash is not None for b in bm.cached_free)
+        assert all(bm.blocks[b].hash is None for b in bm.empty_free)
+        for h, block_id in bm.hash_to_block.items():
+            block = bm.blocks[block_id]
+            assert block.hash == h
+            assert tuple(self.slots[(block_id, i)] for i in range(BLOCK)) == block.token_ids
+        shared = [i for i, r in enumerate(refs) if r > 1]
+        assert all(bm.blocks[b].hash is not None for b in shared), "only published full blocks are shared"
+
+    def teardown(self) -> None:
+        for seq in self.live:
+            self.bm.deallocate(seq)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+TestBlockManager = BlockMachine.TestCase
+TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hit_reuses_blocks_and_counts() -> None:
+    bm = BlockManager(8, BLOCK)
+    first = Sequence("a", list(range(10)), SamplingParams(), 0)
+    bm.allocate(first, bm.match_prefix(first))
+    bm.append_slots(first, 10)
+    first.num_computed_tokens = 10
+    bm.cache_full_blocks(first)
+    second = Sequence("b", list(range(9)) + [99, 98], SamplingParams(), 1)
+    prefix = bm.match_prefix(second)
+    assert prefix == first.block_table[:2]
+    bm.allocate(second, prefix)
+    assert second.num_cached_tokens == 8
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (21, 8)
+    # A prompt that is all full blocks still leaves its last token to compute.
+    third = Sequence("c", list(range(8)), SamplingParams(), 2)
+    assert bm.match_prefix(third) == first.block_table[:1]
+
+
+def _run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_tokens: list[int]) -> int:
+    """Drive the scheduler with a stand-in for the model whose next token is a function of the
+    sequence so far; returns the number of steps."""
+    steps = 0
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        steps += 1
+        assert steps < 10_000, "scheduler made no progress"
+        assert len(batch) <= scheduler.max_num_seqs
+        assert sum(batch.num_new_tokens) <= scheduler.max_num_batched_tokens
+        assert len({s.request_id for s in batch.seqs}) == len(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert seq.status == SequenceStatus.RUNNING and 0 < n <= seq.num_pending_tokens
+            assert len(seq.block_table) * BLOCK >= seq.num_computed_tokens + n
+        scheduler.complete_step(batch)
+        for seq in batch.seqs:
+            if seq.num_pending_tokens == 0:
+                seq.append_token(sum(seq.token_ids) % 7)
+                if seq.num_output_tokens == max_tokens[int(seq.request_id)]:
+                    seq.finish("length")
+                    scheduler.finish(seq)
+    return steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=30), min_size=1, max_size=10),
+    outs=st.lists(st.integers(1, 12), min_size=10, max_size=10),
+    num_blocks=st.integers(11, 40),
+    budget=st.integers(1, 32),
+    max_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+)
+def test_scheduler_finishes_everything_and_output_is_schedule_independent(
+    prompts: list[list[int]], outs: list[int], num_blocks: int, budget: int, max_seqs: int, caching: bool
+) -> None:
+    # Any one request fits alone (30 + 12 tokens <= 11 blocks of 4), as the engine guarantees.
+    bm = BlockManager(num_blocks, BLOCK, caching)
+    scheduler = Scheduler(bm, max_seqs, budget)
+    seqs = [Sequence(str(i), p, SamplingParams(), i) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.add(seq)
+    _run_to_completion(scheduler, seqs, outs)
+    assert bm.num_free_blocks == num_blocks
+    for i, seq in enumerate(seqs):  # same tokens as running it alone, whatever was preempted
+        expected = list(prompts[i])
+        for _ in range(outs[i]):
+            expected.append(sum(expected) % 7)
+        assert seq.token_ids == expected

@@ -1,0 +1,116 @@
+"""Sampler and SamplingParams against direct torch computations (no model needed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.engine.sampler import Sampler, apply_penalties, filter_logits
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sequence import Sequence
+
+VOCAB = 50
+
+
+def make_seqs(params: list[SamplingParams], prompt: list[int] | None = None, output: list[int] | None = None) -> list[Sequence]:
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(str(i), prompt or [1, 2, 3], p, i)
+        for t in output or []:
+            seq.append_token(t)
+        if p.seed is not None:
+            seq.generator = torch.Generator().manual_seed(p.seed)
+        seqs.append(seq)
+    return seqs
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_match_definition() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB) * 3
+    prompts, outputs = [[1, 2, 3], [4]], [[3, 3, 5], []]
+    rep, pres, freq = torch.tensor([1.3, 0.7]), torch.tensor([0.5, -0.4]), torch.tensor([0.25, 1.0])
+    got = apply_penalties(logits, prompts, outputs, rep, pres, freq)
+    expected = logits.clone()
+    for i in range(2):
+        for t in range(VOCAB):
+            if t in prompts[i] or t in outputs[i]:
+                x = expected[i, t]
+                expected[i, t] = x / rep[i] if x > 0 else x * rep[i]
+            n = outputs[i].count(t)
+            expected[i, t] -= freq[i] * n + pres[i] * (n > 0)
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(got, logits)
+
+
+def test_filters_keep_the_right_tokens() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    out = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 1.0]), torch.tensor([0.0, 0.0, 0.2]))
+    kept = torch.isfinite(out).tolist()
+    assert kept[0] == [True, True, False, False]  # top_k=2
+    assert kept[1] == [True, True, False, False]  # top_p=0.8: 0.5+0.3 reaches it
+    assert kept[2] == [True, True, True, False]  # min_p=0.2: floor 0.1
+    torch.testing.assert_close(out[0, :2], logits[0, :2])  # survivors keep their values
+
+
+def test_greedy_top_k_one_and_logprobs() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, VOCAB)
+    sampler = Sampler(seed=0)
+    greedy, _ = sampler(logits, make_seqs([SamplingParams(temperature=0)] * 3))
+    assert greedy == logits.argmax(-1).tolist()
+    top1, _ = sampler(logits, make_seqs([SamplingParams(temperature=1.5, top_k=1)] * 3))
+    assert top1 == greedy
+    tokens, entries = sampler(logits, make_seqs([SamplingParams(temperature=0.8, logprobs=3)] * 3))
+    reference = logits.log_softmax(-1)
+    for i, entry in enumerate(entries):
+        assert entry["token_id"] == tokens[i]
+        assert entry["logprob"] == pytest.approx(reference[i, tokens[i]].item(), abs=1e-5)
+        values, ids = reference[i].topk(3)
+        assert [t for t, _ in entry["top"]] == ids.tolist()
+        assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(1, VOCAB)
+
+    def draw(seed: int, neighbours: int) -> list[int]:
+        sampler = Sampler(seed=neighbours)  # the engine's own generator differs run to run
+        params = [SamplingParams(temperature=1.0, seed=seed)] + [SamplingParams(temperature=1.0)] * neighbours
+        seqs = make_seqs(params)
+        batch = logits.repeat(1 + neighbours, 1)
+        return [sampler(batch, seqs)[0][0] for _ in range(20)]
+
+    assert draw(7, 0) == draw(7, 3)
+    assert draw(7, 0) != draw(8, 0)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([[0.6, 0.3, 0.1] + [0.0] * (VOCAB - 3)])
+    sampler = Sampler(seed=0)
+    seqs = make_seqs([SamplingParams(temperature=1.0)] * 4000)
+    tokens, _ = sampler(probs.log().repeat(4000, 1), seqs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=3)[:3].float() / 4000
+    torch.testing.assert_close(freq, probs[0, :3], atol=0.03, rtol=0)
