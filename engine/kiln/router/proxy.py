@@ -13,7 +13,6 @@ from contextlib import contextmanager
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.router.balancer import LeastInFlight
@@ -37,10 +36,10 @@ def error_response(status: int, message: str, type_: str, code: str) -> web.Resp
     return web.json_response(body, status=status)
 
 
-def _end_to_end(headers: Mapping[str, str], keep_length: bool) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items()
-                       if k.lower() not in HOP_BY_HOP
-                       or (keep_length and k.lower() == "content-length"))
+def _end_to_end(headers: Mapping[str, str], keep_length: bool) -> list[tuple[str, str]]:
+    """Pairs, not a dict: a header may repeat."""
+    return [(k, v) for k, v in headers.items()
+            if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == "content-length")]
 
 
 class Router:
@@ -76,7 +75,7 @@ class Router:
                 with self._in_flight(endpoint):
                     return await self._relay(request, endpoint, body)
             except CONNECT_ERRORS as exc:
-                log.warning("cannot connect to %s (%s); trying another replica", endpoint, exc)
+                log.warning("cannot connect to %s: %s", endpoint, exc)
                 self.metrics.errors.labels(str(endpoint), "connect").inc()
         message = (f"none of the {len(tried)} ready replicas accepted a connection" if tried
                    else "no ready replica for this service yet")
