@@ -1,0 +1,65 @@
+"""Prometheus metrics of one `kiln serve` process. Names are stable: HPA/KEDA rules and the
+operator's autoscaler read them (kiln:num_requests_waiting is the scaling signal)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kiln.engine import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0, 160.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """Every metric labelled by model_name, in a registry of its own so that two servers in
+    one process (tests) never collide."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kiln:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kiln:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kiln:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.model_load_seconds = gauge("model_load_seconds", "Seconds to load weights and allocate the KV cache.")
+        # The engine keeps running totals; these counters follow them by increments.
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix-cache block lookups.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix-cache block lookups that hit.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.request_queue_time = histogram("request_queue_time_seconds",
+                                            "Arrival to the start of the engine step that first ran the request.")
+        success = Counter("kiln:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._seen_queries = self._seen_hits = 0
+
+    def record_engine_stats(self, stats: EngineStats) -> None:
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_running.set(stats.num_running)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
+        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
+        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+
+    def record_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e: float) -> None:
+        self.request_success[reason].inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.e2e_request_latency.observe(e2e)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,208 @@
+"""OpenAI-compatible request validation and response shapes for `kiln serve`.
+
+Requests are pydantic models that forbid unknown fields, so a parameter Kiln does not
+implement is a clear 400 rather than something silently ignored."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kiln.engine import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-style JSON: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 and 0 both mean "off"
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported by Kiln; send n separate requests instead")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(stop, list) and (len(stop) > 4 or any(not s for s in stop)):
+            raise ValueError("stop takes at most 4 non-empty strings")
+        return stop
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """Kiln answers one prompt per request; a batch of one is unwrapped."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "batched prompts are not supported; send one prompt per request",
+                               param="prompt")
+            p = p[0]
+        if not p:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return p
+
+    def top_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role; model templates know "system".
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_request(model: type[BaseModel], raw: bytes) -> Any:
+    """Parse a JSON body into `model`, turning every failure into a 400 naming the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unsupported parameter: {param}", param=param,
+                           code="unsupported_parameter") from None
+        raise APIError(400, f"invalid value for {param}: {err['msg']}", param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"id": id_, "object": object_, "created": int(time.time()), "model": model,
+            "choices": choices, **extra}
+
+
+def _token_entry(token_text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:
+    text = token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str]) -> dict[str, Any]:
+    """Engine logprob entries -> a chat choice's `logprobs` ({"content": [...]})."""
+    return {"content": [
+        {**_token_entry(token_text, e["token_id"], e["logprob"]),
+         "top_logprobs": [_token_entry(token_text, t, lp) for t, lp in e["top"]]}
+        for e in entries]}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str],
+                        text_offset: int) -> dict[str, Any]:
+    """Engine logprob entries -> a completion choice's legacy `logprobs` object; `text_offset`
+    is where the first of these tokens starts in the generated text."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(token_text(e["token_id"]))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets}

@@ -1,0 +1,227 @@
+"""`kiln serve`: the OpenAI-compatible HTTP server.
+
+The listener starts first so /health answers while weights load; /ready turns 200 once the
+engine is built and one warm-up generation has run. SIGTERM drains: new requests get 503,
+/ready goes false, in-flight requests finish, and the process exits 0 within --drain-timeout."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kiln.engine import Config, LLMEngine, SamplingParams
+from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.metrics import ServerMetrics
+from kiln.engine.openai_protocol import APIError
+from kiln.engine.openai_serving import OpenAIServing
+
+log = logging.getLogger("kiln.serve")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
+_UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'4Gi', '512Mi', '1.5G', '1073741824' -> bytes (Kubernetes quantity suffixes)."""
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 4Gi, 512Mi, 1G or bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class Server:
+    def __init__(self, config: Config, model_name: str, max_queue: int) -> None:
+        self.config, self.model_name, self.max_queue = config, model_name, max_queue
+        self.metrics = ServerMetrics(model_name)
+        self.engine: AsyncEngine | None = None
+        self.serving: OpenAIServing | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.app = web.Application(middlewares=[self._errors, self._admission], client_max_size=16 * 2**20)
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat)])
+
+    @property
+    def is_ready(self) -> bool:
+        return self.serving is not None and not self.draining
+
+    async def load(self) -> None:
+        """Build the engine (weights + KV cache) and warm it up off the event loop."""
+        t0 = time.perf_counter()
+        core = await asyncio.to_thread(LLMEngine, self.config)
+        loaded = time.perf_counter() - t0
+        self.metrics.model_load_seconds.set(loaded)
+        log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
+                 _describe_cache(core), loaded)
+        t1 = time.perf_counter()
+        await asyncio.to_thread(_warm_up, core)
+        log.info("warm-up generation took %.2fs", time.perf_counter() - t1)
+        self.engine = AsyncEngine(core, self.metrics, self.max_queue)
+        self.engine.start()
+        self.serving = OpenAIServing(self.engine, self.model_name)
+        log.info("ready: serving %r (max_model_len=%d)", self.model_name, core.config.max_model_len)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting and wait for in-flight requests; False if the timeout cut some off."""
+        self.draining = True
+        log.info("draining %d in-flight request(s), up to %.0fs", self.in_flight, timeout)
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            log.warning("drain timeout: %d request(s) still in flight are cut off", self.in_flight)
+            return False
+
+    # ---- middlewares ----
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:  # unknown route, wrong method
+            if e.status < 400:
+                raise
+            err = APIError(e.status, f"{request.method} {request.path}: {e.reason}", type_="invalid_request_error")
+            return web.json_response(err.body(), status=e.status, headers=getattr(e, "headers", None))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return web.json_response(APIError(500, "internal server error", type_="server_error").body(),
+                                     status=500)
+
+    @web.middleware
+    async def _admission(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.method != "POST":
+            return await handler(request)
+        if not self.is_ready:
+            why = "the server is draining" if self.draining else "the model is still loading"
+            raise APIError(503, f"{why}; not accepting requests", type_="server_error", code="not_ready")
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    # ---- routes ----
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        state = "ready" if self.is_ready else "draining" if self.draining else "loading"
+        return web.json_response({"status": state}, status=200 if self.is_ready else 503)
+
+    async def metrics_(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}
+        if self.serving is not None:
+            card["max_model_len"] = self.serving.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serving.completions(request)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.serving.chat(request)
+
+
+def _warm_up(core: LLMEngine) -> None:
+    core.add_request("kiln-warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=4))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def _describe_cache(core: LLMEngine) -> str:
+    return f"{core.config.kv_cache_memory / 2**20:.0f} MiB budget"
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                    enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                    device=args.device, seed=args.seed)
+    name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
+    server = Server(config, name, args.max_queue)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    # shutdown_timeout is short because drain() already waited for in-flight requests.
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, args.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loading = asyncio.create_task(server.load())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        log.error("failed to start: %s", loading.exception())
+        await runner.cleanup()
+        return 1
+    await stopping
+    await server.drain(args.drain_timeout)
+    await runner.cleanup()  # closes connections; a cut-off handler's abort runs here
+    if server.engine is not None:
+        await server.engine.stop()
+    log.info("stopped")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model name, HF folder or .gguf path")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=_positive(int), default=None)
+    parser.add_argument("--max-num-seqs", type=_positive(int), default=128)
+    parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
+    parser.add_argument("--block-size", type=_positive(int), default=16)
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache budget, e.g. 4Gi")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-queue", type=_positive(int), default=512,
+                        help="requests allowed to wait for the engine; more get 429")
+    parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
+                        help="seconds to finish in-flight requests after SIGTERM")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))
