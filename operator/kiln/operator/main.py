@@ -1,0 +1,81 @@
+"""`kiln operator`: wire reconcile() to kopf and run it.
+
+Every trigger calls the same reconcile: create/update/resume for a quick reaction, and a
+timer so the cluster keeps converging (deleted or edited children come back) without
+watching every child kind."""
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import sys
+import threading
+from typing import Any
+
+import kopf
+import kubernetes
+
+from .desired import engine_image
+from .models import GROUP, PLURAL, VERSION
+from .reconcile import Api, reconcile
+
+
+def build_registry(api: Api, image: str, interval: float) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    # Triggers can overlap (an update while the timer runs); one pass per object at a time.
+    locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+
+    def handle(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        with locks[body["metadata"]["uid"]]:
+            reconcile(body, api, image, logger)
+
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)
+
+    kopf.on.login(registry=registry)(login)
+    retry = {"registry": registry, "backoff": min(interval, 10.0)}
+    kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", **retry)(handle)
+    kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile-update", field="spec", **retry)(handle)
+    kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile-resume", **retry)(handle)
+    kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=interval, **retry)(handle)
+    return registry
+
+
+def build_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # kopf's bookkeeping goes to kiln.dev annotations, never into our status schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    # Our own Events say what changed; kopf's "handler succeeded" ones would drown them.
+    settings.posting.level = logging.WARNING
+    return settings
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", "-n", action="append", default=[],
+                        help="watch only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--interval", type=float, default=30.0,
+                        help="seconds between resync passes over each InferenceService (default 30)")
+    parser.add_argument("--engine-image", default=engine_image(),
+                        help="engine container image (default: $KILN_ENGINE_IMAGE or %(default)s)")
+    parser.add_argument("--liveness", metavar="URL",
+                        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        print("kiln operator: --interval must be positive", file=sys.stderr)
+        return 2
+    kopf.configure(verbose=args.verbose)
+    try:
+        api = Api.connect()
+    except kubernetes.config.ConfigException as err:
+        print(f"kiln operator: no cluster to talk to ({err}); set KUBECONFIG or run in a pod",
+              file=sys.stderr)
+        return 1
+    # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
+    kopf.run(registry=build_registry(api, args.engine_image, args.interval),
+             settings=build_settings(), standalone=True, clusterwide=not args.namespace,
+             namespaces=args.namespace, liveness_endpoint=args.liveness)
+    return 0

@@ -1,0 +1,192 @@
+"""The InferenceService API as pydantic models: the one source of truth for the CRD schema
+(crds.py generates it, CEL rules included) and for how the operator reads a spec."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+GROUP = "kiln.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """One x-kubernetes-validations entry; the API server checks it, the message is what users see."""
+    return {"rule": rule, "message": message}
+
+
+def rules(*entries: dict[str, Any]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(entries)}
+
+
+# Same grammar as Kubernetes resource quantities (1, 500m, 16Gi, 1e3), as a regex because the
+# CEL quantity library is missing on older API servers. int-or-string so `cpu: 4` works too.
+QUANTITY_RE = r"^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]+|[mkMGTPE]|[KMGTPE]i)?$"
+Quantity = Annotated[
+    str | int,
+    Field(json_schema_extra={"maxLength": 64, **rules(cel(
+        f"type(self) == int || self.matches('{QUANTITY_RE}')",
+        "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"))}),
+]
+# Go-style durations limited to what a person writes: 500ms, 30s, 5m, 1h, 1h30m.
+Duration = Annotated[
+    str,
+    Field(max_length=32, json_schema_extra=rules(cel(
+        "self.matches('^([0-9]+(ms|s|m|h))+$')",
+        "must be a duration such as 30s, 5m or 1h (units: ms, s, m, h)"))),
+]
+Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class Spec(BaseModel):
+    """Base for spec blocks: unknown fields are errors, never silently dropped."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Spec):
+    """Which weights to serve and under what name."""
+    name: str | None = Field(None, max_length=128, description=(
+        "The name clients send as the OpenAI `model`; defaults to the last part of the source."))
+    source: str = Field(max_length=512, description=(
+        "builtin://<name>, pvc://<claim>/<path> (HF folder or .gguf) or hostpath:///<absolute path>."),
+        json_schema_extra=rules(cel(
+            "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
+            "|hostpath:///.+)$')",
+            "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>")))
+
+
+class KVCache(Spec):
+    memory: Quantity = Field("1Gi", description="Memory for the paged KV cache per replica.")
+    prefixCaching: bool = True
+
+
+class Speculative(Spec):
+    """Speculative decoding (not implemented yet by the operator)."""
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "self.method != 'draft' || has(self.model)",
+        "speculative.method draft needs speculative.model (the draft model)")))
+    method: Literal["ngram", "draft"]
+    numTokens: int = Field(4, ge=1, le=16)
+    model: ModelSpec | None = None
+
+
+class Engine(Spec):
+    """Engine settings; any change here (or to the model) makes a new revision."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    maxModelLen: int | None = Field(None, ge=16, le=1 << 20)
+    maxNumSeqs: int = Field(128, ge=1, le=4096)
+    tensorParallelSize: int = Field(1, ge=1, le=64, description="Must divide resources.gpus.")
+    quantization: Literal["none", "int8", "int4", "fp8"] = "none"
+    kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
+    speculative: Speculative | None = None
+
+
+class Toleration(Spec):
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "self.operator != 'Exists' || !has(self.value)",
+        "a toleration with operator Exists must not set value")))
+    key: str | None = Field(None, max_length=317)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = Field(None, max_length=63)
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+class Resources(Spec):
+    """What one replica gets."""
+    gpus: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per replica; 0 runs on CPU.")
+    cpu: Quantity = "1"
+    memory: Quantity = "4Gi"
+    nodeSelector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+
+
+class Autoscaling(Spec):
+    """Scaling on queue depth (only mode none is implemented yet)."""
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "self.minReplicas <= self.maxReplicas",
+        "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")))
+    mode: Literal["builtin", "hpa", "keda", "none"] = "builtin"
+    minReplicas: int = Field(1, ge=0, le=1000)
+    maxReplicas: int = Field(4, ge=1, le=1000)
+    targetQueueDepth: int = Field(4, ge=1, description="Waiting + running requests per replica.")
+    stableWindow: Duration = "60s"
+    panicWindow: Duration = "6s"
+    scaleDownDelay: Duration = "5m"
+
+
+class WarmPool(Spec):
+    """Replicas loaded and warmed but not routed (not implemented yet)."""
+    size: int = Field(0, ge=0, le=100)
+
+
+class RolloutStep(Spec):
+    weight: int = Field(ge=1, le=100, description="Percent of traffic to the new revision.")
+    pause: Duration | None = None
+
+
+class Quality(Spec):
+    sampleRate: Ratio = 0.05
+    minGreedyAgreement: Ratio = 0.9
+
+
+class Analysis(Spec):
+    interval: Duration = "1m"
+    failureLimit: int = Field(2, ge=0, le=100)
+    maxErrorRate: Ratio = 0.01
+    maxTimeToFirstTokenP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
+    maxInterTokenLatencyP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
+    quality: Quality | None = None
+
+
+class Rollout(Spec):
+    """Canary steps for a new revision (not implemented yet: revisions replace each other)."""
+    steps: list[RolloutStep] = Field(min_length=1, max_length=20, json_schema_extra=rules(cel(
+        "self.map(s, s.weight).isSorted() && self.all(a, self.exists_one(b, b.weight == a.weight))",
+        "rollout.steps weights must be strictly increasing")))
+    analysis: Analysis = Field(default_factory=Analysis, json_schema_extra={"default": {}})
+
+
+class InferenceServiceSpec(Spec):
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
+        "engine.tensorParallelSize must divide resources.gpus")))
+    model: ModelSpec
+    replicas: int = Field(1, ge=0, le=1000, description=(
+        "Replicas when autoscaling is off; what /scale (HPA, KEDA, kubectl scale) sets."))
+    engine: Engine = Field(default_factory=Engine, json_schema_extra={"default": {}})
+    resources: Resources = Field(default_factory=Resources, json_schema_extra={"default": {}})
+    autoscaling: Autoscaling | None = None
+    warmPool: WarmPool | None = None
+    rollout: Rollout | None = None
+
+
+class Condition(BaseModel):
+    type: str = Field(max_length=64)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    lastTransitionTime: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    observedGeneration: int | None = None
+
+
+class RevisionStatus(BaseModel):
+    name: str
+    role: Literal["stable", "canary", "old"]
+    quantization: str
+    replicas: int = 0
+    ready: int = 0
+
+
+class InferenceServiceStatus(BaseModel):
+    observedGeneration: int | None = None
+    url: str | None = None
+    replicas: int = 0
+    readyReplicas: int = 0
+    desiredReplicas: int = 0
+    selector: str | None = Field(None, description="Label selector of the engine pods (for /scale).")
+    revisions: list[RevisionStatus] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

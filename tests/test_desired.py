@@ -1,0 +1,218 @@
+"""Pure parts of the operator: desired children and status from a spec, no cluster needed."""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.operator.desired import (ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, desired_children,
+                                   desired_replicas, revision_name, served_model_name)
+from kiln.operator.models import InferenceServiceSpec
+from kiln.operator.status import stale_revisions, summarize, transitions, unimplemented
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_EXAMPLE = Path("/work/shared/examples/inferenceservice-full.yaml")
+OWNER = Owner("chat", "ml", "uid-1")
+IMAGE = "registry.example/kiln/engine:test"
+
+
+def spec_of(**overrides) -> InferenceServiceSpec:
+    raw = {"model": {"source": "builtin://smollm2-135m"}}
+    raw.update(overrides)
+    return InferenceServiceSpec.model_validate(raw)
+
+
+def pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def test_user_examples_parse():
+    spec = InferenceServiceSpec.model_validate(yaml.safe_load((ROOT / "examples/smollm2.yaml").read_text())["spec"])
+    assert spec.model.name == "smollm2-135m" and spec.resources.gpus == 1
+    if FULL_EXAMPLE.exists():
+        full = InferenceServiceSpec.model_validate(yaml.safe_load(FULL_EXAMPLE.read_text())["spec"])
+        assert full.rollout.steps[1].weight == 50
+
+
+def test_unknown_field_is_an_error():
+    with pytest.raises(ValueError, match="quantisation"):
+        spec_of(engine={"quantisation": "int4"})
+
+
+def test_children_carry_owner_labels_and_matching_selectors():
+    children = desired_children(OWNER, spec_of(replicas=2), IMAGE)
+    for obj in children.all():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
+                       "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
+        assert obj["metadata"]["namespace"] == "ml"
+    dep, svc, pdb = children.deployment, children.service, children.pdb
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    for sel in (dep["spec"]["selector"]["matchLabels"], svc["spec"]["selector"],
+                pdb["spec"]["selector"]["matchLabels"]):
+        assert sel.items() <= pod_labels.items()
+    assert dep["metadata"]["name"] == children.revision == pod_labels[LABEL_REVISION]
+    assert dep["spec"]["replicas"] == 2
+    assert svc["metadata"]["name"] == "chat" and svc["spec"]["ports"][0]["port"] == 8000
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_engine_container_command_resources_probes_and_hardening():
+    spec = spec_of(engine={"dtype": "float32", "maxModelLen": 2048, "kvCache": {"memory": "256Mi",
+                                                                               "prefixCaching": False}},
+                   resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
+                              "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                               "effect": "NoSchedule"}]})
+    pod = pod_spec(desired_children(OWNER, spec, IMAGE).deployment)
+    (c,) = pod["containers"]
+    assert c["image"] == IMAGE
+    assert c["command"] == ["kiln", "serve", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m",
+                            "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32",
+                            "--max-num-seqs", "128", "--kv-cache-memory", str(256 << 20),
+                            "--max-model-len", "2048", "--no-prefix-caching"]
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                              "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"}}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # weights may load for minutes
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] < pod["terminationGracePeriodSeconds"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_cpu_only_service_asks_for_no_gpu():
+    c = pod_spec(desired_children(OWNER, spec_of(), IMAGE).deployment)["containers"][0]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+
+
+def test_engine_command_is_accepted_by_kiln_serve():
+    server = pytest.importorskip("kiln.engine.server")
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    c = pod_spec(desired_children(OWNER, spec_of(engine={"maxModelLen": 512, "kvCache": {"prefixCaching": False}}),
+                                  IMAGE).deployment)["containers"][0]
+    assert c["command"][:2] == ["kiln", "serve"]
+    args = parser.parse_args(c["command"][2:])
+    assert (args.model, args.port, args.max_model_len, args.kv_cache_memory) == ("smollm2-135m", 8000, 512, 1 << 30)
+
+
+@pytest.mark.parametrize("source, model_arg, volume", [
+    ("pvc://weights/llama/model.gguf", "/models/llama/model.gguf",
+     {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}),
+    ("pvc://weights", "/models", {"name": "model", "persistentVolumeClaim": {"claimName": "weights",
+                                                                            "readOnly": True}}),
+    ("hostpath:///data/smollm2", "/data/smollm2", {"name": "model", "hostPath": {"path": "/data/smollm2"}}),
+])
+def test_model_sources_become_volumes(source, model_arg, volume):
+    pod = pod_spec(desired_children(OWNER, spec_of(model={"source": source}), IMAGE).deployment)
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--model") + 1] == model_arg
+    assert volume in pod["volumes"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount["readOnly"] is True and model_arg.startswith(mount["mountPath"])
+
+
+def test_served_name_defaults_to_the_source_basename():
+    assert served_model_name(spec_of(model={"source": "pvc://w/dir/qwen.gguf"})) == "qwen"
+    assert served_model_name(spec_of(model={"source": "builtin://smollm2-135m", "name": "chat"})) == "chat"
+
+
+def test_revision_changes_with_model_or_engine_only():
+    base = revision_name("chat", spec_of())
+    assert base.startswith("chat-") and len(base) == len("chat-") + 8
+    assert revision_name("chat", spec_of(engine={"maxNumSeqs": 128, "dtype": "auto"})) == base  # defaults
+    assert revision_name("chat", spec_of(replicas=5, resources={"gpus": 1})) == base
+    assert revision_name("chat", spec_of(engine={"quantization": "int4"})) != base
+    assert revision_name("chat", spec_of(model={"source": "builtin://other"})) != base
+
+
+def test_replicas_follow_spec_within_autoscaling_bounds():
+    assert desired_replicas(spec_of(replicas=3)) == 3
+    assert desired_replicas(spec_of(replicas=9, autoscaling={"minReplicas": 1, "maxReplicas": 4})) == 4
+    assert desired_replicas(spec_of(replicas=0, autoscaling={"minReplicas": 2, "maxReplicas": 4})) == 2
+
+
+def test_later_features_are_reported_not_ignored():
+    assert unimplemented(spec_of()) == []
+    assert unimplemented(spec_of(autoscaling={"mode": "none"})) == []
+    found = " ".join(unimplemented(spec_of(
+        autoscaling={"mode": "keda"}, warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
+        engine={"quantization": "fp8", "speculative": {"method": "ngram"}})))
+    for field in ("autoscaling.mode=keda", "warmPool", "rollout", "engine.speculative",
+                  "engine.quantization=fp8"):
+        assert field in found
+
+
+def deployment(name: str, generation: int = 1, ready: int = 0, replicas: int = 1, updated: int | None = None,
+               conditions: list | None = None) -> dict:
+    """A Deployment as the API server reports it (only the fields status.py reads)."""
+    return {"metadata": {"name": name, "generation": generation,
+                         "annotations": {ANNOTATION_QUANTIZATION: "none"}},
+            "status": {"observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": replicas if updated is None else updated,
+                       "conditions": conditions or []}}
+
+
+def status_for(spec, deployments, previous=None, now="2026-01-01T00:00:00Z") -> dict:
+    return summarize(spec=spec, generation=4, revision=revision_name("chat", spec), deployments=deployments,
+                     previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now)
+
+
+def conditions(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_status_reports_what_deployments_report():
+    spec = spec_of(replicas=2)
+    rev = revision_name("chat", spec)
+    loading = status_for(spec, [deployment(rev, replicas=2, ready=0)])
+    assert conditions(loading)["Ready"] == ("False", "ReplicasNotReady")
+    assert conditions(loading)["ModelLoaded"] == ("False", "Loading")
+    half = status_for(spec, [deployment(rev, replicas=2, ready=1)])
+    assert conditions(half)["ModelLoaded"] == ("True", "Loaded")
+    assert conditions(half)["WorkloadReady"] == ("False", "ReplicasNotReady")
+    ready = status_for(spec, [deployment(rev, replicas=2, ready=2), deployment("chat-old", ready=1)])
+    assert conditions(ready)["Ready"] == ("True", "Serving")
+    assert (ready["replicas"], ready["readyReplicas"], ready["desiredReplicas"]) == (3, 3, 2)
+    assert [r["role"] for r in ready["revisions"]] == ["stable", "old"]
+    assert all(c["observedGeneration"] == 4 for c in ready["conditions"])
+
+
+def test_unsettled_or_stuck_deployment_is_not_ready():
+    spec = spec_of()
+    rev = revision_name("chat", spec)
+    stale = deployment(rev, ready=1)
+    stale["metadata"]["generation"] = 2  # the controller has not seen the latest template yet
+    assert conditions(status_for(spec, [stale]))["WorkloadReady"][0] == "False"
+    stuck = deployment(rev, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded",
+                                         "message": "exceeded its progress deadline"}])
+    assert conditions(status_for(spec, [stuck]))["Ready"] == ("False", "ProgressDeadlineExceeded")
+    assert conditions(status_for(spec, []))["Ready"] == ("False", "Creating")
+
+
+def test_transition_time_holds_while_status_holds():
+    spec = spec_of()
+    rev = revision_name("chat", spec)
+    first = status_for(spec, [deployment(rev)], now="t1")
+    second = status_for(spec, [deployment(rev)], previous=first, now="t2")
+    assert {c["lastTransitionTime"] for c in second["conditions"]} == {"t1"}
+    assert transitions(first, second) == []
+    third = status_for(spec, [deployment(rev, ready=1)], previous=copy.deepcopy(second), now="t3")
+    changed = {c["type"]: c["lastTransitionTime"] for c in transitions(second, third)}
+    assert changed == {"Ready": "t3", "WorkloadReady": "t3", "ModelLoaded": "t3"}
+
+
+def test_old_revisions_retire_only_once_the_new_one_is_ready():
+    spec = spec_of(replicas=2)
+    rev = revision_name("chat", spec)
+    old = deployment("chat-0ld0ld00", ready=2, replicas=2)
+    assert stale_revisions(rev, [deployment(rev, ready=1, replicas=2), old], 2) == []
+    assert stale_revisions(rev, [deployment(rev, ready=2, replicas=2), old], 2) == ["chat-0ld0ld00"]
