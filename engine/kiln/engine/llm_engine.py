@@ -1,0 +1,225 @@
+"""The engine loop: requests in, one scheduled forward per step(), tokens and text out.
+
+LLMEngine is the step-at-a-time API the server drives; LLM is the offline convenience that
+submits a list of prompts and steps until all are done."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.config import Config, resolve_max_model_len
+from kiln.engine.loader import load_model
+from kiln.engine.model_runner import ModelRunner
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import Sequence
+from kiln.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # all generated so far
+    new_token_ids: list[int]  # this step
+    new_text: str  # this step
+    logprobs: list[dict[str, Any]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: Config):
+        loaded = load_model(config)
+        self.model_config = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
+        self.runner = ModelRunner(self.config, loaded.model, loaded.model_config)
+        pool_tokens = self.runner.num_blocks * self.config.block_size
+        if pool_tokens < self.config.max_model_len:
+            # Otherwise one long request could never fit, even alone, and would wait forever.
+            raise ValueError(
+                f"the KV cache holds {pool_tokens} tokens (kv_cache_memory={self.config.kv_cache_memory}), "
+                f"less than max_model_len={self.config.max_model_len}; raise kv_cache_memory or lower max_model_len"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self._tokenize(prompt)
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            token_ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, the context length (max_model_len) is "
+                f"{self.config.max_model_len}: no room left to generate"
+            )
+        return token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            seq.finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_cache_usage=bm.usage(),
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled batch; outputs for the requests that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        seqs, tokens, logprobs = self.runner.run(batch)
+        self.scheduler.complete_step(batch)
+        outputs = []
+        for seq, token, entry in zip(seqs, tokens, logprobs):
+            seq.append_token(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in (params.stop_token_ids or ()) or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            seq.finish("stop")  # the stop token itself adds no text
+            return
+        old_len = len(seq.text)
+        seq.text += seq.detokenizer.add([token])
+        if params.stop and len(seq.text) > old_len:
+            # Only a stop string ending in the new text can be new; it may start a little before it.
+            lookback = max(len(s) for s in params.stop) - 1
+            start = max(0, old_len - lookback)
+            hits = [i for i in (seq.text.find(s, start) for s in params.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                seq.finish("stop")
+                return
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            seq.finish("length")
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        # While running, hold back text that might still turn out to begin a stop string.
+        holdback = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        visible = max(seq.num_emitted_chars, len(seq.text) - holdback)
+        new_text = seq.text[seq.num_emitted_chars : visible]
+        new_token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
+        seq.num_emitted_chars, seq.num_emitted_tokens = visible, seq.num_output_tokens
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.text[:visible],
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+class LLM:
+    """Offline generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
+
+    def __init__(self, model: str = "smollm2-135m", **config_kwargs: Any):
+        self.engine = LLMEngine(Config(model=model, **config_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Final outputs, in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(params, list):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.engine.add_request(request_id, prompt, p)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params)

@@ -1,0 +1,97 @@
+"""Runs one scheduled batch through the model: owns the KV pool, builds the flat batch and its
+attention Context, computes logits only for rows that sample, and samples."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.engine.attention import Attention
+from kiln.engine.config import Config, ModelConfig
+from kiln.engine.context import Context, reset_context, set_context
+from kiln.engine.llama import LlamaForCausalLM
+from kiln.engine.sampler import Sampler
+from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.sequence import Sequence
+
+
+def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
+    return per_token * block_size * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: Config, model: LlamaForCausalLM, model_config: ModelConfig):
+        self.model = model
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.sampler = Sampler(config.seed, self.device)
+        self.num_blocks = self._allocate_kv_cache(config, model_config)
+
+    def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
+        """One tensor for the whole pool, sized from the memory budget; each layer gets a view."""
+        block_bytes = kv_block_bytes(model_config, config.block_size, config.torch_dtype)
+        num_blocks = config.kv_cache_memory // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block; one block of "
+                f"{config.block_size} tokens needs {block_bytes} bytes for this model"
+            )
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        shape = (2, len(layers), num_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        # Left uninitialised: attention never reads a slot past a sequence's length.
+        self.kv_cache = torch.empty(shape, dtype=config.torch_dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
+        """Flat input_ids/positions of every new token, the Context, and which rows sample:
+        the last row of each sequence whose tokens will all be computed after this step."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens, seq_lens, sample_rows = [0], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            seq_lens.append(end)
+            if end == len(seq):
+                sample_rows.append(cu_seqlens[-1] - 1)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        dev = self.device
+        context = Context(
+            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_k=max(seq_lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos, context, sample_rows
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[dict[str, Any] | None]]:
+        """One forward over the batch. Returns the sequences that got a token, their tokens and
+        logprob entries."""
+        input_ids, positions, context, sample_rows = self.prepare(batch)
+        set_context(context)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            reset_context()
+        sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == len(seq)]
+        if not sampled:
+            return [], [], []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens, logprobs = self.sampler(logits, sampled)
+        return sampled, tokens, logprobs
