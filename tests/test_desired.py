@@ -216,3 +216,13 @@ def test_old_revisions_retire_only_once_the_new_one_is_ready():
     old = deployment("chat-0ld0ld00", ready=2, replicas=2)
     assert stale_revisions(rev, [deployment(rev, ready=1, replicas=2), old], 2) == []
     assert stale_revisions(rev, [deployment(rev, ready=2, replicas=2), old], 2) == ["chat-0ld0ld00"]
+
+
+def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
+    from kiln import cli
+    assert cli.main(["operator", "--interval", "0"]) == 2
+    assert "--interval must be positive" in capsys.readouterr().err
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert cli.main(["operator"]) == 1
+    assert "set KUBECONFIG or run in a pod" in capsys.readouterr().err

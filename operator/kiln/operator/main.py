@@ -41,6 +41,12 @@ def build_registry(api: Api, image: str, interval: float) -> kopf.OperatorRegist
     return registry
 
 
+class QuietResync(logging.Filter):
+    """A resync that found nothing to do every few seconds is not news; its failures are."""
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or "Timer 'resync' succeeded" not in record.getMessage()
+
+
 def build_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # kopf's bookkeeping goes to kiln.dev annotations, never into our status schema.
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print("kiln operator: --interval must be positive", file=sys.stderr)
         return 2
     kopf.configure(verbose=args.verbose)
+    logging.getLogger("kopf.objects").addFilter(QuietResync())
     try:
         api = Api.connect()
     except kubernetes.config.ConfigException as err:
