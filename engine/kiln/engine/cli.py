@@ -1,0 +1,58 @@
+"""`kiln generate`: run one prompt through the engine and stream the answer to stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="known name, model folder, or .gguf file")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, float16, bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache budget in bytes")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.engine.config import Config
+    from kiln.engine.sampling_params import SamplingParams
+
+    try:
+        # Check everything cheap before paying for the model load.
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+            repetition_penalty=args.repetition_penalty,
+        )
+        if not args.prompt:
+            raise ValueError("prompt is empty")
+        config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        kv_cache_memory=args.kv_cache_memory)
+        from kiln.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+        prompt = args.prompt
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+        engine.add_request("cli", prompt, params)
+    except ValueError as e:
+        print(f"kiln generate: error: {e}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            sys.stdout.write(output.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
