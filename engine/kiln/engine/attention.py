@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache: the torch backend (reference, and the CPU path)
+and the `Attention` layer, which stores the step's K/V then attends.
+
+The Triton backend (kiln.engine.kernels) has the same two functions with the same
+signatures; `get_backend` picks one at model construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.engine.context import get_context
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Write k, v [N,Hkv,D] into caches [blocks,block_size,Hkv,D] at slot_mapping [N]; slot -1 skips."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """SDPA with GQA for batched q [B,Sq,Hq,D], k/v [B,Sk,Hkv,D] -> [B,Sq,Hq,D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence over its own fresh tokens (plain prefill, no cached
+    prefix): no cache read at all. One SDPA call per sequence; prefill batches are few."""
+    bounds = cu_seqlens.tolist()
+    if len(bounds) == 2:
+        return _attend(q[None], k[None], v[None], scale, None, True)[0]
+    out = torch.empty_like(q)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        out[lo:hi] = _attend(q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], scale, None, True)[0]
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The first num_keys cached K (or V) of each sequence: [B, num_keys, Hkv, D]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-num_keys // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    return cache[tables].flatten(1, 2)[:, :num_keys]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    scale: float, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """Causal attention of q [N,Hq,D] over the paged cache -> [N,Hq,D].
+
+    Query token i of sequence b sits at position seq_lens[b] - q_len_b + i. Decodes (one
+    query token) run as one batched SDPA with a length mask; sequences with several query
+    tokens (prefill, chunked prefill over a cached prefix) run one SDPA each, so a long
+    prefill never pads a batch of decodes.
+    """
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    starts = cu_seqlens_q[:-1]
+    decode = (q_lens == 1).nonzero().flatten()
+    if decode.numel():
+        lens = seq_lens[decode].long()
+        num_keys = int(lens.max())
+        k = _gather(k_cache, block_tables[decode], num_keys)
+        v = _gather(v_cache, block_tables[decode], num_keys)
+        valid = torch.arange(num_keys, device=q.device)[None, :] < lens[:, None]  # [b, Sk]
+        # Slots past a sequence's length hold stale or never-written memory; zero them so a
+        # NaN there cannot leak through the (masked) matmul.
+        k = k.masked_fill(~valid[:, :, None, None], 0)
+        v = v.masked_fill(~valid[:, :, None, None], 0)
+        rows = starts[decode].long()
+        out[rows] = _attend(q[rows][:, None], k, v, scale, valid[:, None, None, :], False)[:, 0]
+    multi = (q_lens > 1).nonzero().flatten().tolist()
+    for b in multi:
+        lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
+        k = _gather(k_cache, block_tables[b:b + 1], seq_len)
+        v = _gather(v_cache, block_tables[b:b + 1], seq_len)
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        out[lo:hi] = _attend(q[None, lo:hi], k, v, scale, mask, False)[0]
+    return out
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kvcache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return AttentionBackend("torch", store_kvcache, paged_attention)
+    if name == "triton":
+        from kiln.engine.kernels.kv_store import store_kvcache as triton_store
+        from kiln.engine.kernels.paged_attention import paged_attention as triton_attention
+        return AttentionBackend("triton", triton_store, triton_attention)
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V in the layer's cache, then attends over the cache.
+    k_cache/v_cache are assigned by the model runner; empty means no cache (one-shot prefill)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        has_cache = self.k_cache.numel() > 0
+        if has_cache:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if self.backend.name == "torch" and ctx.no_cached_prefix or not has_cache:
+            if not ctx.no_cached_prefix:
+                raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
+            return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+                                            ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k)

@@ -1,0 +1,107 @@
+"""The two configurations: `Config` (how to run, chosen by the user) and `ModelConfig`
+(what the model is, read from its files)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded: missing file, unsupported architecture, corrupt tensor."""
+
+
+@dataclass
+class Config:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty name or path")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as e:
+                raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        # bf16 is the fast dtype on both sides: AVX-512 BF16 on the CPU, tensor cores on the GPU.
+        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (Qwen2; Llama with attention_bias)
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    o_proj_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2's does not
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+def resolve_max_model_len(config: Config, model_config: ModelConfig) -> int:
+    """The context length to run with: the user's choice, else the model's (capped)."""
+    model_max = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum of {model_max}")
+    return config.max_model_len

@@ -1,0 +1,151 @@
+"""GGUF files: model config from metadata, tensors dequantized and renamed to the Hugging Face
+layout (undoing llama.cpp's Q/K row permutation), and the tokenizer from tokenizer.ggml.*."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.tokenizer import Tokenizer, build_gguf_tokenizer
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {e}") from None
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All key/value fields as plain Python values (strings, numbers, lists)."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def hf_name(name: str) -> str | None:
+    """GGUF tensor name -> HF name; None for tensors the model derives itself (rope_freqs)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_RE.fullmatch(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return None
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time permutation of q/k rows (interleaved RoPE pairs) back to
+    HF's rotate-half layout. Works for weights [out, in] and biases [out]."""
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def dequantize(tensor: gguf.ReaderTensor, source: str) -> torch.Tensor:
+    """A GGUF tensor as float32 (F16/BF16 kept as is) in row-major HF shape [rows, cols]."""
+    kind = tensor.tensor_type.name
+    if kind not in SUPPORTED_TYPES:
+        raise ModelLoadError(f"{source}: tensor {tensor.name!r} has type {kind}, not supported "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    try:
+        if kind in ("F32", "F16"):
+            array = np.asarray(tensor.data)
+        else:
+            array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+    except (ValueError, IndexError, AssertionError) as e:
+        raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded (corrupt or truncated?): {e}") from None
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    raise ModelLoadError(f"{source}: rope scaling {kind!r} is not supported")
+
+
+def read_model_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if "rope_freqs.weight" in tensor_names:
+        # llama3 scaling arrives as a per-frequency divisor tensor; refuse rather than run it wrong.
+        raise ModelLoadError(f"{source}: rope_freqs (llama3 rope scaling in GGUF) is not supported; "
+                             f"load the Hugging Face folder instead")
+    try:
+        heads = int(meta[f"{arch}.attention.head_count"])
+        hidden = int(meta[f"{arch}.embedding_length"])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        eos_ids = [int(eos)] if eos is not None else []
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        if eot is not None and int(eot) not in eos_ids:
+            eos_ids.append(int(eot))
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else int(meta[f"{arch}.vocab_size"])
+        return ModelConfig(
+            vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+            num_hidden_layers=int(meta[f"{arch}.block_count"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+            rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_scaling=_rope_scaling(meta, arch, source),
+            max_position_embeddings=int(meta[f"{arch}.context_length"]),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: GGUF metadata lacks {e.args[0]!r}") from None
+
+
+def iter_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str, source: str
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, dequantized one at a time so peak memory stays one tensor."""
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"{source}: unexpected tensor {tensor.name!r}")
+        weight = dequantize(tensor, source)
+        # convert_hf_to_gguf permutes q/k for the llama architecture only.
+        if arch == "llama" and ".q_proj." in name:
+            weight = unpermute_qk(weight, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            weight = unpermute_qk(weight, cfg.num_key_value_heads)
+        yield name, weight
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
+    """Config, tokenizer and a lazy weight iterator for one GGUF file."""
+    source = str(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader)
+    cfg = read_model_config(meta, {t.name for t in reader.tensors}, source)
+    tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
+                          meta.get("tokenizer.chat_template"))
+    return cfg, tokenizer, iter_weights(reader, cfg, meta["general.architecture"], source)

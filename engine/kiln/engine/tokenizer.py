@@ -1,0 +1,163 @@
+"""Tokenizer: a `tokenizers` Tokenizer plus the chat template (jinja2) and the end-of-sequence
+ids, built from a Hugging Face folder or from GGUF metadata."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from kiln.engine.config import ModelLoadError
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> regexes applied in order (as llama.cpp splits), then byte-level mapping
+_GGUF_PRE_SPLITS = {
+    "default": [_GPT2_SPLIT],
+    "gpt-2": [_GPT2_SPLIT],
+    "smollm": [r"\p{N}", _GPT2_SPLIT],  # digits one by one, then GPT-2 words
+    "starcoder": [r"\p{N}", _GPT2_SPLIT],
+    "llama-bpe": [_LLAMA3_SPLIT],
+    "llama3": [_LLAMA3_SPLIT],
+    "qwen2": [_QWEN2_SPLIT],
+}
+
+
+def _render_env() -> ImmutableSandboxedEnvironment:
+    # The options and helpers HF chat templates are written against.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
+                 chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self._template = _render_env().from_string(chat_template) if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.tokenizer.id_to_token(token_id) or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead")
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.token_text(self.bos_token_id), eos_token=self.token_text(eos),
+                                     **kwargs)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas. Text is released only once the bytes
+    decode cleanly, so a multi-byte UTF-8 character split across tokens is never cut."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0  # decode window start: earlier tokens never affect the delta
+        self._read_offset = 0  # ids up to here are already in self.text
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append ids; return the newly completed text (possibly empty)."""
+        self.ids.extend(new_ids)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix = decode(self.ids[self._prefix_offset:self._read_offset])
+        full = decode(self.ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more bytes
+        delta = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int | None) -> Tokenizer:
+    """tokenizer.json + the chat template (chat_template.jinja, else tokenizer_config.json)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (Kiln reads fast tokenizers only)")
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from None
+    template = None
+    config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    elif isinstance(tok_config.get("chat_template"), list):  # named templates: take the default
+        template = next((t["template"] for t in tok_config["chat_template"] if t.get("name") == "default"), None)
+    else:
+        template = tok_config.get("chat_template")
+    if not eos_token_ids and tok_config.get("eos_token"):
+        eos = tok_config["eos_token"]
+        eos_id = tokenizer.token_to_id(eos["content"] if isinstance(eos, dict) else eos)
+        eos_token_ids = [] if eos_id is None else [eos_id]
+    return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template)
+
+
+def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
+    """A byte-level BPE `tokenizers` Tokenizer from tokenizer.ggml.* metadata."""
+    kind = metadata.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{source}: GGUF tokenizer model {kind!r} is not supported (only byte-level BPE "
+                             f"'gpt2'); load the model from a Hugging Face folder instead")
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _GGUF_PRE_SPLITS:
+        raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported "
+                             f"(supported: {sorted(_GGUF_PRE_SPLITS)})")
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _GGUF_PRE_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                  for i, t in enumerate(types) if t == _CONTROL])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                          for i, t in enumerate(types) if t == _USER_DEFINED])
+    specials = [(name, metadata.get(f"tokenizer.ggml.{name}_token_id")) for name in ("bos", "eos")]
+    added = [(tokens[i], i) for name, i in specials if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token")]
+    if added:
+        bos = [f"{t}:0" for t, i in added if i == specials[0][1]]
+        eos = [f"{t}:0" for t, i in added if i == specials[1][1]]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=" ".join(bos + ["$A:0"] + eos), pair=" ".join(bos + ["$A:0"] + eos + bos + ["$B:1"] + eos),
+            special_tokens=added)
+    return tokenizer
