@@ -1,0 +1,228 @@
+"""Triton kernels against their pure-torch references, run by Triton's interpreter on CPU.
+
+TRITON_INTERPRET must be set before any kernel is defined, so it is set before kiln's
+kernel modules are imported. The interpreter computes bf16 wrongly, so only fp32 and fp16
+are tested here (bf16 needs a GPU: TRITON_INTERPRET=0 on a CUDA machine runs this file on it).
+Outputs are poisoned with NaN first, so an element a kernel fails to write fails the test;
+unused cache slots and padded block-table entries hold NaN too, so a kernel that reads
+past a sequence's length fails as well.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kiln.engine.kernels import get_backend  # noqa: E402
+from kiln.engine.kernels.backend import resolve_backend_name  # noqa: E402
+from kiln.engine.kernels.kv_store import store_kvcache, store_kvcache_ref  # noqa: E402
+from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm, rms_norm_ref, rope, rope_ref  # noqa: E402
+from kiln.engine.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from kiln.engine.kernels.quant_gemm import (dequantize_w4, dequantize_w8, pack_int4, quantize_w4,  # noqa: E402
+                                            quantize_w8, unpack_int4, w4a16_gemm, w4a16_gemm_ref, w8a16_gemm,
+                                            w8a16_gemm_ref)
+
+DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
+TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
+NAN = float("nan")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any(), "kernel left unwritten (NaN) elements or read poisoned memory"
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-6)
+    assert err <= TOL[out.dtype], f"relative error {err:.2e} > {TOL[out.dtype]:.0e}"
+
+
+def poisoned(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(tuple(shape), NAN, dtype=dtype, device=DEVICE)
+
+
+def paged_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, block_size: int, seed: int) -> dict:
+    """A flat varlen batch over a scattered paged cache whose unused slots hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks) + 3  # spare blocks stay NaN; block 0 pads the tables
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros((len(seq_lens), max(blocks) + 1), dtype=torch.int32)
+    valid = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, (n, s) in enumerate(zip(blocks, seq_lens)):
+        tables[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+        pos = torch.arange(s)
+        valid[tables[b, pos // block_size].long() * block_size + pos % block_size] = True
+    caches = []
+    for _ in range(2):
+        cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+        cache.view(-1, num_kv_heads, head_dim)[~valid] = NAN
+        caches.append(cache.to(DEVICE))
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    return dict(q=q.to(DEVICE), k_cache=caches[0], v_cache=caches[1], cu_seqlens_q=cu.to(DEVICE),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables.to(DEVICE),
+                scale=head_dim ** -0.5, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+
+
+# Mixed batch: fresh prefill, chunked prefill over a cached prefix (a prefix hit), decodes.
+MIXED = ([19, 7, 1, 1, 5], [19, 37, 1, 50, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_paged_attention_mixed_batch(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
+    batch = paged_batch(*MIXED, num_heads, num_kv_heads, 32, dtype, block_size=16, seed=num_heads)
+    out = poisoned(batch["q"].shape, dtype)
+    paged_attention(**batch, num_splits=1, out=out)
+    assert_close(out, paged_attention_ref(**batch))
+
+
+@pytest.mark.parametrize("block_size,head_dim", [(8, 40), (32, 64)])
+def test_paged_attention_odd_head_dim_and_block_sizes(block_size: int, head_dim: int) -> None:
+    batch = paged_batch([33, 1, 3], [33, 70, 41], 6, 2, head_dim, torch.float32, block_size, seed=block_size)
+    assert_close(paged_attention(**batch), paged_attention_ref(**batch))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_kv_decode_matches_single_pass(dtype: torch.dtype) -> None:
+    batch = paged_batch([1, 1, 1], [300, 129, 17], 8, 2, 32, dtype, block_size=16, seed=3)
+    single = paged_attention(**batch, num_splits=1)
+    split = poisoned(single.shape, dtype)
+    paged_attention(**batch, num_splits=5, out=split)  # the 17-token sequence leaves partitions empty
+    assert_close(split, single)
+    assert_close(split, paged_attention_ref(**batch))
+
+
+def test_split_kv_on_mixed_batch() -> None:
+    batch = paged_batch(*MIXED, 6, 2, 32, torch.float32, block_size=16, seed=4)
+    assert_close(paged_attention(**batch, num_splits=3), paged_attention_ref(**batch))
+
+
+def test_torch_backend_attention_matches_reference() -> None:
+    """The model's own torch path (kiln.engine.attention) against the kernel reference."""
+    batch = paged_batch(*MIXED, 6, 2, 32, torch.float32, block_size=16, seed=5)
+    assert_close(get_backend("torch", "cpu").paged_attention(**batch), paged_attention_ref(**batch))
+
+
+def test_paged_attention_rejects_mismatched_heads() -> None:
+    batch = paged_batch([1], [5], 6, 2, 32, torch.float32, block_size=16, seed=6)
+    batch["q"] = batch["q"][:, :5]
+    with pytest.raises(ValueError, match="GQA"):
+        paged_attention(**batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_store_kvcache_scatters_and_skips(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(9, 3, 24, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(9, 3, 24, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.tensor([3, 0, -1, 19, 7, 8, -1, 12, 1], device=DEVICE)
+    k_cache, v_cache = poisoned((5, 4, 3, 24), dtype), poisoned((5, 4, 3, 24), dtype)
+    store_kvcache(k, v, k_cache, v_cache, slots)
+    k_ref, v_ref = poisoned((5, 4, 3, 24), dtype), poisoned((5, 4, 3, 24), dtype)
+    store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache.nan_to_num(123.0), k_ref.nan_to_num(123.0))
+    assert torch.equal(v_cache.nan_to_num(123.0), v_ref.nan_to_num(123.0))
+    written = k_cache.view(-1, 3, 24)[~k_cache.view(-1, 3, 24).isnan().all(-1).all(-1)]
+    assert written.shape[0] == 7  # two tokens skipped, every other slot untouched
+
+
+def test_store_kvcache_rejects_wrong_slot_count() -> None:
+    k = torch.zeros(4, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(k, k, torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(8)
+    x, res, w = (torch.randn(*s, generator=gen).to(dtype).to(DEVICE) for s in [(7, 96), (7, 96), (96,)])
+    residual = res if with_residual else None
+    out, res_out = poisoned(x.shape, dtype), poisoned(x.shape, dtype)
+    normed, new_res = rms_norm(x, w, 1e-6, residual, out=out, residual_out=res_out)
+    ref_normed, ref_res = rms_norm_ref(x, w, 1e-6, residual)
+    assert_close(normed, ref_normed)
+    assert_close(new_res, ref_res)
+    assert with_residual or new_res is x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
+def test_rope(dtype: torch.dtype, rotary_dim: int) -> None:
+    gen = torch.Generator().manual_seed(9)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    cos_sin = cos_sin_cache(inv_freq, 200).to(DEVICE)
+    pos = torch.randint(0, 200, (11,), generator=gen).to(DEVICE)
+    q = torch.randn(11, 6, 32, generator=gen).to(dtype).to(DEVICE)
+    k = torch.randn(11, 2, 32, generator=gen).to(dtype).to(DEVICE)
+    q_out, k_out = poisoned(q.shape, dtype), poisoned(k.shape, dtype)
+    rope(pos, q, k, cos_sin, q_out=q_out, k_out=k_out)
+    q_ref, k_ref = rope_ref(pos, q, k, cos_sin)
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+
+
+def test_rope_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)
+    pos = torch.tensor([0, 5, 17, 3])
+    q, k = torch.randn(4, 4, 32), torch.randn(4, 2, 32)
+    emb = torch.cat([torch.outer(pos.float(), inv_freq)] * 2, dim=-1)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, emb.cos(), emb.sin())  # unsqueeze_dim=1: heads at dim 1
+    q_out, k_out = rope(pos.to(DEVICE), q.to(DEVICE), k.to(DEVICE), cos_sin_cache(inv_freq, 20).to(DEVICE))
+    assert_close(q_out.cpu(), q_hf)
+    assert_close(k_out.cpu(), k_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [5, 33])
+def test_w8a16_gemm(dtype: torch.dtype, m: int) -> None:
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(m, 192, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(48, 192, generator=gen).to(dtype)
+    qweight, scales = quantize_w8(w)
+    assert (dequantize_w8(qweight, scales) - w.float()).abs().max() <= scales.float().max() / 2 * 1.01
+    out = poisoned((m, 48), dtype)
+    w8a16_gemm(x, qweight.to(DEVICE), scales.to(DEVICE), out=out)
+    assert_close(out, w8a16_gemm_ref(x, qweight.to(DEVICE), scales.to(DEVICE)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_w4a16_gemm(dtype: torch.dtype, group_size: int, symmetric: bool) -> None:
+    gen = torch.Generator().manual_seed(group_size)
+    x = torch.randn(2, 3, 256, generator=gen).to(dtype).to(DEVICE)  # leading dims flatten
+    w = torch.randn(40, 256, generator=gen).to(dtype)
+    qweight, scales, zeros = quantize_w4(w, group_size, symmetric)
+    assert (zeros is None) == symmetric
+    assert torch.equal(pack_int4(unpack_int4(qweight)), qweight)
+    err = (dequantize_w4(qweight, scales, zeros, group_size) - w.float()).view(40, -1, group_size)
+    assert (err.abs().amax(-1) <= scales.float() * 0.51).all()  # rounding only: at most half a step
+    args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)]
+    out = poisoned((2, 3, 40), dtype)
+    w4a16_gemm(x, *args, group_size, out=out)
+    assert_close(out, w4a16_gemm_ref(x, *args, group_size))
+
+
+def test_int4_rejects_bad_groups() -> None:
+    with pytest.raises(ValueError, match="group size"):
+        quantize_w4(torch.randn(8, 96), group_size=48)
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        quantize_w4(torch.randn(8, 96), group_size=64)
+    qweight, scales, zeros = quantize_w4(torch.randn(8, 128), group_size=64)
+    with pytest.raises(ValueError, match=r"x must be float \[..., 128\]"):
+        w4a16_gemm(torch.randn(2, 64), qweight, scales, zeros, 64)
+
+
+def test_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert get_backend("auto", "cpu").name == "torch"
+    assert resolve_backend_name("auto", "cuda") == "triton"
+    assert get_backend("triton", "cpu").paged_attention is paged_attention  # interpreter allows CPU
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        get_backend("cudnn", "cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_backend("triton", "cpu")
