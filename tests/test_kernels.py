@@ -226,3 +226,42 @@ def test_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_backend("triton", "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A random 2-layer Llama (GQA 4:2) saved by transformers, with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    # A wide init makes logits peaked, so greedy picks are not near-ties that rounding could flip.
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.3, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def greedy_tokens(model: str, backend: str) -> tuple[list[list[int]], int]:
+    from kiln.engine import LLM, SamplingParams
+    # A 32-token budget chunks the 45-token prompt and mixes prefill chunks with decodes.
+    llm = LLM(model, dtype="float32", device="cpu", attention_backend=backend, block_size=16,
+              max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 20)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in (45, 20, 7)]
+    first = llm.generate(prompts, params)
+    again = llm.generate([prompts[0][:40] + [3, 4]], params)  # two cached blocks: a prefix hit
+    return [o.token_ids for o in first + again], again[0].num_cached_tokens
+
+
+def test_engine_triton_backend_matches_torch_greedy(tiny_llama: str) -> None:
+    torch_tokens, torch_cached = greedy_tokens(tiny_llama, "torch")
+    triton_tokens, triton_cached = greedy_tokens(tiny_llama, "triton")
+    assert torch_cached == triton_cached == 32
+    assert triton_tokens == torch_tokens
+    assert all(len(t) == 6 for t in triton_tokens)
