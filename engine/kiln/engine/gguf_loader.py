@@ -71,7 +71,9 @@ def dequantize(tensor: gguf.ReaderTensor, source: str) -> torch.Tensor:
             array = np.asarray(tensor.data)
         else:
             array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(array).reshape(shape))
+        array = array.reshape(shape)
+        # F32/F16 come straight from the read-only memory map: copy those (they are small norms).
+        return torch.from_numpy(array if array.flags.writeable and array.flags.c_contiguous else array.copy())
     except (ValueError, IndexError, AssertionError) as e:
         raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded (corrupt or truncated?): {e}") from None
 
