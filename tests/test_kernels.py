@@ -226,6 +226,9 @@ def test_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_backend("triton", "cpu")
+    from kiln.engine.config import Config
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Config(attention_backend="triton", device="cpu").resolved_attention_backend
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kiln.engine.kernels.backend import resolve_backend_name
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -64,9 +66,8 @@ class Config:
 
     @property
     def resolved_attention_backend(self) -> str:
-        if self.attention_backend == "auto":
-            return "triton" if self.torch_device.type == "cuda" else "torch"
-        return self.attention_backend
+        # "auto" -> triton on CUDA, torch elsewhere; a clear error for triton without CUDA.
+        return resolve_backend_name(self.attention_backend, self.torch_device)
 
 
 @dataclass
