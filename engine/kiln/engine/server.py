@@ -106,7 +106,8 @@ class Server:
             if e.status < 400:
                 raise
             err = APIError(e.status, f"{request.method} {request.path}: {e.reason}", type_="invalid_request_error")
-            return web.json_response(err.body(), status=e.status, headers=getattr(e, "headers", None))
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # keep 405's hint
+            return web.json_response(err.body(), status=e.status, headers=allow)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:

@@ -1,0 +1,348 @@
+"""`kiln serve` end to end: a real server process on real SmolLM2 (fp32, so greedy outputs do not
+depend on batch composition), driven by the official openai client and by raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.engine.gguf_loader import load_gguf
+from kiln.engine.loader import resolve_model_path
+from kiln.engine.server import parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "smol"
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(32)]
+
+
+class ServerProcess:
+    """`python -m kiln.cli serve ...` on a free port; waits for /ready."""
+
+    def __init__(self, *extra: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", "smollm2-135m", "--served-model-name", MODEL,
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 300
+        while get(self.url + "/ready")[0] != 200:
+            assert self.proc.poll() is None, "server died:\n" + "".join(self.log)
+            assert time.monotonic() < deadline, "server never became ready:\n" + "".join(self.log)
+            time.sleep(0.3)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+        self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as 'name{label=value,...}' (model_name left out) -> value."""
+        out = {}
+        for family in text_string_to_metric_families(get(self.url + "/metrics")[1]):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_metrics(self, **want: float) -> dict[str, float]:
+        """Poll /metrics until each named gauge (':' written as '__') has its wanted value."""
+        deadline = time.monotonic() + 60
+        while True:
+            m = self.metrics()
+            if all(m[k.replace("__", ":")] == v for k, v in want.items()):
+                return m
+            assert time.monotonic() < deadline, f"metrics never reached {want}: {m}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def post(url: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "64", "--kv-cache-memory", "512Mi")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_gguf(resolve_model_path("smollm2-135m"))[1]
+
+
+def complete(server: ServerProcess, prompt: str, **kw):
+    return server.client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+
+def test_models_and_probes(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert get(server.url + "/health")[0] == 200
+    assert json.loads(get(server.url + "/ready")[1]) == {"status": "ready"}
+    assert server.metrics()["kiln:model_load_seconds"] > 0
+    log = "".join(server.log)
+    assert "warm-up generation took" in log and "allocated the KV cache" in log
+
+
+def test_completion_stream_reassembles_to_greedy_text_with_usage(server, tokenizer):
+    prompt = "The capital of France is"
+    full = complete(server, prompt, max_tokens=12, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.choices[0].text
+    assert full.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, extra_body={"ignore_eos": True},
+        stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_matches_nonstream(server, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                 max_completion_tokens=20)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert full.usage.prompt_tokens == len(ids)
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_completion_tokens=20, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_string_cuts_text_before_it(server):
+    prompt = "Count: one, two, three,"
+    text = complete(server, prompt, max_tokens=16).choices[0].text
+    stop = text.strip().split()[2]  # a word in the middle of the greedy continuation
+    cut = complete(server, prompt, max_tokens=16, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+    streamed = complete(server, prompt, max_tokens=16, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_completion_logprobs(server):
+    out = complete(server, "The sky is", max_tokens=8, logprobs=3).choices[0]
+    lp = out.logprobs
+    assert "".join(lp.tokens) == out.text and len(lp.token_logprobs) == 8
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy picks the top token
+        assert token in top
+
+
+def test_chat_logprobs(server):
+    out = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=6,
+        logprobs=True, top_logprobs=2).choices[0]
+    content = out.logprobs.content
+    assert "".join(t.token for t in content) == out.message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+        assert bytes(t.bytes).decode() == t.token
+
+
+def test_seed_makes_sampling_reproducible(server):
+    def sample(seed: int) -> str:
+        return server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                                temperature=1.0, seed=seed).choices[0].text
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_32_concurrent_streams_match_solo_runs(server):
+    solo = [complete(server, p, max_tokens=10).choices[0].text for p in PROMPTS]
+
+    async def one(prompt: str) -> str:
+        stream = await server.aclient.completions.create(model=MODEL, prompt=prompt, temperature=0,
+                                                         max_tokens=10, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_at_once() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+    assert asyncio.run(all_at_once()) == solo
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"model": "smol", "prompt": ', 400, None),
+    ("body not an object", "/v1/completions", b'[1, 2]', 400, None),
+    ("wrong type", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 400}, 400, "prompt"),
+    ("max_tokens too large", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400,
+     "max_tokens"),
+    ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400,
+     "logit_bias"),
+    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
+     "temperature"),
+    ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
+    ("batched prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages.0.role"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat max_completion_tokens too large", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 999}, 400,
+     "max_completion_tokens"),
+    ("tools", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None),
+    ("wrong method", "/v1/models", {}, 405, None),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error(server, name, path, body, status, param):
+    code, reply = post(server.url + path, body)
+    assert code == status, reply
+    err = reply["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
+    if name == "n > 1":
+        assert "n > 1 is not supported" in err["message"]
+
+
+def test_bad_input_through_openai_client(server):
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        server.client.completions.create(model=MODEL, prompt="hi", n=3)
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="nope", prompt="hi")
+    assert get(server.url + "/health")[0] == 200  # nothing crashed
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    before = server.metrics()
+    stream = server.client.completions.create(model=MODEL, prompt="Tell me a long story.", temperature=0,
+                                              max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert server.metrics()["kiln:kv_cache_usage_perc"] > 0
+    stream.close()
+    m = server.wait_metrics(kiln__kv_cache_usage_perc=0, kiln__num_requests_running=0)
+    abort = "kiln:request_success_total{finished_reason=abort}"
+    assert m[abort] == before[abort] + 1
+
+
+def test_metrics_count_requests_and_tokens(server):
+    keys = ["kiln:request_success_total{finished_reason=length}", "kiln:prompt_tokens_total",
+            "kiln:generation_tokens_total", "kiln:time_to_first_token_seconds_count",
+            "kiln:e2e_request_latency_seconds_count", "kiln:request_queue_time_seconds_count",
+            "kiln:prefix_cache_queries_total"]
+    before = server.metrics()
+    outs = [complete(server, p, max_tokens=5, extra_body={"ignore_eos": True}) for p in PROMPTS[:3]]
+    after = server.metrics()
+    delta = {k: after[k] - before[k] for k in keys}
+    assert delta[keys[0]] == 3 and delta[keys[3]] == 3 and delta[keys[4]] == 3 and delta[keys[5]] == 3
+    assert delta["kiln:prompt_tokens_total"] == sum(o.usage.prompt_tokens for o in outs)
+    assert delta["kiln:generation_tokens_total"] == 15
+    assert delta["kiln:prefix_cache_queries_total"] > 0
+    assert after["kiln:inter_token_latency_seconds_count"] - before["kiln:inter_token_latency_seconds_count"] == 12
+
+
+def test_queue_full_gives_429_and_waiting_metric_moves():
+    s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "1", "--max-queue", "2")
+    try:
+        streams = [s.client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True}) for i in range(3)]
+        s.wait_metrics(kiln__num_requests_waiting=2, kiln__num_requests_running=1)
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "one more"})
+        assert code == 429 and reply["error"]["type"] == "rate_limit_error"
+        for st in streams:
+            st.close()
+        s.wait_metrics(kiln__num_requests_waiting=0, kiln__num_requests_running=0, kiln__kv_cache_usage_perc=0)
+        assert complete(s, "after", max_tokens=2).usage.completion_tokens == 2  # admits again
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_in_flight_streams():
+    s = ServerProcess("--max-model-len", "512", "--drain-timeout", "120")
+    try:
+        results: dict[int, list] = {}
+        first = threading.Barrier(9)
+
+        def consume(i: int) -> None:
+            chunks = []
+            stream = s.client.completions.create(model=MODEL, prompt=PROMPTS[i], temperature=0, max_tokens=96,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+            for n, c in enumerate(stream):
+                chunks.append(c)
+                if n == 0:
+                    first.wait()
+            results[i] = chunks
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        first.wait()  # every stream has its first chunk
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert get(s.url + "/ready")[0] == 503
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "late"})
+        assert code == 503 and "draining" in reply["error"]["message"]
+        for t in threads:
+            t.join()
+        assert s.proc.wait(timeout=120) == 0
+        assert sorted(results) == list(range(8))
+        for chunks in results.values():
+            assert chunks[-1].usage.completion_tokens == 96
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    finally:
+        s.stop()
+
+
+def test_bad_cli_arguments_exit_nonzero():
+    assert parse_size("4Gi") == 4 << 30 and parse_size("512Mi") == 512 << 20 and parse_size("1G") == 10**9
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--kv-cache-memory", "lots"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode != 0 and "not a positive size" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--model", "/nonexistent/model.gguf",
+                        "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "not found" in r.stderr
