@@ -1,0 +1,70 @@
+"""`kiln local build|up|down|status`: the local Kubernetes control plane."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+
+from kiln.local import build, cluster, processes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("build", "up", "down", "status"))
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
+    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE, help="bridge device for pod addresses")
+    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET, help="pod address range (IPv4, /16 to /28)")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel Go compile jobs for build")
+
+
+def check_network(bridge: str, subnet: str) -> str | None:
+    """The reason the bridge name or subnet cannot be used, or None."""
+    if not bridge.isalnum() or not 1 <= len(bridge) <= 9:
+        return f"--bridge {bridge!r}: use 1-9 letters/digits (namespaces and veths derive names from it)"
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as exc:
+        return f"--subnet {subnet!r}: {exc}"
+    if not 16 <= net.prefixlen <= 28 or not net.is_private or net.overlaps(ipaddress.IPv4Network("127.0.0.0/8")):
+        return f"--subnet {subnet}: use a private, non-loopback IPv4 range from /16 to /28"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = args.dir or cluster.default_dir()
+    try:
+        if args.action == "build":
+            built = build.ensure_built(jobs=args.jobs)
+            print("built: " + (", ".join(f"{m} in {s:.0f}s" for m, s in built.items()) or "nothing (cached)"))
+            for target in build.TARGETS:
+                print(f"{target.module} {target.version}: {build.bin_dir(target)}")
+        elif args.action == "up":
+            problem = check_network(args.bridge, args.subnet)
+            if problem:
+                print(f"kiln local up: {problem}", file=sys.stderr)
+                return 2
+            c, started = cluster.up(directory, args.bridge, args.subnet)
+            print(("started" if started else "already up") + f": {c.server()}")
+            print(f"export KUBECONFIG={c.kubeconfig}")
+        elif args.action == "down":
+            print("stopped and removed" if cluster.down(directory) else f"no local cluster in {directory}")
+        else:
+            return show_status(cluster.Cluster(directory))
+    except RuntimeError as exc:
+        print(f"kiln local {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def show_status(c: cluster.Cluster) -> int:
+    state = c.state()
+    if not state:
+        print(f"no local cluster in {c.dir}")
+        return 3
+    for name, record in state.get("processes", {}).items():
+        print(f"{name:<24} pid {record['pid']:<8} {'running' if processes.alive(record) else 'STOPPED'}")
+    net = c.network(state)
+    print(f"apiserver {c.server()}  kubeconfig {c.kubeconfig}")
+    print(f"network {net.bridge} {net.subnet} gateway {net.gateway}  namespaces: {', '.join(net.namespaces()) or '-'}")
+    return 0 if c.is_up() else 1

@@ -1,0 +1,127 @@
+"""The local cluster's pod network: a Linux bridge and network namespaces on veth pairs.
+
+Kubernetes rejects loopback addresses in Endpoints and EndpointSlices, so pods need real
+addresses. The bridge holds the gateway (first address of the subnet); each pod that the
+test runtime runs gets a namespace whose eth0 holds the pod's IP. Nothing is forwarded or
+NATed: traffic stays between the host and these namespaces.
+
+Every namespace made here is recorded as a file under <state>/netns/, so `down` removes
+exactly those and nothing else on the machine.
+"""
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc
+
+
+def link_exists(name: str) -> bool:
+    return ip("link", "show", "dev", name, check=False).returncode == 0
+
+
+@dataclass(frozen=True)
+class PodNetwork:
+    bridge: str  # at most 9 characters: namespace names and veths derive from it
+    subnet: ipaddress.IPv4Network
+    state_dir: Path
+
+    @property
+    def gateway(self) -> str:
+        return str(self.subnet[1])
+
+    def node_cidrs(self, count: int) -> list[str]:
+        """Pod CIDRs for `count` nodes: quarters of the subnet, skipping the one with the gateway."""
+        blocks = list(self.subnet.subnets(prefixlen_diff=2))[1:]
+        if count > len(blocks):
+            raise ValueError(f"{self.subnet} has room for {len(blocks)} nodes, not {count}")
+        return [str(b) for b in blocks[:count]]
+
+    def check_free(self) -> None:
+        """Refuse a bridge name that exists or a subnet the host already routes."""
+        if link_exists(self.bridge):
+            raise RuntimeError(f"network device {self.bridge} already exists; pick another with --bridge "
+                               f"or remove it (`ip link del {self.bridge}`) if it is left over")
+        for line in ip("-4", "route", "show").stdout.splitlines():
+            dest = line.split()[0]
+            if dest != "default" and self.subnet.overlaps(ipaddress.IPv4Network(dest, strict=False)):
+                raise RuntimeError(f"{self.subnet} overlaps the host route '{line.strip()}'; pick another --subnet")
+
+    def create_bridge(self) -> None:
+        ip("link", "add", "name", self.bridge, "type", "bridge")
+        ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+
+    def delete_bridge(self) -> None:
+        if link_exists(self.bridge):
+            ip("link", "del", self.bridge)
+
+    def netns_name(self, name: str) -> str:
+        return f"{self.bridge}-{name}"
+
+    def records(self) -> Path:
+        return self.state_dir / "netns"
+
+    def namespaces(self) -> list[str]:
+        """Names (as passed to create_namespace) of the namespaces this network made."""
+        return sorted(p.name for p in self.records().glob("*")) if self.records().is_dir() else []
+
+    def create_namespace(self, name: str, address: str) -> str:
+        """Make namespace `name` with eth0 = `address` on the bridge; returns the netns name.
+
+        Run a process inside it with `ip netns exec <netns name> ...` (see exec_prefix).
+        """
+        addr = ipaddress.IPv4Address(address)
+        if addr not in self.subnet or str(addr) == self.gateway:
+            raise ValueError(f"{address} is not a pod address in {self.subnet} (gateway {self.gateway})")
+        netns = self.netns_name(name)
+        if len(netns) > 64 or "/" in name:
+            raise ValueError(f"namespace name {name!r} is too long or has a '/'")
+        if netns in self.system_namespaces():
+            raise RuntimeError(f"network namespace {netns} already exists")
+        # Recorded before it is made, so that `down` also cleans up a half-made one.
+        self.records().mkdir(parents=True, exist_ok=True)
+        (self.records() / name).write_text(f"{netns} {address}\n")
+        host, peer = self.veth_names(name)
+        ip("netns", "add", netns)
+        ip("link", "add", host, "type", "veth", "peer", "name", peer)
+        ip("link", "set", peer, "netns", netns)
+        ip("-n", netns, "link", "set", peer, "name", "eth0")
+        ip("-n", netns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", "eth0")
+        ip("-n", netns, "link", "set", "lo", "up")
+        ip("-n", netns, "link", "set", "eth0", "up")
+        ip("-n", netns, "route", "add", "default", "via", self.gateway)
+        ip("link", "set", host, "master", self.bridge, "up")
+        return netns
+
+    def veth_names(self, name: str) -> tuple[str, str]:
+        # veth names are limited to 15 characters, so they carry a digest of the name
+        digest = hashlib.sha1(self.netns_name(name).encode()).hexdigest()[:10]
+        return f"vh{digest}", f"vp{digest}"
+
+    def delete_namespace(self, name: str) -> None:
+        """Remove a namespace made by create_namespace, with its veth pair."""
+        netns, (host, _) = self.netns_name(name), self.veth_names(name)
+        # A process still inside keeps the namespace alive; deleting the host end of the
+        # pair cuts it off the bridge all the same.
+        if link_exists(host):
+            ip("link", "del", host)
+        if netns in self.system_namespaces():
+            ip("netns", "del", netns)
+        (self.records() / name).unlink(missing_ok=True)
+
+    def exec_prefix(self, name: str) -> list[str]:
+        return ["ip", "netns", "exec", self.netns_name(name)]
+
+    @staticmethod
+    def system_namespaces() -> set[str]:
+        out = ip("netns", "list").stdout
+        return {line.split()[0] for line in out.splitlines() if line.strip()}

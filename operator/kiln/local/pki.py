@@ -1,0 +1,85 @@
+"""Certificates and kubeconfigs for the local control plane, made with the openssl CLI.
+
+One cluster CA signs the apiserver's serving certificate and every client certificate;
+a second CA signs the front-proxy client (the aggregation layer insists they differ).
+The service-account key pair signs and verifies ServiceAccount tokens.
+"""
+from __future__ import annotations
+
+import base64
+import subprocess
+from pathlib import Path
+
+import yaml
+
+DAYS = "3650"
+KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+# name -> (subject, extended key usage); all signed by the cluster CA
+CLIENTS = {
+    "admin": ("/O=system:masters/CN=kiln-admin", "clientAuth"),
+    "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth"),
+    "scheduler": ("/CN=system:kube-scheduler", "clientAuth"),
+}
+
+
+def openssl(*args: str) -> None:
+    proc = subprocess.run(["openssl", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"openssl {args[0]} failed: {proc.stderr.strip()}")
+
+
+def make_ca(pki: Path, name: str, cn: str) -> None:
+    openssl("req", "-x509", *KEY, "-keyout", str(pki / f"{name}.key"), "-out", str(pki / f"{name}.crt"),
+            "-days", DAYS, "-subj", f"/CN={cn}",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
+
+
+def sign(pki: Path, name: str, ca: str, subject: str, usage: str, sans: list[str] | None = None) -> None:
+    ext = ["-addext", "basicConstraints=critical,CA:FALSE",
+           "-addext", "keyUsage=critical,digitalSignature,keyEncipherment",
+           "-addext", f"extendedKeyUsage={usage}"]
+    if sans:
+        ext += ["-addext", "subjectAltName=" + ",".join(sans)]
+    openssl("req", "-x509", *KEY, "-keyout", str(pki / f"{name}.key"), "-out", str(pki / f"{name}.crt"),
+            "-CA", str(pki / f"{ca}.crt"), "-CAkey", str(pki / f"{ca}.key"),
+            "-days", DAYS, "-subj", subject, *ext)
+
+
+def make_pki(pki: Path, apiserver_ips: list[str]) -> None:
+    """Create every key and certificate the control plane needs under `pki`."""
+    pki.mkdir(parents=True, exist_ok=True)
+    make_ca(pki, "ca", "kiln-local-ca")
+    make_ca(pki, "front-proxy-ca", "kiln-local-front-proxy-ca")
+    names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+             "kubernetes.default.svc.cluster.local"]
+    sans = [f"DNS:{n}" for n in names] + [f"IP:{ip}" for ip in apiserver_ips]
+    sign(pki, "apiserver", "ca", "/CN=kube-apiserver", "serverAuth", sans)
+    for name, (subject, usage) in CLIENTS.items():
+        sign(pki, name, "ca", subject, usage)
+    sign(pki, "front-proxy-client", "front-proxy-ca", "/CN=front-proxy-client", "clientAuth")
+    openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-out", str(pki / "sa.key"))
+    openssl("pkey", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
+    for key in pki.glob("*.key"):
+        key.chmod(0o600)
+
+
+def b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def write_kubeconfig(path: Path, pki: Path, client: str, server: str) -> None:
+    """A self-contained kubeconfig (certificates inlined) for one client identity."""
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "kiln-local",
+        "clusters": [{"name": "kiln-local", "cluster": {
+            "server": server, "certificate-authority-data": b64(pki / "ca.crt")}}],
+        "users": [{"name": client, "user": {
+            "client-certificate-data": b64(pki / f"{client}.crt"),
+            "client-key-data": b64(pki / f"{client}.key")}}],
+        "contexts": [{"name": "kiln-local", "context": {"cluster": "kiln-local", "user": client}}],
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)

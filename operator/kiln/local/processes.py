@@ -1,0 +1,72 @@
+"""Start detached processes and stop exactly those later, even from another `kiln` process.
+
+A pid alone is not an identity (pids are reused), so each record keeps the process start
+time from /proc as well; stop() signals a pid only while both still match.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None if it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # the command name may contain spaces
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def launch(argv: list[str], log: Path, env: dict[str, str] | None = None) -> dict:
+    """Start argv in its own session with output to `log`; returns its record."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    return {"pid": proc.pid, "start": start_ticks(proc.pid), "argv": argv, "log": str(log)}
+
+
+def alive(record: dict) -> bool:
+    ticks = start_ticks(record["pid"])
+    return ticks is not None and ticks == record["start"]
+
+
+def reap(pid: int) -> None:
+    # Only our own children can be reaped; for others init does it.
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop(record: dict, grace: float = 10.0) -> None:
+    """SIGTERM the recorded process, SIGKILL it after `grace` seconds; no-op if it is gone."""
+    if not alive(record):
+        reap(record["pid"])
+        return
+    os.kill(record["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        reap(record["pid"])
+        if not alive(record):
+            return
+        time.sleep(0.1)
+    if alive(record):
+        os.kill(record["pid"], signal.SIGKILL)
+    while alive(record):
+        reap(record["pid"])
+        time.sleep(0.05)
+
+
+def log_tail(record: dict, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(record["log"]).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
