@@ -14,7 +14,7 @@ from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.status import stale_revisions, summarize, transitions, unimplemented
 
 ROOT = Path(__file__).resolve().parents[1]
-FULL_EXAMPLE = Path("/work/shared/examples/inferenceservice-full.yaml")
+FULL_EXAMPLE = ROOT / "examples/full.yaml"
 OWNER = Owner("chat", "ml", "uid-1")
 IMAGE = "registry.example/kiln/engine:test"
 
@@ -32,9 +32,8 @@ def pod_spec(deployment: dict) -> dict:
 def test_user_examples_parse():
     spec = InferenceServiceSpec.model_validate(yaml.safe_load((ROOT / "examples/smollm2.yaml").read_text())["spec"])
     assert spec.model.name == "smollm2-135m" and spec.resources.gpus == 1
-    if FULL_EXAMPLE.exists():
-        full = InferenceServiceSpec.model_validate(yaml.safe_load(FULL_EXAMPLE.read_text())["spec"])
-        assert full.rollout.steps[1].weight == 50
+    full = InferenceServiceSpec.model_validate(yaml.safe_load(FULL_EXAMPLE.read_text())["spec"])
+    assert full.rollout.steps[1].weight == 50
 
 
 def test_unknown_field_is_an_error():
