@@ -1,0 +1,195 @@
+"""GPU kernel benchmark: each Triton kernel against its torch reference and a torch peer.
+
+Times are triton.testing.do_bench medians. The machine's ceilings (copy bandwidth, matmul
+FLOP/s) are measured in the same run; each kernel reports achieved GB/s (bytes it must
+move / time) and TFLOP/s against them. Peers: torch SDPA (flash / memory-efficient) on
+contiguous K/V for attention, cuBLAS on 16-bit weights for the quantized GEMMs,
+F.rms_norm for the norm. Needs CUDA; exits 2 without it.
+
+    python bench/kernels.py [--dtype bfloat16] [--quick] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from gpu_common import DTYPES, machine, measure_peaks, median_ms, require_cuda, write_results
+
+
+@dataclass
+class Case:
+    kernel: str
+    shape: dict
+    bytes: int  # the least memory traffic the op needs
+    flops: int
+    impls: dict[str, Callable[[], object]] = field(default_factory=dict)  # "triton" first
+
+
+def paged_kv(batch: int, ctx: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
+             block_size: int = 16) -> dict:
+    """A randomly scattered paged cache holding `ctx` tokens for each of `batch` sequences."""
+    blocks = -(-ctx // block_size)
+    tables = torch.randperm(batch * blocks, device=device).view(batch, blocks).int()
+    shape = (batch * blocks, block_size, num_kv_heads, head_dim)
+    return dict(k_cache=torch.randn(shape, dtype=dtype, device=device),
+                v_cache=torch.randn(shape, dtype=dtype, device=device), block_tables=tables)
+
+
+def attention_case(batch: int, q_len: int, ctx: int, dtype: torch.dtype, device: str,
+                   heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> Case:
+    from kiln.engine import attention as torch_backend
+    from kiln.engine.kernels.paged_attention import paged_attention
+    kv = paged_kv(batch, ctx, kv_heads, head_dim, dtype, device)
+    q = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device=device)
+    args = dict(q=q, **kv, cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len,
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device), scale=head_dim ** -0.5,
+                max_seqlen_q=q_len, max_seqlen_k=ctx)
+    visible = sum(ctx - q_len + i + 1 for i in range(q_len))  # keys each query sees, causal
+    item = dtype.itemsize
+    case = Case("paged_attention", {"batch": batch, "q_len": q_len, "ctx": ctx, "heads": heads,
+                                    "kv_heads": kv_heads, "head_dim": head_dim},
+                bytes=2 * batch * ctx * kv_heads * head_dim * item + 2 * q.numel() * item,
+                flops=4 * batch * visible * heads * head_dim)
+    case.impls["triton"] = lambda: paged_attention(**args)
+    if q_len == 1:
+        case.impls["triton_nosplit"] = lambda: paged_attention(**args, num_splits=1)
+    case.impls["torch_ref"] = lambda: torch_backend.paged_attention(**args)
+    # Peer: SDPA over contiguous K/V (no paging), causal with the new tokens at the end.
+    k = torch.randn(batch, kv_heads, ctx, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    qs = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
+    if q_len == ctx or q_len == 1:
+        case.impls["sdpa"] = lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=q_len > 1, enable_gqa=True)
+    return case
+
+
+def kv_store_case(tokens: int, dtype: torch.dtype, device: str, kv_heads: int = 8, head_dim: int = 128) -> Case:
+    from kiln.engine import attention as torch_backend
+    from kiln.engine.kernels.kv_store import store_kvcache
+    kv = paged_kv(1, tokens, kv_heads, head_dim, dtype, device)
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    slots = torch.randperm(tokens, device=device)
+    args = (k, v, kv["k_cache"], kv["v_cache"], slots)
+    case = Case("store_kvcache", {"tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim},
+                bytes=4 * k.numel() * dtype.itemsize, flops=0)
+    case.impls["triton"] = lambda: store_kvcache(*args)
+    case.impls["torch_ref"] = lambda: torch_backend.store_kvcache(*args)
+    return case
+
+
+def rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> Case:
+    from kiln.engine.kernels.norm_rope import rms_norm, rms_norm_ref
+    x, res = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
+    w = torch.randn(hidden, dtype=dtype, device=device)
+    case = Case("rms_norm+residual", {"tokens": tokens, "hidden": hidden},
+                bytes=4 * x.numel() * dtype.itemsize, flops=0)
+    case.impls["triton"] = lambda: rms_norm(x, w, 1e-5, res)
+    case.impls["torch_ref"] = lambda: rms_norm_ref(x, w, 1e-5, res)
+    case.impls["F.rms_norm"] = lambda: F.rms_norm(x + res, (hidden,), w, 1e-5)
+    return case
+
+
+def rope_case(tokens: int, dtype: torch.dtype, device: str, heads: int = 32, kv_heads: int = 8,
+              head_dim: int = 128) -> Case:
+    from kiln.engine.kernels.norm_rope import cos_sin_cache, rope, rope_ref
+    inv_freq = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    cache = cos_sin_cache(inv_freq, 8192)
+    pos = torch.randint(0, 8192, (tokens,), device=device)
+    q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    case = Case("rope", {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
+                bytes=2 * (q.numel() + k.numel()) * dtype.itemsize + tokens * head_dim * 4, flops=0)
+    case.impls["triton"] = lambda: rope(pos, q, k, cache)
+    case.impls["torch_ref"] = lambda: rope_ref(pos, q, k, cache)
+    return case
+
+
+def gemm_case(bits: int, m: int, n: int, k: int, dtype: torch.dtype, device: str, group_size: int = 128) -> Case:
+    from kiln.engine.kernels import quant_gemm as qg
+    w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+    x = torch.randn(m, k, dtype=dtype, device=device)
+    if bits == 8:
+        qweight, scales = qg.quantize_w8(w)
+        args: tuple = (x, qweight, scales)
+        kernel, ref, weight_bytes = qg.w8a16_gemm, qg.w8a16_gemm_ref, n * k + n * dtype.itemsize
+    else:
+        qweight, scales, zeros = qg.quantize_w4(w, group_size)
+        args = (x, qweight, scales, zeros, group_size)
+        kernel, ref = qg.w4a16_gemm, qg.w4a16_gemm_ref
+        weight_bytes = n * k // 2 + scales.numel() * (dtype.itemsize + 1)
+    case = Case(f"w{bits}a16_gemm", {"m": m, "n": n, "k": k, **({"group": group_size} if bits == 4 else {})},
+                bytes=weight_bytes + (m * k + m * n) * dtype.itemsize, flops=2 * m * n * k)
+    case.impls["triton"] = lambda: kernel(*args)
+    case.impls["torch_ref"] = lambda: ref(*args)
+    case.impls["cublas_16bit"] = lambda: F.linear(x, w)
+    return case
+
+
+def cases(dtype: torch.dtype, quick: bool, device: str = "cuda") -> Iterator[Case]:
+    """Built lazily: each case's tensors are freed before the next is made."""
+    batches = [1, 64] if quick else [1, 16, 64]
+    for b in batches:
+        for ctx in [4096] if quick else [1024, 8192]:
+            yield attention_case(b, 1, ctx, dtype, device)
+    yield attention_case(4, 1024, 1024, dtype, device)  # fresh prefill
+    yield attention_case(4, 512, 2048, dtype, device)  # chunked prefill over a cached prefix
+    for t in (64, 4096):
+        yield kv_store_case(t, dtype, device)
+        yield rms_norm_case(t, 4096, dtype, device)
+        yield rope_case(t, dtype, device)
+    for bits in (8, 4):
+        for m in (1, 16, 64, 256):
+            for n, k in [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096), (4096, 14336)]:
+                yield gemm_case(bits, m, n, k, dtype, device)
+
+
+def measure(case: Case, peaks: dict[str, float]) -> dict:
+    times = {name: median_ms(fn) for name, fn in case.impls.items()}
+    ms = times["triton"]
+    gbps, tflops = case.bytes / ms / 1e6, case.flops / ms / 1e9
+    return {"kernel": case.kernel, "shape": case.shape, "ms": times, "bytes": case.bytes, "flops": case.flops,
+            "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / peaks["copy_GBps"],
+            "pct_matmul": 100 * tflops / peaks["matmul_TFLOPs"],
+            "speedup": {name: t / ms for name, t in times.items() if name != "triton"}}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="activation dtype")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--out", type=Path, help="results JSON (default bench/results/kernels-<gpu>.json)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    require_cuda("bench/kernels.py")
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    peaks = measure_peaks(dtype)
+    print(f"peaks: copy {peaks['copy_GBps']:.0f} GB/s, {args.dtype} matmul {peaks['matmul_TFLOPs']:.0f} TFLOP/s")
+    results = []
+    with torch.inference_mode():
+        for case in cases(dtype, args.quick):
+            r = measure(case, peaks)
+            results.append(r)
+            others = " ".join(f"{name} x{s:.2f}" for name, s in r["speedup"].items())
+            print(f"{case.kernel:18s} {str(case.shape):70s} {r['ms']['triton']:8.4f} ms {r['GBps']:7.0f} GB/s "
+                  f"({r['pct_copy_bw']:3.0f}%) {r['TFLOPs']:6.1f} TFLOP/s ({r['pct_matmul']:3.0f}%)  "
+                  f"triton is faster than: {others}")
+            torch.cuda.empty_cache()
+    write_results(args.out, "kernels", {"machine": machine(), "dtype": args.dtype, "peaks": peaks,
+                                        "note": "speedup = peer time / triton time; GB/s from the bytes the op must move",
+                                        "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
