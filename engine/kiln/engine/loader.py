@@ -81,6 +81,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: mlp_bias is not supported")
     if raw.get("use_sliding_window") or (not qwen2 and raw.get("sliding_window")):
         raise ModelLoadError(f"{path}: sliding-window attention is not supported")
+    # transformers >= 5 writes rope_parameters (theta included); older versions rope_scaling + rope_theta.
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     try:
@@ -90,8 +94,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=raw.get("rope_theta", 10000.0),
-            rope_scaling=raw.get("rope_scaling"),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama's attention_bias covers o_proj too.
