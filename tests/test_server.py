@@ -343,6 +343,9 @@ def test_bad_cli_arguments_exit_nonzero():
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--kv-cache-memory", "lots"],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode != 0 and "not a positive size" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--device", "nonsense"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and "bad configuration" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--model", "/nonexistent/model.gguf",
                         "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "not found" in r.stderr

