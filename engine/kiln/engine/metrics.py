@@ -33,8 +33,8 @@ class ServerMetrics:
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.model_load_seconds = gauge("model_load_seconds", "Seconds to load weights and allocate the KV cache.")
         # The engine keeps running totals; these counters follow them by increments.
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prefix-cache block lookups.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prefix-cache block lookups that hit.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.")
