@@ -152,6 +152,20 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         raise ValueError("paged_attention needs the head dim contiguous")
 
 
+def tile_config(max_seqlen_q: int, group: int, head_dim: int) -> dict[str, int]:
+    """Tile sizes: rows are (token, head-in-group) pairs; decode-only steps need one token per
+    block, prefill blocks hold many. 16 rows is the tensor-core minimum."""
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(16 if max_seqlen_q == 1 else 64, group_pad)
+    return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
+                BLOCK_N=64 if head_dim <= 64 else 32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 dots (the default would round them to tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
                        device: torch.device) -> int:
     """Split only decode batches whose programs cannot fill the GPU on their own."""
@@ -175,12 +189,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     n, num_heads, head_dim = q.shape
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    # Decode-only steps need one token per block; prefill blocks hold many tokens.
-    block_m = max(16 if max_seqlen_q == 1 else 64, group_pad)
-    block_q = block_m // group_pad
-    block_n = 64 if head_dim <= 64 else 32
+    tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim)
+    block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]
     if out is None:
         out = torch.empty_like(q)
     if n == 0:
@@ -205,9 +215,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         target.stride(0), target.stride(1), stride_os, stride_ln, stride_lh,
         block_tables.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK_SIZE=kv_block_size,
-        SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        **tiles, KV_BLOCK_SIZE=kv_block_size, SPLIT=split, DOT_PREC=dot_precision(q.dtype),
     )
     if split:
         _merge_splits_kernel[(n, num_heads)](

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.engine.kernels.paged_attention import dot_precision
+
 GROUP_SIZES = (32, 64, 128)
 
 
@@ -116,6 +118,13 @@ def _dequant_gemm_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+def tile_config(m: int, group_size: int, int4: bool) -> dict[str, int]:
+    """Small-M (decode) GEMMs take 16-row tiles, the tensor-core minimum; int4 K tiles stay
+    inside one quantization group."""
+    return dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
+                BLOCK_K=min(64, group_size) if int4 else 64)
+
+
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
             n: int, group_size: int, int4: bool, out: torch.Tensor | None) -> torch.Tensor:
     k = x.shape[-1]
@@ -126,16 +135,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    block_m = 16 if m <= 16 else 64
-    block_k = min(64, group_size) if int4 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    tiles = tile_config(m, group_size, int4)
+    grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
     z = zeros if zeros is not None else scales  # placeholder pointer, unread without zeros
     _dequant_gemm_kernel[grid](
         x2, qweight, scales, z, y, m, n, k,
         x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), y.stride(0),
-        INT4=int4, HAS_ZEROS=zeros is not None, GROUP=group_size,
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        INT4=int4, HAS_ZEROS=zeros is not None, **tiles, DOT_PREC=dot_precision(x.dtype),
     )
     return y.view(*x.shape[:-1], n)
 

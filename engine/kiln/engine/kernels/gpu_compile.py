@@ -1,0 +1,101 @@
+"""Compile Kiln's Triton kernels for a CUDA architecture on a machine without a GPU.
+
+The interpreter (tests/test_kernels.py) checks what the kernels compute; only the GPU
+compiler checks that they compile: tensor-core tile minimums, loop-carried types, shared
+memory. This lowers the tile configurations the launchers pick for Llama-family shapes all
+the way to a cubin, with Triton's bundled ptxas. Run it without TRITON_INTERPRET:
+
+    python -m kiln.engine.kernels.gpu_compile [--arch 90] [--all]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Iterator
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kiln.engine.kernels import kv_store, norm_rope, paged_attention, quant_gemm
+
+Job = tuple[object, dict[str, str], dict[str, object], int]  # kernel, arg types, constexprs, warps
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def attention_jobs(dtype: torch.dtype, group: int, head_dim: int) -> Iterator[Job]:
+    t = TYPES[dtype]
+    for max_seqlen_q, split in ((1, False), (1, True), (512, False)):
+        tiles = paged_attention.tile_config(max_seqlen_q, group, head_dim)
+        part = "*fp32" if split else f"*{t}"
+        yield (paged_attention._paged_attention_kernel,
+               dict(q_ptr=f"*{t}", k_cache_ptr=f"*{t}", v_cache_ptr=f"*{t}", out_ptr=part, lse_ptr=part,
+                    cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32", scale_log2="fp32"),
+               dict(tiles, KV_BLOCK_SIZE=16, SPLIT=split, DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+
+
+def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int) -> Iterator[Job]:
+    t, p2 = TYPES[dtype], triton.next_power_of_2
+    yield (paged_attention._merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{t}"),
+           dict(HEAD_DIM=head_dim, BLOCK_D=p2(head_dim), SPLITS_PAD=16), 4)
+    yield (kv_store._store_kvcache_kernel,
+           dict(k_ptr=f"*{t}", v_ptr=f"*{t}", k_cache_ptr=f"*{t}", v_cache_ptr=f"*{t}", slot_ptr="*i64"),
+           dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=p2(kv_heads), BLOCK_D=p2(head_dim)), 4)
+    for residual in (True, False):
+        yield (norm_rope._rms_norm_kernel,
+               dict(x_ptr=f"*{t}", res_ptr=f"*{t}", w_ptr=f"*{t}", out_ptr=f"*{t}", res_out_ptr=f"*{t}", eps="fp32"),
+               dict(HIDDEN=hidden, BLOCK=p2(hidden), HAS_RESIDUAL=residual), 8 if hidden >= 2048 else 4)
+    yield (norm_rope._rope_kernel,
+           dict(pos_ptr="*i64", q_ptr=f"*{t}", k_ptr=f"*{t}", cache_ptr="*fp32", q_out_ptr=f"*{t}", k_out_ptr=f"*{t}"),
+           dict(NUM_Q_HEADS=heads, NUM_K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_QH=p2(heads),
+                BLOCK_KH=p2(kv_heads), BLOCK_HALF=p2(head_dim // 2), BLOCK_D=p2(head_dim)), 4)
+    for int4, zeros, group in ((False, False, 0), (True, True, 128), (True, False, 32)):
+        for m in (1, 64):
+            yield (quant_gemm._dequant_gemm_kernel,
+                   dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{t}",
+                        z_ptr="*u8" if zeros else f"*{t}", y_ptr=f"*{t}"),
+                   dict(quant_gemm.tile_config(m, group, int4), INT4=int4, HAS_ZEROS=zeros,
+                        DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+
+
+def jobs(everything: bool) -> Iterator[Job]:
+    """Llama-3-8B-like shapes in bf16; --all adds fp16/fp32, GQA 1/3/8 and head dims 64/80."""
+    yield from attention_jobs(torch.bfloat16, 4, 128)
+    yield from other_jobs(torch.bfloat16, 4096, 32, 8, 128)
+    if everything:
+        for dtype in (torch.float16, torch.float32):
+            yield from attention_jobs(dtype, 4, 128)
+            yield from other_jobs(dtype, 4096, 32, 8, 128)
+        for group, head_dim in ((1, 64), (3, 80), (8, 128)):
+            yield from attention_jobs(torch.bfloat16, group, head_dim)
+
+
+def compile_job(job: Job, arch: int) -> int:
+    """Compile one kernel; returns its cubin size. Scalar args not named in types are i32."""
+    kernel, types, consts, warps = job
+    signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": warps})
+    return len(compiled.asm["cubin"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability as an integer (80 = A100, 90 = H100)")
+    parser.add_argument("--all", action="store_true", help="every dtype and GQA/head-dim variant (slower)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gpu_compile: unset TRITON_INTERPRET; interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    if args.arch < 75:
+        parser.error(f"--arch {args.arch}: Kiln's kernels need tensor cores (>= 75)")
+    for job in jobs(args.all):
+        size = compile_job(job, args.arch)
+        print(f"sm_{args.arch} {job[0].__name__}: {size} B cubin  {job[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
