@@ -1,0 +1,252 @@
+"""The engine end to end on the real SmolLM2-135M, checked against Hugging Face transformers
+running the same GGUF weights in float32: greedy continuations token for token in mixed
+batches, with chunked prefill, under preemption, and with prefix-cache hits; logprobs;
+stop handling; streaming text; bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.engine import LLM, LLMEngine, SamplingParams
+from kiln.engine.loader import resolve_model_path
+
+NEW_TOKENS = 64
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter "
+    "who had three sons. The youngest son was",
+    "List three primary colors:",
+    "Water boils at",
+    "In 1969, astronauts landed on the Moon. The mission was called Apollo 11 and its crew were Neil Armstrong,",
+    "Q: What is 12 times 7?\nA:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. Translate "
+    "this sentence into French, then explain the meaning of every word in detail:",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The test machine is shared: two OpenMP threads fighting other processes for two cores
+    # run ~20x slower than one. Speed is measured in bench/, not here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def small_llm() -> LLM:
+    """Chunked prefill forced to 16 tokens a step and a KV pool of 20 blocks (320 tokens)."""
+    block_bytes = 2 * 30 * 3 * 64 * 16 * 4  # layers x kv heads x head_dim x block_size x fp32, K and V
+    return LLM(dtype="float32", max_num_batched_tokens=16, kv_cache_memory=20 * block_bytes, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    return [llm.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def references(hf_model, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations (EOS ignored), one left-padded batch."""
+    width = max(map(len, prompt_ids))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    hf_model.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == width + NEW_TOKENS
+    return out[:, width:].tolist()
+
+
+def assert_matches(outputs, references: list[list[int]]) -> None:
+    for i, (out, ref) in enumerate(zip(outputs, references)):
+        assert out.token_ids == ref, f"prompt {i} diverges at token {next(j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)}"
+        assert out.finish_reason == "length"
+
+
+def test_mixed_length_batch_matches_transformers(llm: LLM, prompt_ids, references) -> None:
+    # Interleave long and short prompts so every step mixes lengths.
+    outputs = llm.generate(prompt_ids, GREEDY)
+    assert_matches(outputs, references)
+    assert all(o.text == llm.tokenizer.decode(o.token_ids) for o in outputs)
+
+
+def test_chunked_prefill_matches_transformers(small_llm: LLM, prompt_ids, references) -> None:
+    assert max(map(len, prompt_ids)) > 2 * 16, "some prompt must need several chunks"
+    before = small_llm.engine.stats().num_preemptions
+    for i in range(0, len(prompt_ids), 2):  # two at a time: 20 blocks hold two, so no preemption here
+        assert_matches(small_llm.generate(prompt_ids[i : i + 2], GREEDY), references[i : i + 2])
+    assert small_llm.engine.stats().num_preemptions == before
+
+
+def test_preemption_keeps_outputs(small_llm: LLM, prompt_ids, references) -> None:
+    before = small_llm.engine.stats().num_preemptions
+    assert_matches(small_llm.generate(prompt_ids, GREEDY), references)
+    stats = small_llm.engine.stats()
+    assert stats.num_preemptions > before
+    assert stats.kv_cache_usage == 0.0  # everything handed back
+
+
+def test_prefix_cache_hit_leaves_output_unchanged(llm: LLM) -> None:
+    system = "You are a careful assistant. " * 20  # about 120 tokens: several full blocks
+    first = system + "Question: name a fruit that is yellow."
+    second = system + "Question: name a planet with rings."
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    cold = llm.generate(second, params)[0]
+    assert cold.num_cached_tokens == 0
+    stats = llm.engine.stats()
+    llm.generate(first, params)
+    warm = llm.generate(second, params)[0]
+    after = llm.engine.stats()
+    assert after.prefix_cache_hits - stats.prefix_cache_hits >= 2 * 96
+    assert warm.num_cached_tokens >= 96
+    assert warm.token_ids == cold.token_ids
+
+
+def test_logprobs_match_model_log_softmax(llm: LLM, hf_model, prompt_ids) -> None:
+    out = llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=6, logprobs=5))[0]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt_ids[0] + out.token_ids])).logits[0].float()
+    reference = logits.log_softmax(-1)[len(prompt_ids[0]) - 1 : -1]
+    for step, entry in enumerate(out.logprobs):
+        token = out.token_ids[step]
+        assert entry["token_id"] == token
+        assert entry["logprob"] == pytest.approx(reference[step, token].item(), abs=2e-3)
+        top_ids = [t for t, _ in entry["top"]]
+        assert len(top_ids) == 5 and top_ids[0] == token  # greedy picks the most likely
+        torch.testing.assert_close(torch.tensor([v for _, v in entry["top"]]), reference[step, top_ids],
+                                   atol=2e-3, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Tell me a story about", params)[0]
+    crowd = llm.generate(["Tell me a story about", "Another request", "And a third"],
+                         [params, SamplingParams(temperature=1.0, max_tokens=16), SamplingParams(temperature=0.7)])[0]
+    assert alone.token_ids == crowd.token_ids
+    other = llm.generate("Tell me a story about", SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_top_k_one_is_greedy(llm: LLM, prompt_ids, references) -> None:
+    out = llm.generate([prompt_ids[3]], SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == references[3][:16]
+
+
+def test_stop_strings_and_stop_tokens(llm: LLM, prompt_ids, references) -> None:
+    ref_text = llm.tokenizer.decode(references[6])
+    stop = ref_text[len(ref_text) // 3 : len(ref_text) // 3 + 4]
+    out = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == ref_text[: ref_text.index(stop)]
+    stop_id = references[6][5]
+    out = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[stop_id]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == references[6][: references[6].index(stop_id) + 1]
+    out = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    assert (out.finish_reason, out.token_ids) == ("length", references[6][:5])
+
+
+def test_eos_ends_a_chat_answer(llm: LLM) -> None:
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=64))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert "Paris" in out.text
+
+
+def test_streamed_text_adds_up(llm: LLM) -> None:
+    engine: LLMEngine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop=["\n\n"])
+    engine.add_request("stream", "Write the word 'café' and the Chinese word for water (水), then:", params)
+    pieces, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert "\ufffd" not in out.new_text  # no half UTF-8 characters
+            pieces.append(out.new_text)
+            final = out
+    assert final is not None and final.finished
+    assert "".join(pieces) == final.text
+    assert "\n\n" not in final.text
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("to-abort", "Count to one hundred:", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    assert engine.stats().kv_cache_usage > 0
+    engine.abort_request("to-abort")
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_bad_requests_are_refused(llm: LLM, small_llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", "", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        small_llm.generate([[1] * 300])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("e", [10**7], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("hi", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate("hi", SamplingParams(top_p=1.5))
+    engine.add_request("dup", "hi", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", "hi", SamplingParams())
+    engine.abort_request("dup")
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="not found"):
+        LLM("no-such-model")
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "generate", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt", "hi", "--model", "no-such-model"], "not found"),
+        (["--prompt", "hi", "--temperature", "warm"], "invalid float"),
+    ],
+)
+def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
+    done = kiln(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_cli_generates(llm: LLM) -> None:
+    done = kiln("--chat", "--prompt", "What is the capital of France?", "--max-tokens", "12", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0.0, max_tokens=12))[0].text
+    assert done.stdout.strip() == expected.strip()
