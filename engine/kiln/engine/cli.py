@@ -25,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.engine.config import Config
     from kiln.engine.sampling_params import SamplingParams
 
     try:
@@ -37,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.prompt:
             raise ValueError("prompt is empty")
+        from kiln.engine.config import Config  # torch from here on
+
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory)
         from kiln.engine.llm_engine import LLMEngine
