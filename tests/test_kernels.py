@@ -8,6 +8,9 @@ unused cache slots and padded block-table entries hold NaN too, so a kernel that
 past a sequence's length fails as well.
 """
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -273,8 +276,6 @@ def test_engine_triton_backend_matches_torch_greedy(tiny_llama: str) -> None:
 def test_kernels_compile_for_h100() -> None:
     """The interpreter does not check GPU-only rules (tensor-core tile minimums, loop-carried
     types): lower each kernel to an sm_90 cubin with Triton's bundled ptxas, no GPU needed."""
-    import subprocess
-    import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "kiln.engine.kernels.gpu_compile", "--arch", "90"],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -284,3 +285,13 @@ def test_kernels_compile_for_h100() -> None:
                                                       "_store_kvcache_kernel:", "_rms_norm_kernel:",
                                                       "_rope_kernel:", "_dequant_gemm_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("script", ["kernels.py", "gpu_engine.py"])
+def test_gpu_benchmarks_exit_clearly_without_cuda(script: str) -> None:
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    done = subprocess.run([sys.executable, str(bench / script), "--dtype", "float16"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "no CUDA device found" in done.stderr
