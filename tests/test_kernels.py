@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET must be set before any kernel is defined, so it is set before kiln's
 kernel modules are imported. The interpreter computes bf16 wrongly, so only fp32 and fp16
-are tested here (bf16 needs a GPU: TRITON_INTERPRET=0 on a CUDA machine runs this file on it).
+are tested here; TRITON_INTERPRET=0 on a CUDA machine runs this file on the GPU, bf16 included.
 Outputs are poisoned with NaN first, so an element a kernel fails to write fails the test;
 unused cache slots and padded block-table entries hold NaN too, so a kernel that reads
 past a sequence's length fails as well.
@@ -27,7 +27,8 @@ from kiln.engine.kernels.quant_gemm import (dequantize_w4, dequantize_w8, pack_i
                                             w8a16_gemm_ref)
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
-TOL = {torch.float32: 1e-3, torch.float16: 1e-2}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 NAN = float("nan")
 
 
@@ -72,7 +73,7 @@ def paged_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_h
 MIXED = ([19, 7, 1, 1, 5], [19, 37, 1, 50, 5])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
 def test_paged_attention_mixed_batch(dtype: torch.dtype, num_heads: int, num_kv_heads: int) -> None:
     batch = paged_batch(*MIXED, num_heads, num_kv_heads, 32, dtype, block_size=16, seed=num_heads)
@@ -87,7 +88,7 @@ def test_paged_attention_odd_head_dim_and_block_sizes(block_size: int, head_dim:
     assert_close(paged_attention(**batch), paged_attention_ref(**batch))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_split_kv_decode_matches_single_pass(dtype: torch.dtype) -> None:
     batch = paged_batch([1, 1, 1], [300, 129, 17], 8, 2, 32, dtype, block_size=16, seed=3)
     single = paged_attention(**batch, num_splits=1)
@@ -105,7 +106,7 @@ def test_split_kv_on_mixed_batch() -> None:
 def test_torch_backend_attention_matches_reference() -> None:
     """The model's own torch path (kiln.engine.attention) against the kernel reference."""
     batch = paged_batch(*MIXED, 6, 2, 32, torch.float32, block_size=16, seed=5)
-    assert_close(get_backend("torch", "cpu").paged_attention(**batch), paged_attention_ref(**batch))
+    assert_close(get_backend("torch", DEVICE).paged_attention(**batch), paged_attention_ref(**batch))
 
 
 def test_paged_attention_rejects_mismatched_heads() -> None:
@@ -115,7 +116,7 @@ def test_paged_attention_rejects_mismatched_heads() -> None:
         paged_attention(**batch)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kvcache_scatters_and_skips(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(9, 3, 24, generator=gen).to(dtype).to(DEVICE)
@@ -137,7 +138,7 @@ def test_store_kvcache_rejects_wrong_slot_count() -> None:
         store_kvcache(k, k, torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(3, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(8)
@@ -151,7 +152,7 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
     assert with_residual or new_res is x
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
 def test_rope(dtype: torch.dtype, rotary_dim: int) -> None:
     gen = torch.Generator().manual_seed(9)
@@ -179,7 +180,7 @@ def test_rope_matches_transformers() -> None:
     assert_close(k_out.cpu(), k_hf)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [5, 33])
 def test_w8a16_gemm(dtype: torch.dtype, m: int) -> None:
     gen = torch.Generator().manual_seed(10)
@@ -192,7 +193,7 @@ def test_w8a16_gemm(dtype: torch.dtype, m: int) -> None:
     assert_close(out, w8a16_gemm_ref(x, qweight.to(DEVICE), scales.to(DEVICE)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_w4a16_gemm(dtype: torch.dtype, group_size: int, symmetric: bool) -> None:
@@ -223,7 +224,7 @@ def test_int4_rejects_bad_groups() -> None:
 def test_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_backend("auto", "cpu").name == "torch"
     assert resolve_backend_name("auto", "cuda") == "triton"
-    assert get_backend("triton", "cpu").paged_attention is paged_attention  # interpreter allows CPU
+    assert get_backend("triton", DEVICE).paged_attention is paged_attention  # the interpreter runs on CPU
     with pytest.raises(ValueError, match="unknown kernel backend"):
         get_backend("cudnn", "cpu")
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -255,7 +256,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 def greedy_tokens(model: str, backend: str) -> tuple[list[list[int]], int]:
     from kiln.engine import LLM, SamplingParams
     # A 32-token budget chunks the 45-token prompt and mixes prefill chunks with decodes.
-    llm = LLM(model, dtype="float32", device="cpu", attention_backend=backend, block_size=16,
+    llm = LLM(model, dtype="float32", device=DEVICE, attention_backend=backend, block_size=16,
               max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 20)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     gen = torch.Generator().manual_seed(11)
