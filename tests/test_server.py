@@ -316,13 +316,13 @@ def test_sigterm_drains_in_flight_streams():
             for n, c in enumerate(stream):
                 chunks.append(c)
                 if n == 0:
-                    first.wait()
+                    first.wait(timeout=300)
             results[i] = chunks
 
         threads = [threading.Thread(target=consume, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
-        first.wait()  # every stream has its first chunk
+        first.wait(timeout=300)  # every stream has its first chunk
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         assert get(s.url + "/ready")[0] == 503
