@@ -47,12 +47,18 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """The first num_keys cached K (or V) of each sequence: [B, num_keys, Hkv, D]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-num_keys // block_size)
-    tables = block_tables[:, :num_blocks].long()
-    return cache[tables].flatten(1, 2)[:, :num_keys]
+def _key_slots(block_tables: torch.Tensor, lens: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
+    """Cache slot of key j of each sequence: [B, num_keys] int64. Past a sequence's length the
+    slot is its key 0 instead: always written, so finite (masked out anyway), where the real
+    slot may hold never-written memory whose NaN would leak through the masked matmul."""
+    pos = torch.arange(num_keys, device=lens.device)[None, :]
+    pos = torch.where(pos < lens[:, None], pos, 0)
+    return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """K (or V) at slots [B, S] -> [B, S, Hkv, D]; slot-row index_select beats block gathers on CPU."""
+    return cache.flatten(0, 1).index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -68,29 +74,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
+    block_size = k_cache.shape[1]
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    starts = cu_seqlens_q[:-1]
     decode = (q_lens == 1).nonzero().flatten()
     if decode.numel():
         lens = seq_lens[decode].long()
         num_keys = int(lens.max())
-        k = _gather(k_cache, block_tables[decode], num_keys)
-        v = _gather(v_cache, block_tables[decode], num_keys)
+        slots = _key_slots(block_tables[decode], lens, num_keys, block_size)
         valid = torch.arange(num_keys, device=q.device)[None, :] < lens[:, None]  # [b, Sk]
-        # Slots past a sequence's length hold stale or never-written memory; zero them so a
-        # NaN there cannot leak through the (masked) matmul.
-        k = k.masked_fill(~valid[:, :, None, None], 0)
-        v = v.masked_fill(~valid[:, :, None, None], 0)
-        rows = starts[decode].long()
-        out[rows] = _attend(q[rows][:, None], k, v, scale, valid[:, None, None, :], False)[:, 0]
-    multi = (q_lens > 1).nonzero().flatten().tolist()
-    for b in multi:
+        rows = cu_seqlens_q[:-1][decode].long()
+        attended = _attend(q.index_select(0, rows)[:, None], _gather(k_cache, slots), _gather(v_cache, slots),
+                           scale, valid[:, None, None, :], False)[:, 0]
+        if decode.numel() == q.shape[0]:
+            return attended
+        out[rows] = attended
+    for b in (q_lens > 1).nonzero().flatten().tolist():
         lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
-        k = _gather(k_cache, block_tables[b:b + 1], seq_len)
-        v = _gather(v_cache, block_tables[b:b + 1], seq_len)
+        slots = _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out[lo:hi] = _attend(q[None, lo:hi], k, v, scale, mask, False)[0]
+        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask, False)[0]
     return out
 
 

@@ -67,18 +67,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves), cos/sin precomputed for every position."""
+    """Neox-style RoPE (rotate halves). cos/sin are computed in float32 for every position and
+    stored in the model's dtype (as HF does), so the rotation itself runs without upcasts."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.get_default_dtype())
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [N, H, D] in place-free fp32 and return it in x's dtype."""
-        cos, sin = self.cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        """Rotate x [N, H, D] by each token's position."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -111,7 +113,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # in place: no extra [N, 2I] buffers
 
 
 class LlamaDecoderLayer(nn.Module):
