@@ -1,0 +1,159 @@
+"""Offline mixed workload: Kiln's LLM.generate vs transformers' generate, same run, same weights, bf16.
+
+The 64 requests of /work/shared/bench/mixed_workload_seed0.json (prompt token ids and an output
+length each, EOS ignored) go through Kiln in one call, and through transformers in static
+left-padded batches of 8 and of 32 (each batch runs to its longest output; the better of the
+two counts). Metric: useful output tokens (the requested lengths) / wall time.
+
+    .venv/bin/python bench/offline.py            # full run, writes bench/results/offline-<date>.json
+    .venv/bin/python bench/offline.py --quick    # first 16 requests, batch 8 only, no results file
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+WORKLOAD = Path("/work/shared/bench/mixed_workload_seed0.json")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")  # noqa: E731
+    import transformers
+
+    return {
+        "cpu": line("model name"),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": [f for f in line("flags").split() if f.startswith(("avx", "amx", "fma"))],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_average_start": os.getloadavg(),
+    }
+
+
+def ceilings() -> dict:
+    """The machine's two limits, measured now: read bandwidth and bf16 matmul throughput."""
+    x = torch.ones(128 << 20, dtype=torch.bfloat16)  # 256 MiB
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    bandwidth = 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    flops = 5 * 2 * 2048**3 / (time.perf_counter() - start)
+    return {"read_GBps": round(bandwidth / 1e9, 1), "bf16_matmul_GFLOPs": round(flops / 1e9, 1)}
+
+
+def run_kiln(requests: list[dict], profile: bool) -> dict:
+    from kiln.engine import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16")
+    llm.generate([requests[0]["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    params = [SamplingParams(temperature=0.0, max_tokens=r["out_len"], ignore_eos=True) for r in requests]
+    prompts = [r["prompt_ids"] for r in requests]
+    profiler = None
+    if profile:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.start()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    if profiler:
+        profiler.stop()
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    assert [len(o.token_ids) for o in outputs] == [r["out_len"] for r in requests]
+    stats = llm.engine.stats()
+    return {"seconds": round(elapsed, 2), "num_preemptions": stats.num_preemptions,
+            "max_num_seqs": llm.engine.config.max_num_seqs,
+            "max_num_batched_tokens": llm.engine.config.max_num_batched_tokens}
+
+
+def run_transformers(requests: list[dict], batch_size: int, model) -> dict:
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch_size):
+        batch = requests[i : i + batch_size]
+        width = max(len(r["prompt_ids"]) for r in batch)
+        ids = torch.tensor([[0] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in batch])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r["prompt_ids"]) for r in batch])[:, None]).long()
+        longest = max(r["out_len"] for r in batch)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + longest
+        generated += len(batch) * longest
+    return {"batch_size": batch_size, "seconds": round(time.perf_counter() - start, 2), "generated_tokens": generated}
+
+
+def load_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from kiln.engine.loader import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="first 16 requests, transformers batch 8 only")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's table for Kiln's run")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = json.loads(WORKLOAD.read_text())
+    requests = workload["requests"][:16] if args.quick else workload["requests"]
+    batch_sizes = [8] if args.quick else args.batch_sizes
+    useful = sum(r["out_len"] for r in requests)
+    result = {"workload": str(WORKLOAD), "num_requests": len(requests), "useful_output_tokens": useful,
+              "prompt_tokens": sum(len(r["prompt_ids"]) for r in requests), "dtype": "bfloat16",
+              "machine": machine_info(), "ceilings": ceilings()}
+    print(json.dumps(result["machine"]), json.dumps(result["ceilings"]), flush=True)
+
+    kiln = run_kiln(requests, args.profile)
+    kiln["useful_tokens_per_s"] = round(useful / kiln["seconds"], 1)
+    result["kiln"] = kiln
+    print(f"kiln: {useful} useful tokens in {kiln['seconds']} s = {kiln['useful_tokens_per_s']} tok/s", flush=True)
+    if not args.skip_transformers:
+        model = load_transformers()
+        runs = []
+        for bs in batch_sizes:
+            run = run_transformers(requests, bs, model)
+            run["useful_tokens_per_s"] = round(useful / run["seconds"], 1)
+            run["useful_fraction"] = round(useful / run["generated_tokens"], 3)
+            runs.append(run)
+            print(f"transformers batch {bs}: {run['seconds']} s = {run['useful_tokens_per_s']} useful tok/s "
+                  f"({run['useful_fraction']:.0%} of generated tokens useful)", flush=True)
+        best = max(runs, key=lambda r: r["useful_tokens_per_s"])
+        result["transformers"] = {"runs": runs, "best_useful_tokens_per_s": best["useful_tokens_per_s"]}
+        result["ratio_kiln_over_transformers"] = round(kiln["useful_tokens_per_s"] / best["useful_tokens_per_s"], 2)
+        print(f"ratio kiln / transformers (best batch {best['batch_size']}): {result['ratio_kiln_over_transformers']}x")
+    result["machine"]["load_average_end"] = os.getloadavg()
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
+        path = RESULTS / f"offline-{stamp}.json"
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
