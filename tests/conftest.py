@@ -2,6 +2,48 @@
 
 
 # ---------------------------------------------------------------------------
+# cluster fixtures (kiln.local): a real control plane, shared by the whole session
+# ---------------------------------------------------------------------------
+import os  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@dataclass
+class LocalCluster:
+    kubeconfig: Path
+    api_client: object  # kubernetes.client.ApiClient, authenticated as cluster admin
+    cluster: object  # kiln.local.cluster.Cluster (state, ports, api())
+    network: object  # kiln.local.network.PodNetwork: create_namespace(name, ip) for pod processes
+    kubectl: Path  # the kubectl built with the cluster (its directory is also put first on PATH)
+
+
+@pytest.fixture(scope="session")
+def local_cluster():
+    """The local cluster: built when missing, started when not running, and taken down at
+    the end only if test sessions started it and no other session still uses it."""
+    import kubernetes
+
+    from kiln.local import build, cluster
+
+    if os.geteuid() != 0:
+        pytest.fail("the local cluster needs root: it makes a bridge and network namespaces")
+    c, _ = cluster.up(cluster.default_dir(), user=os.getpid())
+    kubectl = build.binary("kubectl")
+    os.environ["PATH"] = f"{kubectl.parent}{os.pathsep}{os.environ['PATH']}"
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(c.kubeconfig), client_configuration=config)
+    api = kubernetes.client.ApiClient(config)
+    try:
+        yield LocalCluster(c.kubeconfig, api, c, c.network(), kubectl)
+    finally:
+        api.close()
+        cluster.leave(c, os.getpid())
+
+
+# ---------------------------------------------------------------------------
 # engine fixtures (kiln.engine model): the real SmolLM2-135M, loaded once per session
 # ---------------------------------------------------------------------------
 from pathlib import Path  # noqa: E402

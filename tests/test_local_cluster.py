@@ -1,0 +1,225 @@
+"""The local control plane (kiln.local) against itself: real etcd, apiserver, controllers,
+scheduler and kwok, checked through the objects the apiserver actually stores."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import kubernetes
+import pytest
+from kubernetes.client.rest import ApiException
+
+from kiln.local import build, cluster, kwok, processes
+from kiln.local.network import PodNetwork
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def wait_until(what: str, check, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def namespace(local_cluster):
+    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+def test_apiserver_reports_the_pinned_version(local_cluster):
+    info = kubernetes.client.VersionApi(local_cluster.api_client).get_code()
+    assert info.git_version == build.KUBE_VERSION
+    assert (info.major, info.minor) == ("1", build.KUBE_VERSION.split(".")[1])
+    out = subprocess.run([str(build.binary("kubectl")), "version", "-o", "json",
+                          f"--kubeconfig={local_cluster.kubeconfig}"], capture_output=True, text=True, check=True)
+    versions = json.loads(out.stdout)
+    assert versions["serverVersion"]["gitVersion"] == versions["clientVersion"]["gitVersion"] == build.KUBE_VERSION
+
+
+def token_client(local_cluster, namespace: str, account: str) -> kubernetes.client.ApiClient:
+    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
+    request = {"spec": {"audiences": [], "expirationSeconds": 600}}
+    token = core.create_namespaced_service_account_token(account, namespace, request).status.token
+    config = kubernetes.client.Configuration()
+    config.host = local_cluster.api_client.configuration.host
+    config.ssl_ca_cert = local_cluster.api_client.configuration.ssl_ca_cert
+    config.api_key = {"authorization": f"Bearer {token}"}
+    return kubernetes.client.ApiClient(config)
+
+
+def test_rbac_denies_a_service_account_until_a_role_allows_it(local_cluster, namespace):
+    bot = kubernetes.client.CoreV1Api(token_client(local_cluster, namespace, "bot"))
+    with pytest.raises(ApiException) as denied:
+        bot.list_namespaced_pod(namespace)
+    assert denied.value.status == 403
+    assert f"system:serviceaccount:{namespace}:bot" in denied.value.body
+
+    rbac = kubernetes.client.RbacAuthorizationV1Api(local_cluster.api_client)
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "pod-reader"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "bot-reads-pods"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "bot", "namespace": namespace}]})
+
+    def allowed() -> bool:
+        try:
+            return bot.list_namespaced_pod(namespace).items == []
+        except ApiException as exc:
+            assert exc.status == 403
+            return False
+    wait_until("the RoleBinding to take effect", allowed, 30)
+    with pytest.raises(ApiException) as still_denied:  # the role grants pods, nothing else
+        bot.list_namespaced_secret(namespace)
+    assert still_denied.value.status == 403
+
+
+def deployment(name: str, replicas: int, annotations: dict | None = None) -> dict:
+    labels = {"app": name}
+    return {"metadata": {"name": name}, "spec": {
+        "replicas": replicas, "selector": {"matchLabels": labels},
+        "template": {"metadata": {"labels": labels, "annotations": annotations or {}}, "spec": {
+            "containers": [{"name": "engine", "image": "kiln.invalid/engine:test",
+                            "ports": [{"containerPort": 8000, "name": "http"}]}]}}}}
+
+
+def running_pods(core, namespace: str, app: str, count: int) -> list:
+    def ready():
+        pods = core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
+        running = [p for p in pods if p.status.phase == "Running" and p.status.pod_ip]
+        return running if len(running) == count == len(pods) else None
+    return wait_until(f"{count} running pods of {app}", ready, 90)
+
+
+def test_deployment_pods_run_on_kwok_nodes_with_bridge_ips_and_are_collected(local_cluster, namespace):
+    api = local_cluster.api_client
+    apps, core = kubernetes.client.AppsV1Api(api), kubernetes.client.CoreV1Api(api)
+    discovery = kubernetes.client.DiscoveryV1Api(api)
+    created = apps.create_namespaced_deployment(namespace, deployment("web", 3))
+    core.create_namespaced_service(namespace, {"metadata": {"name": "web"}, "spec": {
+        "selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8000}]}})
+
+    pods = running_pods(core, namespace, "web", 3)
+    replica_sets = apps.list_namespaced_replica_set(namespace).items
+    assert len(replica_sets) == 1
+    assert [o.uid for o in replica_sets[0].metadata.owner_references] == [created.metadata.uid]
+    node_cidrs = {n.metadata.name: ipaddress.ip_network(n.spec.pod_cidr)
+                  for n in core.list_node().items}
+    for pod in pods:
+        assert [o.uid for o in pod.metadata.owner_references] == [replica_sets[0].metadata.uid]
+        assert pod.spec.node_name in cluster.NODES
+        address = ipaddress.ip_address(pod.status.pod_ip)
+        assert address in local_cluster.network.subnet and address in node_cidrs[pod.spec.node_name]
+        assert {c.type: c.status for c in pod.status.conditions}["Ready"] == "True"
+    pod_ips = {p.status.pod_ip for p in pods}
+    assert len(pod_ips) == 3
+
+    def slice_addresses():
+        slices = discovery.list_namespaced_endpoint_slice(
+            namespace, label_selector="kubernetes.io/service-name=web").items
+        found = {a for s in slices for e in (s.endpoints or []) if e.conditions.ready for a in e.addresses}
+        return found if found == pod_ips else None
+    wait_until("EndpointSlices listing the pod IPs", slice_addresses, 60)
+
+    apps.delete_namespaced_deployment("web", namespace, propagation_policy="Background")
+    wait_until("garbage collection of ReplicaSet and pods", lambda: not apps.list_namespaced_replica_set(
+        namespace).items and not core.list_namespaced_pod(namespace).items, 90)
+
+
+def test_gpu_capacity_is_scheduled(local_cluster, namespace):
+    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
+    for node in core.list_node().items:
+        assert node.status.allocatable["nvidia.com/gpu"] == kwok.NODE_CAPACITY["nvidia.com/gpu"]
+
+    def gpu_pod(name: str, gpus: int) -> dict:
+        limits = {"nvidia.com/gpu": str(gpus)}
+        return {"metadata": {"name": name}, "spec": {"containers": [
+            {"name": "engine", "image": "kiln.invalid/engine:test", "resources": {"limits": limits}}]}}
+    core.create_namespaced_pod(namespace, gpu_pod("fits", int(kwok.NODE_CAPACITY["nvidia.com/gpu"])))
+    core.create_namespaced_pod(namespace, gpu_pod("too-big", int(kwok.NODE_CAPACITY["nvidia.com/gpu"]) + 1))
+    wait_until("the fitting pod to run", lambda: core.read_namespaced_pod("fits", namespace).status.phase == "Running")
+
+    def unschedulable():
+        conditions = core.read_namespaced_pod("too-big", namespace).status.conditions or []
+        return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in conditions)
+    wait_until("the oversized pod to be reported unschedulable", unschedulable)
+    assert core.read_namespaced_pod("too-big", namespace).spec.node_name is None
+
+
+def test_external_readiness_pod_is_served_from_its_own_namespace(local_cluster, namespace):
+    """What the pod test runtime does: run the pod's process in a namespace holding its IP."""
+    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
+    apps = kubernetes.client.AppsV1Api(local_cluster.api_client)
+    apps.create_namespaced_deployment(namespace, deployment("ext", 1, {kwok.EXTERNAL_READINESS: "external"}))
+    (pod,) = running_pods(core, namespace, "ext", 1)
+    assert {c.type: c.status for c in pod.status.conditions}["Ready"] == "False"
+
+    net: PodNetwork = local_cluster.network
+    netns = net.create_namespace(pod.metadata.name, pod.status.pod_ip)
+    server = subprocess.Popen([*net.exec_prefix(pod.metadata.name), sys.executable, "-m", "http.server",
+                               "--bind", pod.status.pod_ip, "8000"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        def served():
+            try:
+                with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8000/", timeout=2) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+        wait_until("the process in the pod namespace to answer on the pod IP", served, 30)
+        assert netns in PodNetwork.system_namespaces()
+    finally:
+        server.terminate()
+        server.wait()
+        net.delete_namespace(pod.metadata.name)
+    assert netns not in PodNetwork.system_namespaces()
+
+
+def kiln_local(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "local", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_bad_network_arguments_are_refused():
+    out = kiln_local("up", "--subnet", "127.0.0.0/24")
+    assert out.returncode == 2 and "non-loopback" in out.stderr
+    out = kiln_local("up", "--bridge", "a-very-long-bridge")
+    assert out.returncode == 2 and "--bridge" in out.stderr
+
+
+def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
+    """A second, independent cluster (own directory, bridge and subnet) from the CLI."""
+    directory = tmp_path / "second"
+    args = ("--dir", str(directory), "--bridge", "kilntest", "--subnet", "10.213.1.0/24")
+    first = kiln_local("up", *args)
+    assert first.returncode == 0 and first.stdout.startswith("started"), first.stderr
+    again = kiln_local("up", *args)
+    assert again.returncode == 0 and again.stdout.startswith("already up"), again.stderr
+    assert kiln_local("status", "--dir", str(directory)).returncode == 0
+
+    c = cluster.Cluster(directory)
+    records = list(c.state()["processes"].values())
+    assert len(records) == len(cluster.ORDER) and all(processes.alive(r) for r in records)
+    c.network().create_namespace("probe", "10.213.1.9")
+    assert "kilntest-probe" in PodNetwork.system_namespaces()
+
+    assert kiln_local("down", "--dir", str(directory)).returncode == 0
+    assert not any(processes.alive(r) for r in records)
+    assert subprocess.run(["ip", "link", "show", "kilntest"], capture_output=True).returncode != 0
+    assert not [n for n in PodNetwork.system_namespaces() if n.startswith("kilntest-")]
+    assert not directory.exists()
+    assert kiln_local("status", "--dir", str(directory)).returncode == 3
