@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import subprocess
 import sys
 import time
@@ -216,6 +217,12 @@ def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
     assert len(records) == len(cluster.ORDER) and all(processes.alive(r) for r in records)
     c.network().create_namespace("probe", "10.213.1.9")
     assert "kilntest-probe" in PodNetwork.system_namespaces()
+
+    # A test session using the cluster blocks `down`; leaving does not stop a cluster the CLI started.
+    cluster.up(directory, "kilntest", "10.213.1.0/24", user=os.getpid())
+    refused = kiln_local("down", "--dir", str(directory))
+    assert refused.returncode == 1 and "still use the cluster" in refused.stderr
+    assert cluster.leave(c, os.getpid()) is False and c.is_up()
 
     assert kiln_local("down", "--dir", str(directory)).returncode == 0
     assert not any(processes.alive(r) for r in records)

@@ -13,8 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("build", "up", "down", "status"))
     parser.add_argument("--dir", type=Path, default=None,
                         help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
-    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE, help="bridge device for pod addresses")
-    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET, help="pod address range (IPv4, /16 to /28)")
+    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE, help="bridge device for pod addresses ($KILN_LOCAL_BRIDGE)")
+    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET, help="pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET)")
+    parser.add_argument("--force", action="store_true", help="down even while test sessions use the cluster")
     parser.add_argument("--jobs", type=int, default=2, help="parallel Go compile jobs for build")
 
 
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             print(("started" if started else "already up") + f": {c.server()}")
             print(f"export KUBECONFIG={c.kubeconfig}")
         elif args.action == "down":
-            print("stopped and removed" if cluster.down(directory) else f"no local cluster in {directory}")
+            print("stopped and removed" if cluster.down(directory, args.force) else f"no local cluster in {directory}")
         else:
             return show_status(cluster.Cluster(directory))
     except RuntimeError as exc:

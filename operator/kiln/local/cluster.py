@@ -8,6 +8,7 @@ after a failed `up` — stops exactly those processes and removes exactly those 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import ipaddress
 import json
 import os
@@ -25,8 +26,9 @@ from pathlib import Path
 from kiln.local import build, kwok, pki, processes
 from kiln.local.network import PodNetwork
 
-DEFAULT_BRIDGE = "kiln0"
-DEFAULT_SUBNET = "10.213.0.0/24"
+# Overridable so that a second cluster (another checkout, a CI job) can run beside the first.
+DEFAULT_BRIDGE = os.environ.get("KILN_LOCAL_BRIDGE", "kiln0")
+DEFAULT_SUBNET = os.environ.get("KILN_LOCAL_SUBNET", "10.213.0.0/24")
 SERVICE_CIDR = "10.96.0.0/16"
 NODES = ("kiln-gpu-0", "kiln-gpu-1")
 # Top-level entries of the state directory that `up` creates and `down` removes.
@@ -71,12 +73,20 @@ class Cluster:
         running = self.running()
         return set(running) == set(ORDER) and all(running.values())
 
+    def users(self) -> list[int]:
+        """Pids of the test sessions still using the cluster."""
+        found = self.dir.glob("users/*")
+        return [int(p.name) for p in found if processes.alive({"pid": int(p.name), "start": int(p.read_text())})]
+
     @contextmanager
     def locked(self):
         # Serialises up/down between processes (two pytest sessions, a user's shell).
+        # The lock lives in Kiln's cache, not beside or in the directory that `down` removes.
         self.dir.mkdir(parents=True, exist_ok=True)
-        # The lock lives beside the directory so that removing the directory keeps it valid.
-        with open(self.dir.parent / f".{self.dir.name}.lock", "w") as lock:
+        locks = build.cache_root() / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        key = hashlib.sha1(str(self.dir.resolve()).encode()).hexdigest()[:16]
+        with open(locks / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
@@ -219,9 +229,7 @@ def leave(c: Cluster, user: int) -> bool:
     """Unregister a test session; the last one out takes a test-started cluster down."""
     with c.locked():
         (c.dir / "users" / str(user)).unlink(missing_ok=True)
-        users = [p for p in (c.dir / "users").glob("*")] if (c.dir / "users").is_dir() else []
-        live = [p for p in users if processes.alive({"pid": int(p.name), "start": int(p.read_text())})]
-        if live or c.state().get("owner") != "tests":
+        if c.users() or c.state().get("owner") != "tests":
             return False
         remove(c)
     return True
@@ -304,11 +312,13 @@ def remove(c: Cluster) -> dict:
     return state
 
 
-def down(directory: Path) -> bool:
+def down(directory: Path, force: bool = False) -> bool:
     """Take the cluster in `directory` down; returns False if there was none."""
     c = Cluster(directory)
     if not c.dir.exists():
         return False
     with c.locked():
+        if c.users() and not force:
+            raise RuntimeError(f"test sessions (pids {c.users()}) still use the cluster; wait or use --force")
         state = remove(c)
     return bool(state)
