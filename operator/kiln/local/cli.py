@@ -10,7 +10,8 @@ from kiln.local import build, cluster, processes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("build", "up", "down", "status"))
+    parser.add_argument("action", choices=("build", "up", "down", "status", "runtime"),
+                        help="runtime: run the test pod runtime in the foreground (`up` starts it)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
     parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE, help="bridge device for pod addresses ($KILN_LOCAL_BRIDGE)")
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"export KUBECONFIG={c.kubeconfig}")
         elif args.action == "down":
             print("stopped and removed" if cluster.down(directory, args.force) else f"no local cluster in {directory}")
+        elif args.action == "runtime":
+            from kiln.local import runtime  # needs the kubernetes client; the rest does not
+            return runtime.run(directory)
         else:
             return show_status(cluster.Cluster(directory))
     except RuntimeError as exc:

@@ -33,8 +33,9 @@ SERVICE_CIDR = "10.96.0.0/16"
 NODES = ("kiln-gpu-0", "kiln-gpu-1")
 # Top-level entries of the state directory that `up` creates and `down` removes.
 ENTRIES = ("state.json", "pki", "etcd", "logs", "certs", "admin.kubeconfig", "controller-manager.kubeconfig",
-           "scheduler.kubeconfig", "kwok.yaml", "netns", "users")
+           "scheduler.kubeconfig", "kwok.yaml", "netns", "users", "pods")
 ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+RUNTIME = "runtime"  # the test pod runtime (kiln.local.runtime), started after the control plane
 
 
 def default_dir() -> Path:
@@ -71,7 +72,7 @@ class Cluster:
 
     def is_up(self) -> bool:
         running = self.running()
-        return set(running) == set(ORDER) and all(running.values())
+        return all(running.get(name) for name in ORDER)
 
     def users(self) -> list[int]:
         """Pids of the test sessions still using the cluster."""
@@ -217,6 +218,7 @@ def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBN
             except BaseException:
                 remove(c)
                 raise
+        ensure_runtime(c, log)
         if user is not None:
             (c.dir / "users").mkdir(exist_ok=True)
             (c.dir / "users" / str(user)).write_text(str(processes.start_ticks(user)))
@@ -271,6 +273,19 @@ def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: b
           file=log, flush=True)
 
 
+def ensure_runtime(c: Cluster, log) -> None:
+    """Start the test pod runtime unless it runs (a cluster from before it existed gets one too)."""
+    state = c.state()
+    if c.running().get(RUNTIME):
+        return
+    argv = [sys.executable, "-m", "kiln.cli", "local", "runtime", f"--dir={c.dir}"]
+    record = processes.launch(argv, c.dir / "logs" / f"{RUNTIME}.log")
+    state["processes"][RUNTIME] = record
+    c.save(state)
+    wait_for(RUNTIME, lambda: "pod runtime up" in Path(record["log"]).read_text(), 60, record)
+    print(f"{RUNTIME} ready (pid {record['pid']})", file=log, flush=True)
+
+
 def create_nodes(c: Cluster, net: PodNetwork) -> None:
     for name, cidr in zip(NODES, net.node_cidrs(len(NODES))):
         c.api("POST", "/api/v1/nodes", kwok.node_manifest(name, cidr))
@@ -286,7 +301,7 @@ def nodes_ready(c: Cluster) -> bool:
 def teardown(c: Cluster) -> None:
     """Stop the recorded processes and remove the recorded network and files."""
     state = c.state()
-    for name in reversed(ORDER):
+    for name in (RUNTIME, *reversed(ORDER)):  # the runtime first: it stops the pods' processes
         if name in state.get("processes", {}):
             processes.stop(state["processes"][name])
     if "bridge" in state:

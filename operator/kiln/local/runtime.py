@@ -1,0 +1,321 @@
+"""`kiln local runtime`: a TEST pod runtime for the local cluster, standing in for the kubelet.
+
+It is not a container runtime: no images, no isolation beyond a network namespace, no
+resource limits, no volumes, no liveness probes. It exists so that the whole system
+(operator -> Deployments -> engine and router pods -> Services) can run for real on one
+machine. Only pods that opt in are run: an `kiln.dev/readiness` annotation (which also tells
+kwok to leave readiness alone, see kiln.local.kwok) and a container command that is
+`kiln serve ...` or `kiln router ...`. For each such pod it:
+
+- makes a network namespace holding the pod's IP (kwok assigned it from the bridge range),
+- runs the command with the pod's args and env as a local process in it, through this
+  venv's Python (`python -m kiln.cli`), with a ServiceAccount token kubeconfig when the pod
+  mounts a token (reached through a relay on the bridge gateway: the apiserver listens on
+  loopback only, which a namespace cannot see),
+- probes the readiness probe's HTTP endpoint and writes Ready/ContainersReady into the pod status,
+- on pod deletion runs the preStop sleep, then SIGTERM, the grace period, SIGKILL.
+
+Everything lives under the cluster's state directory, so `kiln local down` removes it.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import yaml
+from kubernetes.client.rest import ApiException
+
+from kiln.local import kwok, processes
+from kiln.local.cluster import Cluster
+from kiln.local.network import PodNetwork
+from kiln.local.relay import Relay
+
+log = logging.getLogger("kiln.local.runtime")
+RUNNABLE = {("kiln", "serve"), ("kiln", "router")}
+TICK_S = 0.5
+RESTART_BACKOFF_S = 5.0
+SHUTDOWN_GRACE_S = 10.0  # when the runtime itself stops (kiln local down), pods get at most this
+TOKEN_SECONDS = 24 * 3600
+
+
+def runnable(pod: Any) -> bool:
+    """Pods this runtime runs: opted in, scheduled, with a kiln engine/router command."""
+    annotations = pod.metadata.annotations or {}
+    if kwok.EXTERNAL_READINESS not in annotations or not pod.spec.node_name:
+        return False
+    containers = pod.spec.containers or []
+    return len(containers) == 1 and tuple((containers[0].command or [])[:2]) in RUNNABLE
+
+
+def token_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> Path:
+    """A kubeconfig that authenticates with a bearer token (a ServiceAccount's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kiln-local",
+        "clusters": [{"name": "kiln-local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "kiln-local", "context": {"cluster": "kiln-local", "user": user}}]}))
+    path.chmod(0o600)
+    return path
+
+
+def field_value(pod: Any, path: str) -> str:
+    """The few downward-API fields pods here use."""
+    values = {"metadata.name": pod.metadata.name, "metadata.namespace": pod.metadata.namespace,
+              "status.podIP": pod.status.pod_ip, "spec.nodeName": pod.spec.node_name,
+              "spec.serviceAccountName": pod.spec.service_account_name or "default"}
+    if path not in values:
+        raise ValueError(f"fieldRef {path} is not supported by the local test runtime")
+    return values[path] or ""
+
+
+def resolve_port(container: Any, port: int | str) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for p in container.ports or []:
+        if p.name == port:
+            return p.container_port
+    raise ValueError(f"container {container.name} has no port named {port!r}")
+
+
+@dataclass
+class Probe:
+    url: str
+    period: float
+    failures: int
+
+    @classmethod
+    def of(cls, container: Any, ip: str) -> Probe | None:
+        spec = container.readiness_probe
+        if spec is None or spec.http_get is None:
+            return None
+        port = resolve_port(container, spec.http_get.port)
+        return cls(f"http://{ip}:{port}{spec.http_get.path or '/'}", float(spec.period_seconds or 10),
+                   spec.failure_threshold or 3)
+
+    def check(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url, timeout=min(self.period, 2.0)) as resp:
+                return 200 <= resp.status < 400
+        except (OSError, urllib.error.URLError):
+            return False
+
+
+@dataclass
+class PodRun:
+    """One pod's process as this runtime runs it."""
+    namespace: str
+    name: str
+    uid: str
+    container: str
+    ip: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    probe: Probe | None
+    grace: float
+    prestop: float
+    record: dict | None = None
+    ready: bool | None = None
+    failures: int = 0
+    next_probe: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    stopping: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def netns(self) -> str:
+        return f"p{self.uid[:8]}"
+
+
+class Runtime:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        state = cluster.state()
+        self.net: PodNetwork = cluster.network(state)
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(str(cluster.kubeconfig), client_configuration=config)
+        self.core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
+        self.relay = Relay((self.net.gateway, 0), ("127.0.0.1", state["ports"]["apiserver"]))
+        self.pods: dict[str, PodRun] = {}  # by uid
+        self.refused: set[str] = set()
+        self.stopping = threading.Event()
+        self.workdir = cluster.dir / "pods"
+
+    # -- the loop: level-based, like a kubelet's sync loop, over a fresh list each tick --
+    def serve(self) -> None:
+        self.relay.start()
+        log.info("pod runtime up; API relay at %s:%d", *self.relay.address)
+        while not self.stopping.is_set():
+            try:
+                self.sync()
+            except Exception:  # noqa: BLE001 - an API hiccup: keep running pods, try again
+                log.exception("sync failed; retrying")
+            self.stopping.wait(TICK_S)
+        self.shutdown()
+
+    def sync(self) -> None:
+        live = {p.metadata.uid: p for p in self.core.list_pod_for_all_namespaces(_request_timeout=10).items}
+        for uid, run in list(self.pods.items()):
+            pod = live.get(uid)
+            if not run.stopping and (pod is None or pod.metadata.deletion_timestamp is not None):
+                grace = run.grace if pod is None else float(pod.metadata.deletion_grace_period_seconds or run.grace)
+                self.stop_later(run, grace)
+        for uid, pod in live.items():
+            if uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+                self.start(pod)
+        for run in list(self.pods.values()):
+            if not run.stopping:
+                self.check(run)
+
+    def start(self, pod: Any) -> None:
+        try:
+            run = self.plan(pod)
+        except (ValueError, ApiException) as exc:
+            log.warning("cannot run %s/%s: %s", pod.metadata.namespace, pod.metadata.name, exc)
+            self.refused.add(pod.metadata.uid)  # the spec will not change: no retry
+            return
+        self.net.create_namespace(run.netns, run.ip)
+        self.pods[run.uid] = run
+        self.launch(run)
+
+    def plan(self, pod: Any) -> PodRun:
+        container = pod.spec.containers[0]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.metadata.name}
+        for var in container.env or []:
+            if var.value_from is None:
+                env[var.name] = var.value or ""
+            elif var.value_from.field_ref is not None:
+                env[var.name] = field_value(pod, var.value_from.field_ref.field_path)
+            else:
+                raise ValueError(f"env {var.name}: only value and fieldRef are supported")
+        if pod.spec.automount_service_account_token is not False:
+            env["KUBECONFIG"] = str(self.service_account_kubeconfig(pod))
+        # `kiln` is this venv's CLI; the image named in the pod spec is not used.
+        argv = [*self.net.exec_prefix(f"p{pod.metadata.uid[:8]}"), sys.executable, "-m", "kiln.cli",
+                *container.command[1:], *(container.args or [])]
+        prestop = 0.0
+        hook = container.lifecycle.pre_stop if container.lifecycle else None
+        if hook is not None and getattr(hook, "sleep", None) is not None:
+            prestop = float(hook.sleep.seconds)
+        return PodRun(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, container.name,
+                      pod.status.pod_ip, argv, env,
+                      self.cluster.dir / "logs" / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}.log",
+                      Probe.of(container, pod.status.pod_ip),
+                      float(pod.spec.termination_grace_period_seconds or 30), prestop)
+
+    def service_account_kubeconfig(self, pod: Any) -> Path:
+        """What the kubelet's projected token volume gives a pod, as a kubeconfig."""
+        sa = pod.spec.service_account_name or "default"
+        request = {"spec": {"expirationSeconds": TOKEN_SECONDS,
+                            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name,
+                                               "uid": pod.metadata.uid}}}
+        token = self.core.create_namespaced_service_account_token(sa, pod.metadata.namespace, request).status.token
+        server = f"https://{self.relay.address[0]}:{self.relay.address[1]}"
+        return token_kubeconfig(self.workdir / pod.metadata.uid / "kubeconfig", server,
+                                self.cluster.dir / "pki" / "ca.crt", f"{pod.metadata.namespace}:{sa}", token)
+
+    def launch(self, run: PodRun) -> None:
+        run.record = processes.launch(run.argv, run.log_path, env=run.env)
+        run.restart_at, run.failures, run.next_probe = None, 0, 0.0
+        log.info("started %s (pid %d) at %s", run.key, run.record["pid"], run.ip)
+
+    # -- readiness and restarts --
+    def check(self, run: PodRun) -> None:
+        now = time.monotonic()
+        if run.record is not None and not processes.alive(run.record):
+            processes.reap(run.record["pid"])
+            log.warning("%s exited; restarting in %.0fs\n%s", run.key, RESTART_BACKOFF_S,
+                        processes.log_tail(run.record, 10))
+            run.record, run.restart_at = None, now + RESTART_BACKOFF_S
+            run.restarts += 1
+            self.report(run, False)
+        if run.record is None:
+            if run.restart_at is not None and now >= run.restart_at:
+                self.launch(run)
+            return
+        if run.probe is None:
+            self.report(run, True)
+            return
+        if now < run.next_probe:
+            return
+        run.next_probe = now + run.probe.period
+        if run.probe.check():
+            run.failures = 0
+            self.report(run, True)
+        else:
+            run.failures += 1
+            # Unready from the start until the first success; afterwards after `failures` misses.
+            if run.ready is None or run.failures >= run.probe.failures:
+                self.report(run, False)
+
+    def report(self, run: PodRun, ready: bool) -> None:
+        if run.ready == ready:
+            return
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        value = "True" if ready else "False"
+        state = {"running": {"startedAt": now}} if run.record else {"waiting": {"reason": "CrashLoopBackOff"}}
+        patch = {"status": {
+            "conditions": [{"type": t, "status": value, "lastTransitionTime": now}
+                           for t in ("Ready", "ContainersReady")],
+            "containerStatuses": [{"name": run.container, "ready": ready, "restartCount": run.restarts,
+                                   "state": state}]}}
+        try:
+            self.core.patch_namespaced_pod_status(run.name, run.namespace, patch,
+                                                  _content_type="application/strategic-merge-patch+json")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        run.ready = ready
+        log.info("%s ready=%s", run.key, ready)
+
+    # -- stopping --
+    def stop_later(self, run: PodRun, grace: float) -> None:
+        run.stopping = True
+        threading.Thread(target=self.stop, args=(run, grace), name=f"stop {run.key}", daemon=True).start()
+
+    def stop(self, run: PodRun, grace: float, prestop: float | None = None) -> None:
+        """preStop sleep (the Endpoints drop the pod meanwhile), SIGTERM, grace, SIGKILL."""
+        time.sleep(run.prestop if prestop is None else prestop)
+        if run.record is not None:
+            processes.stop(run.record, grace=max(grace, 0.1))
+        self.net.delete_namespace(run.netns)
+        self.pods.pop(run.uid, None)
+        log.info("stopped %s", run.key)
+
+    def shutdown(self) -> None:
+        threads = [threading.Thread(target=self.stop, args=(run, min(run.grace, SHUTDOWN_GRACE_S), 0.0))
+                   for run in list(self.pods.values()) if not run.stopping]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.relay.stop()
+        log.info("pod runtime stopped")
+
+
+def run(directory: Path) -> int:
+    """Run pods until SIGTERM; `kiln local up` starts this as one of the cluster's processes."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    c = Cluster(directory)
+    if not c.state().get("ports"):
+        print(f"kiln local runtime: no local cluster in {c.dir}; run `kiln local up` first", file=sys.stderr)
+        return 1
+    runtime = Runtime(c)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: runtime.stopping.set())
+    runtime.serve()
+    return 0
