@@ -44,6 +44,52 @@ def local_cluster():
 
 
 # ---------------------------------------------------------------------------
+# operator fixtures (kiln.operator): Kiln installed with `kubectl apply -k manifests/`
+# ---------------------------------------------------------------------------
+import subprocess  # noqa: E402
+import uuid  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def kubectl(local_cluster: LocalCluster):
+    """Run kubectl as cluster admin; failures raise with kubectl's own message."""
+    def run(*args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+        done = subprocess.run(["kubectl", f"--kubeconfig={local_cluster.kubeconfig}", *args], input=input,
+                              capture_output=True, text=True, timeout=120)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr or done.stdout}")
+        return done
+    return run
+
+
+@pytest.fixture(scope="session")
+def kiln_installed(kubectl) -> subprocess.CompletedProcess:
+    """`kubectl apply -k manifests/`, the documented install, with the CRD established."""
+    done = kubectl("apply", "-k", str(REPO / "manifests"))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.kiln.dev")
+    return done
+
+
+@pytest.fixture(scope="session")
+def custom_api(local_cluster: LocalCluster):
+    import kubernetes
+    return kubernetes.client.CustomObjectsApi(local_cluster.api_client)
+
+
+@pytest.fixture(scope="module")
+def namespace(local_cluster: LocalCluster):
+    """A fresh namespace per test module, deleted afterwards (its objects with it)."""
+    import kubernetes
+    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
+    name = f"kiln-test-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+
+
+# ---------------------------------------------------------------------------
 # engine fixtures (kiln.engine model): the real SmolLM2-135M, loaded once per session
 # ---------------------------------------------------------------------------
 from pathlib import Path  # noqa: E402

@@ -32,7 +32,7 @@ def build_registry(api: Api, image: str, interval: float) -> kopf.OperatorRegist
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    kopf.on.login(registry=registry)(login)
+    kopf.on.login(registry=registry, id="login")(login)
     retry = {"registry": registry, "backoff": min(interval, 10.0)}
     kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", **retry)(handle)
     kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile-update", field="spec", **retry)(handle)
@@ -52,7 +52,9 @@ def build_settings() -> kopf.OperatorSettings:
     # kopf's bookkeeping goes to kiln.dev annotations, never into our status schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-    # Our own Events say what changed; kopf's "handler succeeded" ones would drown them.
+    # kopf timers need a finalizer (to stop before the object goes); name it after us.
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    # Our own Events (kopf.event) say what changed; kopf's "handler succeeded" would drown them.
     settings.posting.level = logging.WARNING
     return settings
 

@@ -68,7 +68,7 @@ def retire(api: Api, body: Mapping[str, Any], namespace: str, name: str) -> None
     except ApiException as err:
         if err.status != 404:
             raise
-    kopf.info(body, reason="RevisionRetired", message=f"deleted old revision {name}")
+    kopf.event(body, type="Normal", reason="RevisionRetired", message=f"deleted old revision {name}")
 
 
 def parse_spec(body: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -107,5 +107,5 @@ def reconcile(body: Mapping[str, Any], api: Api, image: str, logger: logging.Log
             _content_type="application/merge-patch+json")
         logger.debug("status written: %s", status)
     for cond in transitions(previous, status):
-        post = kopf.warn if cond["reason"] in WARNING_REASONS else kopf.info
-        post(body, reason=cond["reason"], message=f"{cond['type']}={cond['status']}: {cond['message']}")
+        kopf.event(body, type="Warning" if cond["reason"] in WARNING_REASONS else "Normal",
+                   reason=cond["reason"], message=f"{cond['type']}={cond['status']}: {cond['message']}")

@@ -1,0 +1,126 @@
+"""The InferenceService CRD: generated from the models, kept in sync, and enforced by a real
+API server (the CEL rules and their messages)."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from kiln.operator import crds
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def schema_nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from schema_nodes(child, f"{path}.{name}")
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            yield from schema_nodes(node[key], f"{path}[]")
+
+
+def test_crds_folder_matches_the_models():
+    stale = crds.stale_files(ROOT / "crds")
+    assert not stale, f"crds/ is stale ({stale}): run `kiln crds` and commit the result"
+
+
+def test_crds_check_flag_detects_a_stale_file(tmp_path):
+    parser = __import__("argparse").ArgumentParser()
+    crds.add_arguments(parser)
+    assert crds.run(parser.parse_args(["--out-dir", str(tmp_path)])) == 0
+    assert crds.run(parser.parse_args(["--out-dir", str(tmp_path), "--check"])) == 0
+    (tmp_path / crds.CRD_FILE).write_text((tmp_path / crds.CRD_FILE).read_text().replace("isvc", "isv"))
+    assert crds.run(parser.parse_args(["--out-dir", str(tmp_path), "--check"])) == 1
+
+
+def test_schema_is_structural():
+    version = crds.build_crd()["spec"]["versions"][0]
+    for path, node in schema_nodes(version["schema"]["openAPIV3Schema"]):
+        assert not {"$ref", "anyOf", "allOf", "oneOf", "title", "nullable"} & node.keys(), path
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
+        if isinstance(node.get("default"), dict) and node["default"]:
+            pytest.fail(f"{path}: object defaults should be {{}} so nested defaults apply")
+        for rule in node.get("x-kubernetes-validations", []):
+            assert rule["message"] and "self" in rule["rule"], path
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    assert [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c] == \
+        ["Ready", "Replicas", "Model", "Age"]
+
+
+# ----- against the real API server -----------------------------------------------------------
+
+GOOD = {"model": {"name": "smollm2-135m", "source": "builtin://smollm2-135m"}}
+
+
+def with_spec(**changes: Any) -> dict[str, Any]:
+    spec = copy.deepcopy(GOOD)
+    for dotted, value in changes.items():
+        node = spec
+        *parents, last = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return spec
+
+
+# (case id, metadata.name, spec, words the API server's message must contain)
+INVALID = [
+    ("min-above-max", "bad", with_spec(autoscaling__minReplicas=5, autoscaling__maxReplicas=2),
+     "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas"),
+    ("weights-not-increasing", "bad", with_spec(rollout__steps=[{"weight": 50}, {"weight": 10}]),
+     "rollout.steps weights must be strictly increasing"),
+    ("weights-repeated", "bad", with_spec(rollout__steps=[{"weight": 20}, {"weight": 20}]),
+     "rollout.steps weights must be strictly increasing"),
+    ("weight-above-100", "bad", with_spec(rollout__steps=[{"weight": 150}]),
+     "should be less than or equal to 100"),
+    ("tp-does-not-divide-gpus", "bad", with_spec(engine__tensorParallelSize=2, resources__gpus=3),
+     "engine.tensorParallelSize must divide resources.gpus"),
+    ("bad-duration", "bad", with_spec(autoscaling__stableWindow="1 minute"),
+     "must be a duration such as 30s, 5m or 1h"),
+    ("bad-quantity", "bad", with_spec(resources__memory="16GB"),
+     "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"),
+    ("bad-source-scheme", "bad", with_spec(model__source="s3://bucket/model"),
+     "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
+    ("ratio-below-one", "bad", with_spec(rollout__steps=[{"weight": 10}],
+                                         rollout__analysis={"maxTimeToFirstTokenP95Ratio": 0.8}),
+     "maxTimeToFirstTokenP95Ratio in body should be greater than or equal to 1"),
+    ("unknown-quantization", "bad", with_spec(engine__quantization="int3"),
+     'supported values: "none", "int8", "int4", "fp8"'),
+    ("draft-without-model", "bad", with_spec(engine__speculative={"method": "draft"}),
+     "speculative.method draft needs speculative.model"),
+    ("missing-source", "bad", {"model": {"name": "x"}}, "spec.model.source: Required value"),
+    ("name-too-long", "a" * 51, GOOD, "metadata.name must be at most 50 lowercase letters"),
+]
+
+
+@pytest.mark.parametrize("case, name, spec, message", INVALID, ids=[c[0] for c in INVALID])
+def test_api_server_rejects_invalid_spec_with_a_clear_message(custom_api, kiln_installed, namespace,
+                                                              case, name, spec, message):
+    from kubernetes.client.rest import ApiException
+    body = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name}, "spec": spec}
+    with pytest.raises(ApiException) as err:
+        custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace, "inferenceservices", body)
+    assert err.value.status == 422, err.value.body
+    assert message in json.loads(err.value.body)["message"]
+
+
+def test_api_server_fills_defaults_and_keeps_the_full_example(custom_api, kiln_installed, namespace):
+    full = yaml.safe_load((ROOT / "examples/full.yaml").read_text())
+    minimal = {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "minimal"}, "spec": GOOD}
+    stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
+                                                        "inferenceservices", minimal, dry_run="All")
+    assert stored["spec"]["engine"]["kvCache"] == {"memory": "1Gi", "prefixCaching": True}
+    assert stored["spec"]["resources"]["gpus"] == 0 and stored["spec"]["replicas"] == 1
+    full["metadata"] = {"name": "chat"}
+    stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
+                                                        "inferenceservices", full, dry_run="All")
+    assert stored["spec"] == full["spec"] | {"replicas": 1}  # nothing pruned, only defaults added
