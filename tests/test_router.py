@@ -7,7 +7,9 @@ import asyncio
 import functools
 import json
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, StaticEndpoints
-from kiln.router.endpointslices import ready_endpoints
+from kiln.router.endpointslices import SERVICE_LABEL, EndpointSliceSource, ready_endpoints
 from kiln.router.proxy import build_app
 
 pytestmark = pytest.mark.timeout(60)
@@ -326,3 +328,82 @@ def test_ready_endpoints_follow_conditions_and_port_name() -> None:
     assert ready_endpoints(slices, "grpc") == ()
     unnamed = endpoint_slice("d", None, 8080, {"10.0.0.5": True})
     assert ready_endpoints([unnamed], "") == (Endpoint("10.0.0.5", 8080),)
+
+
+# ---------------------------------------------------------------------------
+# EndpointSlice discovery against the local cluster: the real API server writes the
+# slices (kube-controller-manager) from pods that kwok runs and marks Ready.
+# ---------------------------------------------------------------------------
+EXTERNAL_READINESS = "kiln.dev/readiness"  # kwok leaves such pods unready (see kiln.local.kwok)
+
+
+def engine_pod(name: str, ready: bool) -> dict:
+    annotations = {} if ready else {EXTERNAL_READINESS: "external"}
+    return {"metadata": {"name": name, "labels": {"app": "router-test"},
+                         "annotations": annotations},
+            "spec": {"containers": [{"name": "engine", "image": "kiln/engine:test",
+                                     "ports": [{"name": "http", "containerPort": 8000}]}]}}
+
+
+def wait_until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + 120  # a bound to fail with a message, not a speed check
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.1)
+
+
+def slice_endpoints(api_client: client.ApiClient, namespace: str, service: str
+                    ) -> tuple[list[client.V1EndpointSlice], dict[str, client.V1Endpoint]]:
+    """The Service's slices as stored, and their endpoints by pod name."""
+    slices = client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice(
+        namespace, label_selector=f"{SERVICE_LABEL}={service}").items
+    return slices, {e.target_ref.name: e for s in slices for e in s.endpoints or ()
+                    if e.target_ref is not None}
+
+
+@pytest.fixture
+def router_namespace(local_cluster: Any) -> Iterator[str]:
+    core = client.CoreV1Api(local_cluster.api_client)
+    name = f"kiln-router-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)  # its Service and pods go with it
+
+
+@pytest.mark.timeout(1800)  # the session's cluster may have to be built and started first
+def test_endpointslice_discovery_follows_ready_pods_of_a_real_service(
+        local_cluster: Any, router_namespace: str) -> None:
+    namespace = router_namespace
+    core = client.CoreV1Api(local_cluster.api_client)
+    core.create_namespaced_service(namespace, {
+        "metadata": {"name": "engines"},
+        "spec": {"selector": {"app": "router-test"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8000},
+                           {"name": "metrics", "port": 9090}]}})
+    # Pods are refused until the controller-manager has made the namespace's ServiceAccount.
+    wait_until(lambda: core.list_namespaced_service_account(
+        namespace, field_selector="metadata.name=default").items, "the default ServiceAccount")
+    for name, ready in (("engine-0", True), ("engine-1", True), ("engine-unready", False)):
+        core.create_namespaced_pod(namespace, engine_pod(name, ready))
+    source = EndpointSliceSource(local_cluster.api_client, namespace, "engines", "http",
+                                 resync_seconds=5)
+    asyncio.run(source.start())
+    try:
+        wait_until(lambda: len(source.endpoints()) >= 2, "two ready endpoints")
+        ips = {name: core.read_namespaced_pod(name, namespace).status.pod_ip
+               for name in ("engine-0", "engine-1")}
+        # The slices carry the pods' target port under the Service port's name.
+        assert source.endpoints() == tuple(sorted(Endpoint(ips[n], 8000) for n in ips))
+        core.delete_namespaced_pod("engine-0", namespace, grace_period_seconds=0)
+        wait_until(lambda: Endpoint(ips["engine-0"], 8000) not in source.endpoints(),
+                   "the deleted pod to leave the endpoints")
+        assert source.endpoints() == (Endpoint(ips["engine-1"], 8000),)
+        # kwok may give the unready pod its IP (and so its slice entry) a moment later.
+        wait_until(lambda: "engine-unready" in slice_endpoints(
+            local_cluster.api_client, namespace, "engines")[1], "the unready pod in a slice")
+        slices, by_pod = slice_endpoints(local_cluster.api_client, namespace, "engines")
+        # Known to Kubernetes, yet not routed to.
+        assert by_pod["engine-unready"].conditions.ready is False
+        assert ready_endpoints(slices, "http") == source.endpoints()
+    finally:
+        asyncio.run(source.stop())
