@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import socket
 import time
@@ -41,13 +42,15 @@ def sse(payload: dict) -> bytes:
 
 class FakeEngine:
     """Stands in for an engine pod. Scripts: answer; hold (answer once `release` is set);
-    stream (one SSE event, then the rest once `release` is set); break (one SSE event, then
-    drop the connection); hang_up (drop the connection without answering)."""
+    stream (one SSE event, then the rest once `release` is set); endless (SSE events until
+    the client goes away); break (one SSE event, then drop the connection); hang_up (drop
+    the connection without answering)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.hits = 0
         self.streams_finished = 0
+        self.clients_gone = 0
         self.release = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_post("/v1/completions", self.completions)
@@ -78,6 +81,16 @@ class FakeEngine:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         self.streams_finished += 1
+        return response
+
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        response = await self._first_event(request)
+        try:
+            for token in itertools.count(1):
+                await asyncio.sleep(0.01)
+                await response.write(sse({"engine": self.name, "token": token}))
+        except ConnectionResetError:  # what a real engine sees, and aborts the request on
+            self.clients_gone += 1
         return response
 
     async def _break(self, request: web.Request) -> web.StreamResponse:
@@ -212,6 +225,19 @@ async def test_stream_chunks_reach_client_while_engine_still_generating() -> Non
         assert rest == sse({"engine": engine.name, "token": 1}) + \
             sse({"engine": engine.name, "token": 2}) + b"data: [DONE]\n\n"
         assert engine.streams_finished == 1
+
+
+@on_event_loop
+async def test_client_going_away_reaches_the_engine() -> None:
+    async with service(1) as svc:
+        response = await svc.complete("endless")
+        await response.content.readuntil(b"\n\n")
+        response.close()
+        await until(lambda: svc.engines[0].clients_gone == 1)
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total",
+                      endpoint=svc.labels[0], code="499") == 1
+        assert metric(samples, "kiln_router_in_flight_requests", endpoint=svc.labels[0]) == 0
 
 
 @on_event_loop
