@@ -48,15 +48,70 @@ def test_children_carry_owner_labels_and_matching_selectors():
         assert ref == {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
                        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
         assert obj["metadata"]["namespace"] == "ml"
-    dep, svc, pdb = children.deployment, children.service, children.pdb
+    dep, svc, pdb, engines = children.deployment, children.service, children.pdb, children.engine_service
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-    for sel in (dep["spec"]["selector"]["matchLabels"], svc["spec"]["selector"],
+    for sel in (dep["spec"]["selector"]["matchLabels"], engines["spec"]["selector"],
                 pdb["spec"]["selector"]["matchLabels"]):
         assert sel.items() <= pod_labels.items()
     assert dep["metadata"]["name"] == children.revision == pod_labels[LABEL_REVISION]
     assert dep["spec"]["replicas"] == 2
-    assert svc["metadata"]["name"] == "chat" and svc["spec"]["ports"][0]["port"] == 8000
     assert pdb["spec"]["maxUnavailable"] == 1
+    # Users reach the router, never an engine directly.
+    router_labels = children.router["spec"]["template"]["metadata"]["labels"]
+    assert svc["metadata"]["name"] == "chat" and svc["spec"]["ports"][0]["port"] == 8000
+    assert svc["spec"]["selector"].items() <= router_labels.items()
+    assert not svc["spec"]["selector"].items() <= pod_labels.items()
+    assert children.router["spec"]["selector"]["matchLabels"].items() <= router_labels.items()
+    (router_port,) = pod_spec(children.router)["containers"][0]["ports"]
+    assert svc["spec"]["ports"][0]["targetPort"] == router_port["name"]
+
+
+def test_router_discovers_the_engine_service_with_least_privilege():
+    router = pytest.importorskip("kiln.router.main")
+    children = desired_children(OWNER, spec_of(), IMAGE)
+    engines, pod = children.engine_service, pod_spec(children.router)
+    (c,) = pod["containers"]
+    assert c["command"][:2] == ["kiln", "router"]
+    parser = argparse.ArgumentParser()
+    router.add_arguments(parser)
+    args = parser.parse_args(c["command"][2:])
+    # It reads the slices of the engines' Service, on the port name the engines' port carries.
+    assert args.service == engines["metadata"]["name"] == "chat-engine"
+    assert [p["name"] for p in engines["spec"]["ports"]] == [args.port_name]
+    assert engines["spec"]["clusterIP"] == "None"
+    assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    account, role, binding = children.router_account
+    assert pod["serviceAccountName"] == account["metadata"]["name"] == "chat-router"
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["list", "watch"]}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "ml"}]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False and pod["securityContext"]["runAsNonRoot"]
+
+
+def test_operator_cluster_role_covers_every_child_kind():
+    """Server-side apply of each child needs create and patch on its resource."""
+    rules = [d for d in yaml.safe_load_all((ROOT / "manifests/rbac.yaml").read_text())
+             if d["kind"] == "ClusterRole"][0]["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    for obj in desired_children(OWNER, spec_of(), IMAGE).all():
+        group = obj["apiVersion"].rpartition("/")[0]
+        resource = obj["kind"].lower() + "s"
+        assert {(group, resource, "create"), (group, resource, "patch")} <= granted, obj["kind"]
+    # The router's Role can only be granted by someone holding what it grants.
+    assert {("discovery.k8s.io", "endpointslices", v) for v in ("list", "watch")} <= granted
+
+
+def test_pod_annotations_go_on_every_pod_template():
+    plain = desired_children(OWNER, spec_of(), IMAGE)
+    assert "annotations" not in plain.deployment["spec"]["template"]["metadata"]
+    marked = desired_children(OWNER, spec_of(), IMAGE, {"kiln.dev/readiness": "runtime"})
+    for dep in (marked.deployment, marked.router):
+        assert dep["spec"]["template"]["metadata"]["annotations"] == {"kiln.dev/readiness": "runtime"}
+    # Not part of the revision: annotating pods starts no rollout.
+    assert marked.revision == plain.revision
 
 
 def test_engine_container_command_resources_probes_and_hardening():
@@ -221,6 +276,8 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     from kiln import cli
     assert cli.main(["operator", "--interval", "0"]) == 2
     assert "--interval must be positive" in capsys.readouterr().err
+    assert cli.main(["operator", "--pod-annotation", "no-equals-sign"]) == 2
+    assert "--pod-annotation takes KEY=VALUE" in capsys.readouterr().err
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli.main(["operator"]) == 1

@@ -15,6 +15,7 @@ from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kiln/engine:0.1.0"
 PORT = 8000
+ROUTER_PORT = 8080
 LABEL_ISVC = "kiln.dev/inferenceservice"
 LABEL_REVISION = "kiln.dev/revision"
 LABEL_COMPONENT = "kiln.dev/component"
@@ -38,11 +39,16 @@ class Owner:
 class Children:
     revision: str
     deployment: dict[str, Any]
-    service: dict[str, Any]
+    service: dict[str, Any]  # user-facing: the router pods
     pdb: dict[str, Any]
+    engine_service: dict[str, Any]  # headless, all revisions' engine pods: what the router discovers
+    router: dict[str, Any]
+    router_account: list[dict[str, Any]]  # ServiceAccount, Role, RoleBinding
 
     def all(self) -> list[dict[str, Any]]:
-        return [self.deployment, self.service, self.pdb]
+        # The router's identity before the router, the engines' Service before the router looks.
+        return [*self.router_account, self.engine_service, self.deployment, self.router, self.service,
+                self.pdb]
 
 
 def engine_image() -> str:
@@ -72,24 +78,25 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     return min(max(spec.replicas, spec.autoscaling.minReplicas), spec.autoscaling.maxReplicas)
 
 
-def selector(name: str) -> dict[str, str]:
-    return {LABEL_ISVC: name, LABEL_COMPONENT: "engine"}
+def selector(name: str, component: str = "engine") -> dict[str, str]:
+    return {LABEL_ISVC: name, LABEL_COMPONENT: component}
 
 
 def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name).items())
 
 
-def labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kiln-engine", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/managed-by": "kiln-operator", **selector(name)}
+def labels(name: str, component: str = "engine") -> dict[str, str]:
+    return {"app.kubernetes.io/name": f"kiln-{component}", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/managed-by": "kiln-operator", **selector(name, component)}
 
 
-def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None,
+             component: str = "engine") -> dict[str, Any]:
     return {
         "name": name,
         "namespace": owner.namespace,
-        "labels": {**labels(owner.name), **(extra_labels or {})},
+        "labels": {**labels(owner.name, component), **(extra_labels or {})},
         "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
                              "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}],
     }
@@ -139,7 +146,14 @@ def probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
+                      pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     revision = revision_name(owner.name, spec)
     pod_labels = {**labels(owner.name), LABEL_REVISION: revision}
     model_arg, volumes, mounts = model_location(spec)
@@ -160,8 +174,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
         "readinessProbe": probe("/ready", 5, 2),
         "livenessProbe": probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": HARDENED,
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
@@ -170,8 +183,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": GRACE_PERIOD_S,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                            "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": POD_SECURITY,
     }
     if spec.resources.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
@@ -190,20 +202,95 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "progressDeadlineSeconds": 1800,
             "revisionHistoryLimit": 2,
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": pod_spec},
         },
     }
 
 
+def pod_metadata(pod_labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
+    return {"labels": pod_labels, **({"annotations": dict(annotations)} if annotations else {})}
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def engine_service_name(name: str) -> str:
+    return f"{name}-engine"
+
+
 def render_service(owner: Owner) -> dict[str, Any]:
-    # Selects every revision's engine pods; a later issue points it at the router instead.
+    """The user-facing Service: the router pods, which spread requests over the engines."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(owner, owner.name),
-        "spec": {"type": "ClusterIP", "selector": selector(owner.name),
+        "metadata": metadata(owner, owner.name, component="router"),
+        "spec": {"type": "ClusterIP", "selector": selector(owner.name, "router"),
                  "ports": [{"name": "http", "port": PORT, "targetPort": "http",
                             "protocol": "TCP", "appProtocol": "http"}]},
+    }
+
+
+def render_engine_service(owner: Owner) -> dict[str, Any]:
+    # Headless: nobody connects to it, the router reads its EndpointSlices (ready pods only).
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, engine_service_name(owner.name)),
+        "spec": {"clusterIP": "None", "selector": selector(owner.name),
+                 "ports": [{"name": "http", "port": PORT, "targetPort": "http",
+                            "protocol": "TCP", "appProtocol": "http"}]},
+    }
+
+
+def render_router_account(owner: Owner) -> list[dict[str, Any]]:
+    """The router's ServiceAccount, allowed to list and watch EndpointSlices in its namespace only."""
+    name = router_name(owner.name)
+    meta = metadata(owner, name, component="router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]
+
+
+def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """One router per InferenceService, in front of every revision's engine pods."""
+    name = router_name(owner.name)
+    container = {
+        "name": "router",
+        "image": image,  # the engine image carries the whole `kiln` CLI
+        "command": ["kiln", "router", "--service", engine_service_name(owner.name), "--port", str(ROUTER_PORT)],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        # Ready once it knows a ready engine, so the Service has no endpoint before it can serve.
+        "readinessProbe": probe("/ready", 2, 2),
+        "livenessProbe": probe("/health", 10, 3),
+        "securityContext": HARDENED,
+    }
+    pod_labels = labels(owner.name, "router")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, name, component="router"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector(owner.name, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 2,
+            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": {
+                "serviceAccountName": name,
+                "automountServiceAccountToken": True,  # to watch EndpointSlices
+                "enableServiceLinks": False,
+                "containers": [container],
+                "securityContext": POD_SECURITY,
+            }},
+        },
     }
 
 
@@ -218,10 +305,15 @@ def render_pdb(owner: Owner) -> dict[str, Any]:
     }
 
 
-def desired_children(owner: Owner, spec: InferenceServiceSpec, image: str) -> Children:
+def desired_children(owner: Owner, spec: InferenceServiceSpec, image: str,
+                     pod_annotations: dict[str, str] | None = None) -> Children:
+    """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in)."""
     return Children(revision=revision_name(owner.name, spec),
-                    deployment=render_deployment(owner, spec, image),
-                    service=render_service(owner), pdb=render_pdb(owner))
+                    deployment=render_deployment(owner, spec, image, pod_annotations),
+                    service=render_service(owner), pdb=render_pdb(owner),
+                    engine_service=render_engine_service(owner),
+                    router=render_router(owner, image, pod_annotations),
+                    router_account=render_router_account(owner))
 
 
 def service_url(owner: Owner) -> str:

@@ -20,14 +20,15 @@ from .models import GROUP, PLURAL, VERSION
 from .reconcile import Api, reconcile
 
 
-def build_registry(api: Api, image: str, interval: float) -> kopf.OperatorRegistry:
+def build_registry(api: Api, image: str, interval: float,
+                   pod_annotations: dict[str, str] | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
     # Triggers can overlap (an update while the timer runs); one pass per object at a time.
     locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
 
     def handle(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         with locks[body["metadata"]["uid"]]:
-            reconcile(body, api, image, logger)
+            reconcile(body, api, image, logger, pod_annotations)
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between resync passes over each InferenceService (default 30)")
     parser.add_argument("--engine-image", default=engine_image(),
                         help="engine container image (default: $KILN_ENGINE_IMAGE or %(default)s)")
+    parser.add_argument("--pod-annotation", action="append", default=[], metavar="KEY=VALUE",
+                        help="annotation for every pod the operator makes (repeatable), e.g. "
+                             "kiln.dev/readiness=runtime for the local test runtime")
     parser.add_argument("--liveness", metavar="URL",
                         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -75,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print("kiln operator: --interval must be positive", file=sys.stderr)
         return 2
+    pairs = [a.partition("=") for a in args.pod_annotation]
+    if any(not key or not sep for key, sep, _ in pairs):
+        print("kiln operator: --pod-annotation takes KEY=VALUE", file=sys.stderr)
+        return 2
+    pod_annotations = {key: value for key, _, value in pairs}
     kopf.configure(verbose=args.verbose)
     logging.getLogger("kopf.objects").addFilter(QuietResync())
     try:
@@ -84,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
-    kopf.run(registry=build_registry(api, args.engine_image, args.interval),
+    kopf.run(registry=build_registry(api, args.engine_image, args.interval, pod_annotations),
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0

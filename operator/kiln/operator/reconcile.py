@@ -13,7 +13,7 @@ import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
-from .desired import LABEL_ISVC, Owner, desired_children, desired_replicas, selector_string, service_url
+from .desired import Owner, desired_children, desired_replicas, selector_string, service_url
 from .models import GROUP, PLURAL, VERSION, InferenceServiceSpec
 from .status import stale_revisions, summarize, transitions
 
@@ -30,6 +30,7 @@ class Api:
     apps: kubernetes.client.AppsV1Api
     policy: kubernetes.client.PolicyV1Api
     custom: kubernetes.client.CustomObjectsApi
+    rbac: kubernetes.client.RbacAuthorizationV1Api
 
     @classmethod
     def connect(cls) -> Api:
@@ -39,12 +40,16 @@ class Api:
             kubernetes.config.load_kube_config()  # $KUBECONFIG or ~/.kube/config
         client = kubernetes.client.ApiClient()
         return cls(client, kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client),
-                   kubernetes.client.PolicyV1Api(client), kubernetes.client.CustomObjectsApi(client))
+                   kubernetes.client.PolicyV1Api(client), kubernetes.client.CustomObjectsApi(client),
+                   kubernetes.client.RbacAuthorizationV1Api(client))
 
     def patcher(self, kind: str) -> Callable[..., Any]:
         return {"Deployment": self.apps.patch_namespaced_deployment,
                 "Service": self.core.patch_namespaced_service,
-                "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget}[kind]
+                "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
+                "ServiceAccount": self.core.patch_namespaced_service_account,
+                "Role": self.rbac.patch_namespaced_role,
+                "RoleBinding": self.rbac.patch_namespaced_role_binding}[kind]
 
 
 def apply(api: Api, obj: dict[str, Any]) -> None:
@@ -55,7 +60,8 @@ def apply(api: Api, obj: dict[str, Any]) -> None:
 
 
 def list_revisions(api: Api, owner: Owner) -> list[dict[str, Any]]:
-    found = api.apps.list_namespaced_deployment(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}")
+    # The engine revisions only: the router's Deployment is no revision.
+    found = api.apps.list_namespaced_deployment(owner.namespace, label_selector=selector_string(owner.name))
     deployments = api.client.sanitize_for_serialization(found)["items"]
     # A same-named service deleted and recreated must not adopt its predecessor's leftovers.
     return [d for d in deployments
@@ -83,13 +89,14 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def reconcile(body: Mapping[str, Any], api: Api, image: str, logger: logging.Logger) -> None:
+def reconcile(body: Mapping[str, Any], api: Api, image: str, logger: logging.Logger,
+              pod_annotations: dict[str, str] | None = None) -> None:
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return  # garbage collection removes the children through their owner references
     owner = Owner(meta["name"], meta["namespace"], meta["uid"])
     spec = parse_spec(body)
-    children = desired_children(owner, spec, image)
+    children = desired_children(owner, spec, image, pod_annotations)
     for obj in children.all():
         apply(api, obj)
     deployments = list_revisions(api, owner)
