@@ -15,8 +15,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 KUBE_VERSION = "v1.37.1"
+# The release's commit and tag time, as the module proxy's v1.37.1.info reports them.
+KUBE_COMMIT, KUBE_DATE = "f78e722310e50bcaca9276be22276d9e91d91308", "2026-09-23T17:06:22Z"
 KWOK_VERSION = "v0.8.0"
 GOBUILD = Path(__file__).parent / "gobuild"
 # The version variables Kubernetes' own release build sets (hack/lib/version.sh); without
@@ -41,7 +44,7 @@ class Target:
             for pkg in VERSION_PACKAGES:
                 flags += [f"-X {pkg}.{k}={v}" for k, v in (
                     ("gitVersion", self.version), ("gitMajor", major), ("gitMinor", minor),
-                    ("gitTreeState", "clean"), ("buildDate", "1970-01-01T00:00:00Z"))]
+                    ("gitCommit", KUBE_COMMIT), ("gitTreeState", "clean"), ("buildDate", KUBE_DATE))]
         return " ".join(flags)
 
 
@@ -77,7 +80,7 @@ def find_go() -> str:
     return go
 
 
-def build_target(target: Target, jobs: int = 2, log=sys.stderr) -> float:
+def build_target(target: Target, jobs: int = 2, log: TextIO = sys.stderr) -> float:
     """Compile one module's binaries into the cache; returns the seconds it took."""
     final = bin_dir(target)
     tmp = final.with_name("bin.tmp")
@@ -100,7 +103,7 @@ def build_target(target: Target, jobs: int = 2, log=sys.stderr) -> float:
     return seconds
 
 
-def ensure_built(jobs: int = 2, log=sys.stderr) -> dict[str, float]:
+def ensure_built(jobs: int = 2, log: TextIO = sys.stderr) -> dict[str, float]:
     """Build whatever is missing from the cache; returns build seconds per module built."""
     cache_root().mkdir(parents=True, exist_ok=True)
     # Two test sessions starting at once must not both write the same bin.tmp.

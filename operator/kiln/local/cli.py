@@ -14,8 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runtime: run the test pod runtime in the foreground (`up` starts it)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
-    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE, help="bridge device for pod addresses ($KILN_LOCAL_BRIDGE)")
-    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET, help="pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET)")
+    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE,
+                        help="bridge device for pod addresses ($KILN_LOCAL_BRIDGE)")
+    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET,
+                        help="pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET)")
     parser.add_argument("--force", action="store_true", help="down even while test sessions use the cluster")
     parser.add_argument("--jobs", type=int, default=2, help="parallel Go compile jobs for build")
 
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
             print(("started" if started else "already up") + f": {c.server()}")
             print(f"export KUBECONFIG={c.kubeconfig}")
         elif args.action == "down":
-            print("stopped and removed" if cluster.down(directory, args.force) else f"no local cluster in {directory}")
+            removed = cluster.down(directory, args.force)
+            print("stopped and removed" if removed else f"no local cluster in {directory}")
         elif args.action == "runtime":
             from kiln.local import runtime  # needs the kubernetes client; the rest does not
             return runtime.run(directory)
@@ -71,5 +74,6 @@ def show_status(c: cluster.Cluster) -> int:
         print(f"{name:<24} pid {record['pid']:<8} {'running' if processes.alive(record) else 'STOPPED'}")
     net = c.network(state)
     print(f"apiserver {c.server()}  kubeconfig {c.kubeconfig}")
-    print(f"network {net.bridge} {net.subnet} gateway {net.gateway}  namespaces: {', '.join(net.namespaces()) or '-'}")
+    namespaces = ", ".join(net.namespaces()) or "-"
+    print(f"network {net.bridge} {net.subnet} gateway {net.gateway}  namespaces: {namespaces}")
     return 0 if c.is_up() else 1

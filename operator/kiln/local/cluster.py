@@ -22,6 +22,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, TextIO
 
 from kiln.local import build, kwok, pki, processes
 from kiln.local.network import PodNetwork
@@ -80,7 +81,7 @@ class Cluster:
         return [int(p.name) for p in found if processes.alive({"pid": int(p.name), "start": int(p.read_text())})]
 
     @contextmanager
-    def locked(self):
+    def locked(self) -> Iterator[None]:
         # Serialises up/down between processes (two pytest sessions, a user's shell).
         # The lock lives in Kiln's cache, not beside or in the directory that `down` removes.
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +113,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, check, timeout: float, record: dict | None = None) -> None:
+def wait_for(what: str, check: Callable[[], object], timeout: float, record: dict | None = None) -> None:
     """Poll check() until it is truthy; fail early with the log if the process died."""
     deadline = time.monotonic() + timeout
     last = None
@@ -186,7 +187,7 @@ def client_flags(c: Cluster, client: str) -> list[str]:
     return [f"--kubeconfig={config}", f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}"]
 
 
-def health_checks(c: Cluster, state: dict) -> dict:
+def health_checks(c: Cluster, state: dict) -> dict[str, Callable[[], bool]]:
     p = state["ports"]
     return {
         "etcd": lambda: urllib.request.urlopen(f"http://127.0.0.1:{p['etcd']}/health", timeout=5).status == 200,
@@ -197,8 +198,8 @@ def health_checks(c: Cluster, state: dict) -> dict:
     }
 
 
-def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBNET, log=sys.stderr,
-       timeout: float = 180.0, user: int | None = None) -> tuple[Cluster, bool]:
+def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBNET,
+       log: TextIO = sys.stderr, timeout: float = 180.0, user: int | None = None) -> tuple[Cluster, bool]:
     """Start the cluster unless it runs already; returns (cluster, whether this call started it).
 
     `user` (a pid) registers a test session: a cluster that sessions started is taken down
@@ -237,7 +238,7 @@ def leave(c: Cluster, user: int) -> bool:
     return True
 
 
-def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: bool, log,
+def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: bool, log: TextIO,
           timeout: float) -> None:
     leftovers = [e for e in ENTRIES if (c.dir / e).exists()]
     if leftovers:
@@ -273,7 +274,7 @@ def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: b
           file=log, flush=True)
 
 
-def ensure_runtime(c: Cluster, log) -> None:
+def ensure_runtime(c: Cluster, log: TextIO) -> None:
     """Start the test pod runtime unless it runs (a cluster from before it existed gets one too)."""
     state = c.state()
     if c.running().get(RUNTIME):
@@ -301,9 +302,10 @@ def nodes_ready(c: Cluster) -> bool:
 def teardown(c: Cluster) -> None:
     """Stop the recorded processes and remove the recorded network and files."""
     state = c.state()
-    for name in (RUNTIME, *reversed(ORDER)):  # the runtime first: it stops the pods' processes
-        if name in state.get("processes", {}):
-            processes.stop(state["processes"][name])
+    # Last started, first stopped: the operator (kiln.local.demo), the runtime (it stops the
+    # pods' processes), then the control plane.
+    for record in reversed(list(state.get("processes", {}).values())):
+        processes.stop(record)
     if "bridge" in state:
         net = c.network(state)
         for name in net.namespaces():
