@@ -8,6 +8,8 @@ import functools
 import itertools
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -387,6 +389,20 @@ def slice_endpoints(api_client: client.ApiClient, namespace: str, service: str
                     if e.target_ref is not None}
 
 
+def engine_service(api_client: client.ApiClient, namespace: str) -> client.CoreV1Api:
+    """Service "engines" over pods labelled app=router-test, ready to take pods."""
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_service(namespace, {
+        "metadata": {"name": "engines"},
+        "spec": {"selector": {"app": "router-test"},
+                 "ports": [{"name": "http", "port": 80, "targetPort": 8000},
+                           {"name": "metrics", "port": 9090}]}})
+    # Pods are refused until the controller-manager has made the namespace's ServiceAccount.
+    wait_until(lambda: core.list_namespaced_service_account(
+        namespace, field_selector="metadata.name=default").items, "the default ServiceAccount")
+    return core
+
+
 @pytest.fixture
 def router_namespace(local_cluster: Any) -> Iterator[str]:
     core = client.CoreV1Api(local_cluster.api_client)
@@ -400,15 +416,7 @@ def router_namespace(local_cluster: Any) -> Iterator[str]:
 def test_endpointslice_discovery_follows_ready_pods_of_a_real_service(
         local_cluster: Any, router_namespace: str) -> None:
     namespace = router_namespace
-    core = client.CoreV1Api(local_cluster.api_client)
-    core.create_namespaced_service(namespace, {
-        "metadata": {"name": "engines"},
-        "spec": {"selector": {"app": "router-test"},
-                 "ports": [{"name": "http", "port": 80, "targetPort": 8000},
-                           {"name": "metrics", "port": 9090}]}})
-    # Pods are refused until the controller-manager has made the namespace's ServiceAccount.
-    wait_until(lambda: core.list_namespaced_service_account(
-        namespace, field_selector="metadata.name=default").items, "the default ServiceAccount")
+    core = engine_service(local_cluster.api_client, namespace)
     for name, ready in (("engine-0", True), ("engine-1", True), ("engine-unready", False)):
         core.create_namespaced_pod(namespace, engine_pod(name, ready))
     source = EndpointSliceSource(local_cluster.api_client, namespace, "engines", "http",
@@ -433,3 +441,54 @@ def test_endpointslice_discovery_follows_ready_pods_of_a_real_service(
         assert ready_endpoints(slices, "http") == source.endpoints()
     finally:
         asyncio.run(source.stop())
+
+
+def accepts_connections(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(1800)  # the session's cluster may have to be built and started first
+def test_router_reaches_a_ready_pod_over_the_pod_network(
+        local_cluster: Any, router_namespace: str, tmp_path: Any) -> None:
+    """Slices -> pod IP -> a process in the pod's network namespace, as in a real cluster.
+    `python -m http.server` stands in for the engine: it serves a canned /v1/models."""
+    core = engine_service(local_cluster.api_client, router_namespace)
+    core.create_namespaced_pod(router_namespace, engine_pod("engine-0", ready=True))
+    wait_until(lambda: core.read_namespaced_pod("engine-0", router_namespace).status.pod_ip,
+               "a pod IP")
+    pod_ip = core.read_namespaced_pod("engine-0", router_namespace).status.pod_ip
+    models = {"object": "list", "data": [{"id": "stand-in", "object": "model"}]}
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text(json.dumps(models))
+    netns_name = f"rt-{router_namespace.removeprefix('kiln-router-')}"
+    netns = local_cluster.network.create_namespace(netns_name, pod_ip)
+    stand_in = subprocess.Popen(
+        ["ip", "netns", "exec", netns, sys.executable, "-m", "http.server", "8000",
+         "--bind", pod_ip, "--directory", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: accepts_connections(pod_ip, 8000), "the stand-in engine to listen")
+        asyncio.run(route_one_request(local_cluster.api_client, router_namespace, pod_ip, models))
+    finally:
+        stand_in.terminate()
+        stand_in.wait()
+        local_cluster.network.delete_namespace(netns_name)
+
+
+async def route_one_request(api_client: client.ApiClient, namespace: str, pod_ip: str,
+                            models: dict) -> None:
+    source = EndpointSliceSource(api_client, namespace, "engines", "http", resync_seconds=5)
+    async with serving(build_app(source)) as port, \
+            aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+        await until(lambda: source.endpoints() == (Endpoint(pod_ip, 8000),))
+        response = await session.get("/v1/models")
+        assert response.status == 200 and json.loads(await response.text()) == models
+        text = await (await session.get("/metrics")).text()
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert metric(samples, "kiln_router_requests_total", endpoint=f"{pod_ip}:8000",
+                  code="200") == 1

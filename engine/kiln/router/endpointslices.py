@@ -56,8 +56,8 @@ class EndpointSliceSource:
                          daemon=True).start()
 
     async def stop(self) -> None:
-        # The thread may still sit in a watch read until the next event or the resync
-        # timeout; it is a daemon and only touches this object, so nobody waits for it.
+        # Watch.stop() shuts the watch's socket, so the thread leaves at once; it is a
+        # daemon and only touches this object, so nobody needs to wait for it.
         self._stopping.set()
         self._watch.stop()
 
@@ -66,6 +66,8 @@ class EndpointSliceSource:
             try:
                 self._list_then_watch()
             except Exception as exc:  # noqa: BLE001 - any API trouble: retry, keep serving
+                if self._stopping.is_set():
+                    return  # stop() cut the watch short
                 log.warning("EndpointSlices of %s/%s: %s; retrying in %.0fs", self._namespace,
                             self._selector, exc, RETRY_SECONDS)
                 self._stopping.wait(RETRY_SECONDS)
