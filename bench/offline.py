@@ -99,12 +99,16 @@ def run_transformers(requests: list[dict], batch_size: int, model) -> dict:
 
 
 def load_transformers():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     from kiln.engine.loader import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    # Unpacked into plain bf16 weights, as Kiln serves them (left packed, transformers would run
+    # float32 dequant kernels instead: a different, slower peer).
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
+                                                 quantization_config=GgufConfig(dequantize=True)).eval()
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     model.generation_config.eos_token_id = None  # like ignore_eos
     return model
 
