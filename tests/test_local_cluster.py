@@ -206,15 +206,23 @@ def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
     """A second, independent cluster (own directory, bridge and subnet) from the CLI."""
     directory = tmp_path / "second"
     args = ("--dir", str(directory), "--bridge", "kilntest", "--subnet", "10.213.1.0/24")
-    first = kiln_local("up", *args)
-    assert first.returncode == 0 and first.stdout.startswith("started"), first.stderr
+    try:
+        first = kiln_local("up", *args)
+        assert first.returncode == 0 and first.stdout.startswith("started"), first.stderr
+        check_second_cluster(directory, args)
+    finally:  # a failed check must not leave a cluster behind
+        kiln_local("down", "--force", "--dir", str(directory))
+
+
+def check_second_cluster(directory, args: tuple[str, ...]) -> None:
     again = kiln_local("up", *args)
     assert again.returncode == 0 and again.stdout.startswith("already up"), again.stderr
     assert kiln_local("status", "--dir", str(directory)).returncode == 0
 
     c = cluster.Cluster(directory)
-    records = list(c.state()["processes"].values())
-    assert len(records) == len(cluster.ORDER) and all(processes.alive(r) for r in records)
+    records = c.state()["processes"]
+    assert set(records) == {*cluster.ORDER, cluster.RUNTIME}
+    assert all(processes.alive(r) for r in records.values())
     c.network().create_namespace("probe", "10.213.1.9")
     assert "kilntest-probe" in PodNetwork.system_namespaces()
 
@@ -225,7 +233,7 @@ def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
     assert cluster.leave(c, os.getpid()) is False and c.is_up()
 
     assert kiln_local("down", "--dir", str(directory)).returncode == 0
-    assert not any(processes.alive(r) for r in records)
+    assert not any(processes.alive(r) for r in records.values())
     assert subprocess.run(["ip", "link", "show", "kilntest"], capture_output=True).returncode != 0
     assert not [n for n in PodNetwork.system_namespaces() if n.startswith("kilntest-")]
     assert not directory.exists()
