@@ -142,8 +142,13 @@ def ready(apis, ns: str, name: str) -> dict[str, Any] | None:
     return obj if current and condition(obj, "Ready").get("status") == "True" else None
 
 
+def engines(name: str) -> str:
+    """Label selector of an InferenceService's engine pods (its router's pods are not engines)."""
+    return f"kiln.dev/inferenceservice={name},kiln.dev/component=engine"
+
+
 def engine_deployments(apis, ns: str, name: str) -> list:
-    return apis["apps"].list_namespaced_deployment(ns, label_selector=f"kiln.dev/inferenceservice={name}").items
+    return apis["apps"].list_namespaced_deployment(ns, label_selector=engines(name)).items
 
 
 def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
@@ -177,7 +182,7 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     assert container.resources.limits["nvidia.com/gpu"] == "1"
     assert dep.metadata.managed_fields[0].manager == "kiln-operator"
 
-    pods = apis["core"].list_namespaced_pod(ns, label_selector="kiln.dev/inferenceservice=smollm2").items
+    pods = apis["core"].list_namespaced_pod(ns, label_selector=engines("smollm2")).items
     assert [p.status.phase for p in pods] == ["Running"]
     node = apis["core"].read_node(pods[0].spec.node_name)
     assert "kiln.dev/kwok" in (node.metadata.annotations or {})
@@ -211,10 +216,11 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     assert {"Serving", "RevisionRetired"} <= reasons
 
     kubectl("delete", "isvc/smollm2", "-n", ns, "--wait=true")
-    eventually(lambda: not engine_deployments(apis, ns, "smollm2")
+    every = "kiln.dev/inferenceservice=smollm2"
+    eventually(lambda: not apis["apps"].list_namespaced_deployment(ns, label_selector=every).items
                and absent(lambda: apis["core"].read_namespaced_service("smollm2", ns))
                and absent(lambda: apis["policy"].read_namespaced_pod_disruption_budget("smollm2", ns))
-               and not apis["core"].list_namespaced_pod(ns, label_selector="kiln.dev/inferenceservice=smollm2").items,
+               and not apis["core"].list_namespaced_pod(ns, label_selector=every).items,
                "garbage collection of every child")
 
 
