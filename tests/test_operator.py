@@ -151,6 +151,12 @@ def engine_deployments(apis, ns: str, name: str) -> list:
     return apis["apps"].list_namespaced_deployment(ns, label_selector=engines(name)).items
 
 
+def event_reasons(apis, ns: str, name: str, type_: str | None = None) -> set[str]:
+    """Reasons of the Events about an InferenceService (kopf posts them asynchronously)."""
+    found = apis["core"].list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    return {e.reason for e in found if e.involved_object.kind == "InferenceService" and type_ in (None, e.type)}
+
+
 def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
     assert "customresourcedefinition.apiextensions.k8s.io/inferenceservices.kiln.dev" in kiln_installed.stdout
     again = kubectl("apply", "-k", str(REPO / "manifests"))  # installing twice is harmless
@@ -211,9 +217,7 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     (new,) = engine_deployments(apis, ns, "smollm2")
     command = new.spec.template.spec.containers[0].command
     assert command[command.index("--max-num-seqs") + 1] == "16" and new.spec.replicas == 2
-    reasons = {e.reason for e in apis["core"].list_namespaced_event(
-        ns, field_selector=f"involvedObject.name=smollm2,involvedObject.kind=InferenceService").items}
-    assert {"Serving", "RevisionRetired"} <= reasons
+    eventually(lambda: {"Serving", "RevisionRetired"} <= event_reasons(apis, ns, "smollm2"), "Events")
 
     kubectl("delete", "isvc/smollm2", "-n", ns, "--wait=true")
     every = "kiln.dev/inferenceservice=smollm2"
@@ -234,8 +238,7 @@ def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kube
     assert (spec_cond["status"], spec_cond["reason"]) == ("False", "NotImplemented")
     for field in ("autoscaling.mode=builtin", "warmPool", "engine.quantization=int4"):
         assert field in spec_cond["message"]
-    warnings = apis["core"].list_namespaced_event(ns, field_selector="involvedObject.name=later,type=Warning").items
-    assert any(e.reason == "NotImplemented" for e in warnings)
+    eventually(lambda: "NotImplemented" in event_reasons(apis, ns, "later", "Warning"), "a Warning Event")
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
 
 
