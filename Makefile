@@ -22,18 +22,14 @@ local-bins: $(STAMP)
 test: $(STAMP) local-bins
 	$(PY) -m pytest -q tests
 
-# Serve the default model; prints the URL and a curl to try once /ready, Ctrl-C stops it.
-PORT ?= 8000
-up: $(STAMP)
-	@$(VENV)/bin/kiln serve --model smollm2-135m --port $(PORT) & pid=$$!; \
-	trap 'kill $$pid; wait $$pid' INT TERM; \
-	until curl -sf http://localhost:$(PORT)/ready >/dev/null; do \
-		kill -0 $$pid 2>/dev/null || exit 1; sleep 1; done; \
-	echo; echo "Kiln is serving smollm2-135m at http://localhost:$(PORT)/v1 (metrics at /metrics)"; \
-	echo "Try:"; \
-	echo "  curl http://localhost:$(PORT)/v1/chat/completions -H 'Content-Type: application/json' \\"; \
-	echo "    -d '{\"model\": \"smollm2-135m\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'"; \
-	echo; wait $$pid
+# The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
+# kubectl apply -k manifests/, the operator running, examples/smollm2.yaml Ready; prints the
+# URL and a curl to try. `make down` takes it all down (logic in operator/kiln/local/demo.py).
+up: $(STAMP) local-bins
+	$(PY) -m kiln.local.demo up
+
+down: $(STAMP)
+	$(PY) -m kiln.local.demo down
 
 clean-venv:
 	rm -rf $(VENV)

@@ -178,6 +178,9 @@ def commands(c: Cluster, state: dict) -> dict[str, list[str]]:
         "kwok": [str(build.binary("kwok")), f"--kubeconfig={c.kubeconfig}", f"--config={d / 'kwok.yaml'}",
                  f"--manage-nodes-with-annotation-selector={kwok.NODE_ANNOTATION}=true",
                  f"--node-ip={net.gateway}", f"--server-address=127.0.0.1:{p['kwok']}",
+                 # Lease heartbeats; without them the node controller marks the nodes NotReady
+                 # (and taints them) 40 s after they came up.
+                 "--node-lease-duration-seconds=40",
                  f"--cidr={net.node_cidrs(len(NODES) + 1)[-1]}"],
     }
 

@@ -43,7 +43,7 @@ log = logging.getLogger("kiln.local.runtime")
 RUNNABLE = {("kiln", "serve"), ("kiln", "router")}
 TICK_S = 0.5
 RESTART_BACKOFF_S = 5.0
-SHUTDOWN_GRACE_S = 10.0  # when the runtime itself stops (kiln local down), pods get at most this
+SHUTDOWN_GRACE_S = 5.0  # when the runtime itself stops (kiln local down): within `down`'s 10 s for it
 TOKEN_SECONDS = 24 * 3600
 
 

@@ -1,0 +1,149 @@
+"""`make up` / `make down`: the whole system on the local cluster.
+
+up: start the local cluster (with its test pod runtime), install Kiln the documented way
+(`kubectl apply -k manifests/`), run the operator as a local process with its
+ServiceAccount's token (so the manifests' RBAC is what it gets), apply
+examples/smollm2.yaml, wait until it is Ready and its router answers, and print a curl.
+down: take it all down. The e2e tests (e2e/) drive the same functions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from kiln.local import build, cluster, processes
+from kiln.local.kwok import EXTERNAL_READINESS
+
+REPO = Path(__file__).resolve().parents[3]
+OPERATOR = "operator"
+EXAMPLE = REPO / "examples" / "smollm2.yaml"
+TOKEN_SECONDS = 24 * 3600
+
+
+def kubectl(kubeconfig: Path, *args: str, input: str | None = None, timeout: float = 120) -> str:
+    """Run kubectl; a failure raises RuntimeError with kubectl's own message."""
+    done = subprocess.run([str(build.binary("kubectl")), f"--kubeconfig={kubeconfig}", *args], input=input,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)}: {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def install(kubeconfig: Path) -> None:
+    kubectl(kubeconfig, "apply", "-k", str(REPO / "manifests"))
+    kubectl(kubeconfig, "wait", "--for=condition=Established", "--timeout=60s", "crd/inferenceservices.kiln.dev")
+
+
+def operator_kubeconfig(c: cluster.Cluster) -> Path:
+    """A kubeconfig holding only the kiln-operator ServiceAccount's token."""
+    request = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                          "spec": {"expirationSeconds": TOKEN_SECONDS}})
+    out = kubectl(c.kubeconfig, "create", "--raw",
+                  "/api/v1/namespaces/kiln-system/serviceaccounts/kiln-operator/token", "-f", "-", input=request)
+    token = json.loads(out)["status"]["token"]
+    path = c.dir / "pods" / "operator.kubeconfig"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kiln-operator",
+        "clusters": [{"name": "kiln-local", "cluster": {"server": c.server(),
+                                                         "certificate-authority": str(c.dir / "pki" / "ca.crt")}}],
+        "users": [{"name": "kiln-operator", "user": {"token": token}}],
+        "contexts": [{"name": "kiln-operator", "context": {"cluster": "kiln-local", "user": "kiln-operator"}}]}))
+    path.chmod(0o600)
+    return path
+
+
+def ensure_operator(c: cluster.Cluster) -> dict:
+    """Run `kiln operator` unless it runs; recorded with the cluster, so `down` stops it.
+
+    Its pods carry the local runtime's opt-in annotation, so the runtime runs them."""
+    with c.locked():
+        state = c.state()
+        record = state["processes"].get(OPERATOR)
+        if record and processes.alive(record):
+            return record
+        env = {"KUBECONFIG": str(operator_kubeconfig(c)), "PATH": "/usr/local/bin:/usr/bin:/bin",
+               "HOME": str(Path.home())}
+        argv = [sys.executable, "-m", "kiln.cli", "operator", "--interval", "5",
+                f"--pod-annotation={EXTERNAL_READINESS}=runtime"]
+        record = processes.launch(argv, c.dir / "logs" / f"{OPERATOR}.log", env=env)
+        state["processes"][OPERATOR] = record
+        c.save(state)
+        return record
+
+
+def router_url(kubeconfig: Path, name: str, namespace: str) -> str | None:
+    """http://<router pod IP>:<port>/v1 from the user Service's EndpointSlices, once one is ready.
+
+    The local cluster has no kube-proxy, so Service IPs lead nowhere; pod IPs on the bridge do."""
+    out = kubectl(kubeconfig, "get", "endpointslices", "-n", namespace,
+                  "-l", f"kubernetes.io/service-name={name}", "-o", "json")
+    for item in json.loads(out)["items"]:
+        port = next((p["port"] for p in item.get("ports") or [] if p.get("name") == "http"), None)
+        for ep in item.get("endpoints") or []:
+            if port and (ep.get("conditions") or {}).get("ready"):
+                return f"http://{ep['addresses'][0]}:{port}/v1"
+    return None
+
+
+def wait_until_serving(kubeconfig: Path, name: str, namespace: str, timeout: float = 900) -> str:
+    """Wait for Ready and a router that knows a ready engine; returns the URL."""
+    kubectl(kubeconfig, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", "-n", namespace,
+            f"inferenceservice/{name}", timeout=timeout + 30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        url = router_url(kubeconfig, name, namespace)
+        if url:
+            try:
+                with urllib.request.urlopen(url.removesuffix("/v1") + "/ready", timeout=5):
+                    return url
+            except (OSError, urllib.error.URLError):
+                pass
+        time.sleep(1)
+    raise RuntimeError(f"{namespace}/{name} is Ready but its router never answered /ready")
+
+
+def up() -> int:
+    c, _ = cluster.up(cluster.default_dir())
+    install(c.kubeconfig)
+    ensure_operator(c)
+    kubectl(c.kubeconfig, "apply", "-f", str(EXAMPLE))
+    print("waiting for smollm2 to load and warm up (a minute or two on a CPU)...", flush=True)
+    url = wait_until_serving(c.kubeconfig, "smollm2", "default")
+    print(kubectl(c.kubeconfig, "get", "isvc"))
+    body = json.dumps({"model": "smollm2-135m", "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    print(f"Kiln serves smollm2 through its router at {url}\n\n"
+          f"  export KUBECONFIG={c.kubeconfig}\n  kubectl get isvc\n"
+          f"  curl {url}/chat/completions -H 'Content-Type: application/json' -d '{body}'\n\n"
+          "`make down` takes it all down. Note: pods run under kiln.local.runtime, a TEST runtime.")
+    return 0
+
+
+def down() -> int:
+    removed = cluster.down(cluster.default_dir())
+    print("local cluster stopped and removed" if removed else "no local cluster to take down")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kiln.local.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=("up", "down"))
+    args = parser.parse_args(argv)
+    try:
+        return up() if args.action == "up" else down()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"make {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
