@@ -113,6 +113,9 @@ def apis(local_cluster):
 def ns(namespace, apis, operator):
     # Pods need the namespace's default ServiceAccount, which the controller-manager makes.
     eventually(lambda: apis["core"].read_namespaced_service_account("default", namespace), "default SA")
+    not_ready = [n.metadata.name for n in apis["core"].list_node().items
+                 if not any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
+    assert not not_ready, f"nodes {not_ready} are NotReady: kwok must keep their heartbeats (node leases)"
     yield namespace
     # The operator's finalizer (kopf timers need one) goes only while the operator runs.
     apis["custom"].delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
