@@ -88,7 +88,8 @@ async def run_load(url: str, extra: dict, n: int, max_tokens: int, *, concurrenc
     bodies = [{"model": "smol", "prompt": prompt(first + i), "max_tokens": max_tokens, "temperature": 0,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
               for i in range(n)]
-    conn = aiohttp.TCPConnector(limit=0)
+    # A fresh connection per request: llama-server closes idle keep-alive connections under us.
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as session:
         t0 = time.perf_counter()
         if concurrency is not None:
@@ -133,10 +134,11 @@ def summarize(samples: list[Sample], wall: float, max_tokens: int, ttft_slo: flo
 class ServerUnderTest:
     """A server process started for the benchmark; stopped (by its own pid) when done."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, log: Path) -> None:
+    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, log: Path, threads: int) -> None:
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = log.open("a")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}  # torch's intra-op threads for Kiln
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         deadline = time.monotonic() + 600
         while not _ok(self.url + ready_path):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -174,14 +176,14 @@ def start_kiln(gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
     cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", str(gguf), "--served-model-name", "smol",
            "--dtype", "bfloat16", "--no-prefix-caching", "--max-num-seqs", "128", "--max-model-len", "2048",
            "--max-queue", "4096", "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
-    return ServerUnderTest("kiln", cmd, port, "/ready", args.log_dir / "kiln.log")
+    return ServerUnderTest("kiln", cmd, port, "/ready", args.log_dir / "kiln.log", args.threads)
 
 
 def start_llama(binary: Path, gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "-np", "64", "-c", "32768", "-t", str(args.threads),
            "--host", "127.0.0.1", "--port", str(port)]
-    return ServerUnderTest("llama-server", cmd, port, "/health", args.log_dir / "llama-server.log")
+    return ServerUnderTest("llama-server", cmd, port, "/health", args.log_dir / "llama-server.log", args.threads)
 
 
 def machine() -> dict:
@@ -227,6 +229,8 @@ def main() -> None:
     p.add_argument("--poisson-requests", type=int, default=64)
     p.add_argument("--ttft-slo", type=float, default=2.0, help="goodput: TTFT target, seconds")
     p.add_argument("--tpot-slo", type=float, default=0.25, help="goodput: TPOT target, seconds")
+    # Same thread count on both sides. On a busy shared machine use 1: ggml's spinning thread
+    # barriers collapse when its threads are preempted (seen here: 14 tok/s at -t 1, 1.5 at -t 2).
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--peers", default="kiln,llama")
     p.add_argument("--gguf", type=Path, default=CACHE / "models" / "smollm2-135m.bf16.gguf")
@@ -261,7 +265,7 @@ def main() -> None:
                            "gguf": str(args.gguf), "prompt": prompt(0), "temperature": 0, "ignore_eos": True,
                            "prefix_caching": "off (kiln --no-prefix-caching; llama cache_prompt=false)",
                            "llama_server": f"-np 64 -c 32768 -t {args.threads}, fresh server per row",
-                           "kiln": "--max-num-seqs 128, one server for all rows",
+                           "kiln": f"--max-num-seqs 128, OMP_NUM_THREADS={args.threads}, one server for all rows",
                            "goodput_slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}},
               "rows": rows}
     kiln = start_kiln(args.gguf, args) if "kiln" in peers else None
