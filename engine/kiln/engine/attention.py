@@ -22,8 +22,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        rows = _rows(cache)
+        rows.index_copy_(0, slot_mapping, new.to(cache.dtype).flatten(1).view(rows.dtype))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -56,9 +57,17 @@ def _key_slots(block_tables: torch.Tensor, lens: torch.Tensor, num_keys: int, bl
     return block_tables.long().gather(1, pos // block_size) * block_size + pos % block_size
 
 
+def _rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as one row per slot [slots, Hkv*D], reinterpreted as int64 when the row allows:
+    index_select/index_copy move wide elements about twice as fast as bf16 ones on CPU.
+    A view, never a copy: a non-contiguous cache raises here instead of being copied each call."""
+    rows = cache.view(cache.shape[0] * cache.shape[1], -1)
+    return rows.view(torch.int64) if rows.shape[1] * rows.element_size() % 8 == 0 else rows
+
+
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """K (or V) at slots [B, S] -> [B, S, Hkv, D]; slot-row index_select beats block gathers on CPU."""
-    return cache.flatten(0, 1).index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:])
+    """K (or V) at slots [B, S] -> [B, S, Hkv, D]."""
+    return _rows(cache).index_select(0, slots.flatten()).view(cache.dtype).view(*slots.shape, *cache.shape[2:])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
