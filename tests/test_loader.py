@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kiln.engine.config import Config, ModelLoadError
+from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.gguf_loader import dequantize, open_gguf, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
 
@@ -201,3 +202,87 @@ def test_truncated_safetensors_is_named(tmp_path: Path, tiny_llama_dir: Path) ->
 def test_config_rejects_bad_values(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Config(**kwargs)
+
+
+def write_gguf_like_llama_cpp(folder: Path, path: Path) -> Path:
+    """Convert a tiny HF Llama folder to GGUF as convert_hf_to_gguf does: renamed tensors, q/k rows
+    permuted, llama3 rope scaling as a rope_freqs divisor tensor, a byte-level BPE vocabulary."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg["hidden_size"] // heads
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [chr(ord("A") + i) for i in range(cfg["vocab_size"] - 3)])
+    writer.add_token_types([3, 3, 3] + [1] * (cfg["vocab_size"] - 3))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    # llama.cpp's llama3 factors: 1 for short wavelengths, `factor` for long ones, smoothed between.
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < old / rope["high_freq_factor"]:
+            factors.append(1.0)
+        elif wavelen > old / rope["low_freq_factor"]:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        part = None
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            part, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{parts[part]}.{kind}"
+        else:
+            gguf_name = names[name]
+        if part == "self_attn.q_proj":
+            tensor = llama_cpp_permute(tensor, heads)
+        elif part == "self_attn.k_proj":
+            tensor = llama_cpp_permute(tensor, kv_heads)
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_llama_with_llama3_rope_matches_transformers(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.gguf")
+    loaded = load_model(Config(model=str(path), dtype="float32", device="cpu"))
+    assert loaded.model_config.rope_scaling["rope_type"] == "freq_factors"
+    assert not loaded.model_config.tie_word_embeddings
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.randint(3, 96, (200,), generator=torch.Generator().manual_seed(0))
+    set_context(prefill_context([len(ids)]))
+    try:
+        with torch.inference_mode():
+            logits = loaded.model.compute_logits(loaded.model(ids, torch.arange(len(ids))))
+    finally:
+        reset_context()
+    with torch.no_grad():
+        ref = ref_model(ids[None]).logits[0]
+    assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
+    assert loaded.tokenizer.encode("ABC") == [3, 4, 5]
+    assert loaded.tokenizer.eos_token_ids == [2]

@@ -43,7 +43,7 @@ def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 
 def hf_name(name: str) -> str | None:
-    """GGUF tensor name -> HF name; None for tensors the model derives itself (rope_freqs)."""
+    """GGUF tensor name -> HF name; None for a name this loader does not know."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_RE.fullmatch(name)
@@ -78,7 +78,11 @@ def dequantize(tensor: gguf.ReaderTensor, source: str) -> torch.Tensor:
         raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded (corrupt or truncated?): {e}") from None
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader, source: str) -> dict[str, Any] | None:
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        # llama3 scaling arrives baked into per-frequency divisors of the base frequencies.
+        return {"rope_type": "freq_factors", "factors": dequantize(rope_freqs, source).reshape(-1).tolist()}
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -87,15 +91,12 @@ def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any
     raise ModelLoadError(f"{source}: rope scaling {kind!r} is not supported")
 
 
-def read_model_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> ModelConfig:
+def read_model_config(meta: dict[str, Any], reader: gguf.GGUFReader, source: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{source}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if "rope_freqs.weight" in tensor_names:
-        # llama3 scaling arrives as a per-frequency divisor tensor; refuse rather than run it wrong.
-        raise ModelLoadError(f"{source}: rope_freqs (llama3 rope scaling in GGUF) is not supported; "
-                             f"load the Hugging Face folder instead")
+    tensor_names = {t.name for t in reader.tensors}
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -115,7 +116,7 @@ def read_model_config(meta: dict[str, Any], tensor_names: set[str], source: str)
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(meta, arch, source),
+            rope_scaling=_rope_scaling(meta, arch, reader, source),
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -130,6 +131,8 @@ def iter_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str, source: s
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs, dequantized one at a time so peak memory stays one tensor."""
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # already in cfg.rope_scaling
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{source}: unexpected tensor {tensor.name!r}")
@@ -147,7 +150,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, t
     source = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
-    cfg = read_model_config(meta, {t.name for t in reader.tensors}, source)
+    cfg = read_model_config(meta, reader, source)
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
                           meta.get("tokenizer.chat_template"))
     return cfg, tokenizer, iter_weights(reader, cfg, meta["general.architecture"], source)

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Rotary frequencies, with linear or llama3 (wavelength-banded) context scaling."""
+    """Rotary frequencies, with linear, llama3 (wavelength-banded) or GGUF freq-factor scaling."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -63,7 +63,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "freq_factors":  # GGUF's rope_freqs: the scaled frequencies, as divisors
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
 
 
 class RotaryEmbedding(nn.Module):
