@@ -20,7 +20,7 @@ local-bins: $(STAMP)
 	$(PY) -m kiln.cli local build
 
 test: $(STAMP) local-bins
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests e2e
 
 # The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
 # kubectl apply -k manifests/, the operator running, examples/smollm2.yaml Ready; prints the

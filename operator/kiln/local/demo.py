@@ -62,7 +62,7 @@ def operator_kubeconfig(c: cluster.Cluster) -> Path:
 
 
 def ensure_operator(c: cluster.Cluster) -> dict:
-    """Run `kiln operator` unless it runs; recorded with the cluster, so `down` stops it.
+    """Run `kiln operator` for namespace default unless it runs; recorded with the cluster, so `down` stops it.
 
     Its pods carry the local runtime's opt-in annotation, so the runtime runs them."""
     with c.locked():
@@ -72,7 +72,8 @@ def ensure_operator(c: cluster.Cluster) -> dict:
             return record
         env = {"KUBECONFIG": str(operator_kubeconfig(c)), "PATH": "/usr/local/bin:/usr/bin:/bin",
                "HOME": str(Path.home())}
-        argv = [sys.executable, "-m", "kiln.cli", "operator", "--interval", "5",
+        # Namespace `default` only: test sessions run operators of their own in theirs.
+        argv = [sys.executable, "-m", "kiln.cli", "operator", "--interval", "5", "--namespace", "default",
                 f"--pod-annotation={EXTERNAL_READINESS}=runtime"]
         record = processes.launch(argv, c.dir / "logs" / f"{OPERATOR}.log", env=env)
         state["processes"][OPERATOR] = record

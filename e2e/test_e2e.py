@@ -1,0 +1,184 @@
+"""The whole system: kubectl apply an InferenceService, and SmolLM2 answers through its router.
+
+Each step is what the README's "Try it" shows, in order: apply examples/smollm2.yaml, wait
+for Ready, ask for completions and chat (greedy text must equal the engine's own, computed
+here in-process), scale to two replicas through the scale subresource and see the router
+spread traffic over both, delete an engine pod under load without losing a request that had
+not started streaming, delete the InferenceService and see everything it made go.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e_support import REPO, Target, eventually
+
+NAME = "smollm2"
+MODEL = "smollm2-135m"
+LOAD_TIMEOUT = 900  # engines load and warm up on a busy CPU
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+LABEL = f"kiln.dev/inferenceservice={NAME}"
+
+pytestmark = pytest.mark.timeout(1800)
+
+
+@pytest.fixture(scope="module")
+def applied(target: Target, namespace: str, operator: None) -> str:
+    target.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples/smollm2.yaml"))
+    return namespace
+
+
+def wait_ready(target: Target, namespace: str) -> None:
+    target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
+                   f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5).close()
+    except (urllib.error.URLError, OSError):
+        return False
+    return True
+
+
+def router_requests(url: str) -> Counter:
+    """Answered requests per engine endpoint with status 200, from the router's /metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    counts: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kiln_router_requests_total" and sample.labels.get("code") == "200":
+                counts[sample.labels["endpoint"]] += sample.value
+    return counts
+
+
+def engine_pods(target: Target, namespace: str) -> list[dict]:
+    out = target.kubectl("get", "pods", "-n", namespace, "-l", f"{LABEL},kiln.dev/component=engine", "-o", "json")
+    return json.loads(out)["items"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The engine's own greedy answers, in-process, same dtype as examples/smollm2.yaml."""
+    from kiln.engine import LLM, SamplingParams
+    llm = LLM(MODEL, dtype="float32", device="cpu", kv_cache_memory=256 << 20, max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    return {"completion": llm.generate(PROMPT, params)[0].text, "chat": llm.chat(CHAT, params)[0].text}
+
+
+def test_apply_becomes_ready_with_useful_columns(target: Target, applied: str, base_url) -> None:
+    wait_ready(target, applied)
+    table = target.kubectl("get", "isvc", "-n", applied).splitlines()
+    assert table[0].split()[:4] == ["NAME", "READY", "REPLICAS", "MODEL"]
+    assert table[1].split()[:4] == [NAME, "True", "1", MODEL]
+    # The user-facing Service leads to the router, which knows one ready engine.
+    assert get_json(base_url(NAME) + "/ready")["endpoints"] == 1
+
+
+def test_completions_and_chat_are_answered_by_smollm2(applied: str, base_url, reference) -> None:
+    api = client(base_url(NAME))
+    completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert completion.choices[0].text == reference["completion"]
+    chat = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == reference["chat"]
+    assert "Paris" in chat.choices[0].message.content
+
+
+def test_scale_to_two_spreads_traffic_over_both(target: Target, applied: str, base_url) -> None:
+    target.kubectl("scale", "-n", applied, f"inferenceservice/{NAME}", "--replicas=2")
+    target.kubectl("wait", "-n", applied, "--for=jsonpath={.status.readyReplicas}=2", f"--timeout={LOAD_TIMEOUT}s",
+                   f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+    url = base_url(NAME)
+    eventually(lambda: get_json(url + "/ready")["endpoints"] == 2, "the router to know both engines")
+    before = router_requests(url)
+    api = client(url)
+    threads = [threading.Thread(target=api.completions.create,
+                                kwargs={"model": MODEL, "prompt": f"{i} plus {i} is", "max_tokens": 16})
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    served = router_requests(url) - before
+    ips = {f"{p['status']['podIP']}:8000" for p in engine_pods(target, applied)}
+    assert set(served) == ips, f"requests per engine: {dict(served)}; engine pods: {ips}"
+    assert sum(served.values()) == 8
+
+
+@dataclass
+class Outcome:
+    streamed: bool  # the first token had arrived before anything went wrong
+    ok: bool
+    error: str = ""
+
+
+def stream_until(api: openai.OpenAI, stop: threading.Event, outcomes: list[Outcome]) -> None:
+    while not stop.is_set():
+        streamed = False
+        try:
+            stream = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, stream=True)
+            finish = None
+            for chunk in stream:
+                streamed = True
+                finish = chunk.choices[0].finish_reason or finish
+            outcomes.append(Outcome(streamed, finish in ("length", "stop"), f"finish_reason={finish}"))
+        except (openai.APIError, urllib.error.URLError, OSError) as exc:
+            outcomes.append(Outcome(streamed, False, repr(exc)))
+
+
+def test_deleting_an_engine_pod_under_load_loses_no_request(target: Target, applied: str, base_url) -> None:
+    api = client(base_url(NAME))
+    victim = engine_pods(target, applied)[0]["metadata"]["name"]
+    stop, outcomes = threading.Event(), []
+    workers = [threading.Thread(target=stream_until, args=(api, stop, outcomes)) for _ in range(4)]
+    for w in workers:
+        w.start()
+    eventually(lambda: len(outcomes) >= 4, "load to flow")
+    target.kubectl("delete", "pod", "-n", applied, victim, "--wait=false")
+    at_delete = len(outcomes)
+    # Past the preStop pause and the drain: the pod's engine is gone by then.
+    eventually(lambda: victim not in {p["metadata"]["name"] for p in engine_pods(target, applied)}, "pod deletion")
+    time.sleep(15)
+    stop.set()
+    for w in workers:
+        w.join()
+    lost = [o for o in outcomes if not o.ok and not o.streamed]
+    assert not lost, f"{len(lost)} of {len(outcomes)} requests failed before streaming: {lost[:3]}"
+    assert len(outcomes) > at_delete + 4  # traffic went on after the deletion
+    broken = [o for o in outcomes if not o.ok]
+    assert not broken, f"streams broken off mid-way: {broken[:3]}"  # the engine drained them
+
+
+def test_deleting_the_service_removes_everything(target: Target, applied: str, base_url) -> None:
+    url = base_url(NAME)
+    uids = [p["metadata"]["uid"] for p in engine_pods(target, applied)]
+    target.kubectl("delete", "-n", applied, f"inferenceservice/{NAME}", "--timeout=120s")
+    kinds = "deployments,replicasets,pods,services,endpointslices,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
+
+    def leftovers() -> str:
+        return target.kubectl("get", kinds, "-n", applied, "-l", LABEL, "-o", "name").strip()
+    eventually(lambda: leftovers() == "", "every child to be garbage-collected", timeout=180)
+    eventually(lambda: not answers(url + "/health"), "the router to stop answering", 60)
+    if target.cluster is not None:  # the test runtime stopped the pods' processes and namespaces
+        net = target.cluster.network()
+        eventually(lambda: not {f"p{u[:8]}" for u in uids} & set(net.namespaces()), "pod namespaces to go", 60)
