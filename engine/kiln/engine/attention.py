@@ -70,40 +70,65 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return _rows(cache).index_select(0, slots.flatten()).view(cache.dtype).view(*slots.shape, *cache.shape[2:])
 
 
+@dataclass
+class PagedPlan:
+    """What paged attention derives from the step's metadata alone: the same for every layer,
+    so the torch backend builds it once per step (see Attention.forward)."""
+    decode_rows: torch.Tensor  # [b] flat-batch row of each one-token (decode) sequence
+    decode_slots: torch.Tensor  # [b, Sk] cache slot of each key
+    decode_mask: torch.Tensor  # [b, 1, 1, Sk] key within the sequence's length
+    all_decode: bool
+    multi: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (lo, hi, slots [1, S], causal mask [hi-lo, S])
+
+
+def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                         block_size: int) -> PagedPlan:
+    device = seq_lens.device
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    decode = (q_lens == 1).nonzero().flatten()
+    lens = seq_lens[decode].long()
+    num_keys = int(lens.max()) if decode.numel() else 0
+    multi = []
+    for b in (q_lens > 1).nonzero().flatten().tolist():
+        lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=device)
+        multi.append((lo, hi, _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size),
+                      torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]))
+    return PagedPlan(
+        decode_rows=cu_seqlens_q[:-1][decode].long(),
+        decode_slots=_key_slots(block_tables[decode], lens, num_keys, block_size),
+        decode_mask=(torch.arange(num_keys, device=device)[None, :] < lens[:, None])[:, None, None, :],
+        all_decode=decode.numel() == seq_lens.numel(), multi=multi)
+
+
+def run_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedPlan,
+                        scale: float) -> torch.Tensor:
+    """Decodes as one batched SDPA with a length mask; sequences with several query tokens one
+    SDPA each, so a long prefill never pads a batch of decodes."""
+    decoded = None
+    if plan.decode_rows.numel():
+        slots = plan.decode_slots
+        decoded = _attend(q.index_select(0, plan.decode_rows)[:, None], _gather(k_cache, slots),
+                          _gather(v_cache, slots), scale, plan.decode_mask, False)[:, 0]
+        if plan.all_decode:
+            return decoded
+    out = torch.empty_like(q)
+    if decoded is not None:
+        out[plan.decode_rows] = decoded
+    for lo, hi, slots, mask in plan.multi:
+        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask, False)[0]
+    return out
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
-    """Causal attention of q [N,Hq,D] over the paged cache -> [N,Hq,D].
-
-    Query token i of sequence b sits at position seq_lens[b] - q_len_b + i. Decodes (one
-    query token) run as one batched SDPA with a length mask; sequences with several query
-    tokens (prefill, chunked prefill over a cached prefix) run one SDPA each, so a long
-    prefill never pads a batch of decodes.
-    """
-    out = torch.empty_like(q)
+    """Causal attention of q [N,Hq,D] over the paged cache -> [N,Hq,D]. Query token i of
+    sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position."""
     if q.shape[0] == 0:
-        return out
-    block_size = k_cache.shape[1]
-    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    decode = (q_lens == 1).nonzero().flatten()
-    if decode.numel():
-        lens = seq_lens[decode].long()
-        num_keys = int(lens.max())
-        slots = _key_slots(block_tables[decode], lens, num_keys, block_size)
-        valid = torch.arange(num_keys, device=q.device)[None, :] < lens[:, None]  # [b, Sk]
-        rows = cu_seqlens_q[:-1][decode].long()
-        attended = _attend(q.index_select(0, rows)[:, None], _gather(k_cache, slots), _gather(v_cache, slots),
-                           scale, valid[:, None, None, :], False)[:, 0]
-        if decode.numel() == q.shape[0]:
-            return attended
-        out[rows] = attended
-    for b in (q_lens > 1).nonzero().flatten().tolist():
-        lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
-        slots = _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size)
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask, False)[0]
-    return out
+        return torch.empty_like(q)
+    plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    return run_paged_attention(q, k_cache, v_cache, plan, scale)
 
 
 @dataclass(frozen=True)
@@ -144,5 +169,11 @@ class Attention(nn.Module):
             if not ctx.no_cached_prefix:
                 raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
             return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
+        if self.backend.name == "torch":
+            plan = ctx.derived.get("paged_plan")
+            if plan is None:
+                plan = ctx.derived["paged_plan"] = plan_paged_attention(
+                    ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, self.k_cache.shape[1])
+            return run_paged_attention(q, self.k_cache, self.v_cache, plan, self.scale)
         return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
                                             ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k)

@@ -2,7 +2,7 @@
 Attention layer reads it, so the model's forward signature stays (input_ids, positions)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -16,6 +16,8 @@ class Context:
     max_seqlen_k: int
     slot_mapping: torch.Tensor  # int64 [N]: cache slot of each new token's K/V (-1 = skip)
     block_tables: torch.Tensor  # int32 [B, max_blocks], padded
+    # values a backend derives from the metadata once per step and reuses in every layer
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @cached_property
     def no_cached_prefix(self) -> bool:
