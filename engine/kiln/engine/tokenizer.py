@@ -56,10 +56,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = _render_env().from_string(chat_template) if chat_template else None
 
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
