@@ -78,7 +78,7 @@ class PagedPlan:
     decode_slots: torch.Tensor  # [b, Sk] cache slot of each key
     decode_mask: torch.Tensor  # [b, 1, 1, Sk] key within the sequence's length
     all_decode: bool
-    multi: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (lo, hi, slots [1, S], causal mask [hi-lo, S])
+    multi: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (lo, hi, slots [1, S], mask or None=causal)
 
 
 def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -92,8 +92,9 @@ def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, blo
     for b in (q_lens > 1).nonzero().flatten().tolist():
         lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=device)
-        multi.append((lo, hi, _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size),
-                      torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]))
+        # Without a cached prefix plain causal SDPA applies, which also skips the masked half.
+        mask = None if hi - lo == seq_len else torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+        multi.append((lo, hi, _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size), mask))
     return PagedPlan(
         decode_rows=cu_seqlens_q[:-1][decode].long(),
         decode_slots=_key_slots(block_tables[decode], lens, num_keys, block_size),
@@ -116,7 +117,8 @@ def run_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if decoded is not None:
         out[plan.decode_rows] = decoded
     for lo, hi, slots, mask in plan.multi:
-        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask, False)[0]
+        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask,
+                             mask is None)[0]
     return out
 
 
