@@ -144,7 +144,8 @@ def test_unpermuted_rows_give_rotate_half_rope() -> None:
         p = v.view(heads, dim // 2, 2)
         return torch.stack([p[..., 0] * cos - p[..., 1] * sin, p[..., 1] * cos + p[..., 0] * sin], -1).reshape(-1)
     gguf_w = llama_cpp_permute(w, heads)
-    torch.testing.assert_close(rope_pairs(gguf_w @ x), llama_cpp_permute(rope_half(unpermute_qk(gguf_w, heads) @ x)[:, None], heads)[:, 0])
+    hf_rotated = rope_half(unpermute_qk(gguf_w, heads) @ x)
+    torch.testing.assert_close(rope_pairs(gguf_w @ x), llama_cpp_permute(hf_rotated[:, None], heads)[:, 0])
 
 
 def test_resolve_known_name_finds_packaged_gguf() -> None:

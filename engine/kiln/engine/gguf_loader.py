@@ -75,7 +75,8 @@ def dequantize(tensor: gguf.ReaderTensor, source: str) -> torch.Tensor:
         # F32/F16 come straight from the read-only memory map: copy those (they are small norms).
         return torch.from_numpy(array if array.flags.writeable and array.flags.c_contiguous else array.copy())
     except (ValueError, IndexError, AssertionError) as e:
-        raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded (corrupt or truncated?): {e}") from None
+        raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded "
+                             f"(corrupt or truncated?): {e}") from None
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader, source: str) -> dict[str, Any] | None:
@@ -106,7 +107,8 @@ def read_model_config(meta: dict[str, Any], reader: gguf.GGUFReader, source: str
         if eot is not None and int(eot) not in eos_ids:
             eos_ids.append(int(eot))
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        vocab = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else int(meta[f"{arch}.vocab_size"])
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else int(meta[f"{arch}.vocab_size"])
         return ModelConfig(
             vocab_size=vocab, hidden_size=hidden,
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),

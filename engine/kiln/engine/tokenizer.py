@@ -149,7 +149,8 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                           for i, t in enumerate(types) if t == _USER_DEFINED])
     specials = [(name, metadata.get(f"tokenizer.ggml.{name}_token_id")) for name in ("bos", "eos")]
-    added = [(tokens[i], i) for name, i in specials if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token")]
+    added = [(tokens[i], i) for name, i in specials
+             if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token")]
     if added:
         bos = [f"{t}:0" for t, i in added if i == specials[0][1]]
         eos = [f"{t}:0" for t, i in added if i == specials[1][1]]
