@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.engine.config import Config, ModelLoadError
+from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.gguf_loader import dequantize, open_gguf, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
@@ -287,3 +287,16 @@ def test_gguf_llama_with_llama3_rope_matches_transformers(tmp_path: Path, tiny_l
     assert ((logits - ref).norm() / ref.norm()).item() < 1e-4
     assert loaded.tokenizer.encode("ABC") == [3, 4, 5]
     assert loaded.tokenizer.eos_token_ids == [2]
+
+
+def test_config_resolves_auto_choices(smollm2_fp32) -> None:
+    config = Config()
+    assert config.torch_dtype == torch.bfloat16 and Config(dtype="float32").torch_dtype == torch.float32
+    on_gpu = config.torch_device.type == "cuda"
+    assert config.resolved_attention_backend == ("triton" if on_gpu else "torch")
+    model_config = smollm2_fp32.model_config
+    assert model_config.max_position_embeddings == 8192
+    assert resolve_max_model_len(Config(), model_config) == 8192
+    assert resolve_max_model_len(Config(max_model_len=512), model_config) == 512
+    with pytest.raises(ValueError, match="exceeds the model's maximum of 8192"):
+        resolve_max_model_len(Config(max_model_len=10000), model_config)
