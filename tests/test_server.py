@@ -268,6 +268,12 @@ def test_disconnect_mid_stream_frees_blocks(server):
     m = server.wait_metrics(kiln__kv_cache_usage_perc=0, kiln__num_requests_running=0)
     abort = "kiln:request_success_total{finished_reason=abort}"
     assert m[abort] == before[abort] + 1
+    # A non-streamed request whose client gives up is aborted too.
+    with pytest.raises(openai.APITimeoutError):
+        server.client.with_options(timeout=0.5).completions.create(
+            model=MODEL, prompt="Tell me a long story.", max_tokens=240, extra_body={"ignore_eos": True})
+    m = server.wait_metrics(kiln__kv_cache_usage_perc=0, kiln__num_requests_running=0)
+    assert m[abort] == before[abort] + 2
 
 
 def test_metrics_count_requests_and_tokens(server):
