@@ -102,9 +102,6 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "prompt must not be empty", param="prompt")
         return p
 
-    def top_logprobs(self) -> int | None:
-        return self.logprobs
-
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")

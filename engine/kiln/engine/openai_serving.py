@@ -135,11 +135,11 @@ class OpenAIServing:
         try:
             if req.stream:
                 return await self._stream(request, req, request_id, stream.outputs, shape)
-            return await self._collect(req, request_id, stream.outputs, shape)
+            return await self._collect(request_id, stream.outputs, shape)
         finally:
             self.engine.abort(request_id)
 
-    async def _collect(self, req, request_id: str, outputs: asyncio.Queue, shape) -> web.Response:
+    async def _collect(self, request_id: str, outputs: asyncio.Queue, shape) -> web.Response:
         entries: list[dict] = []
         async for out in _until_finished(outputs):
             entries += _new_entries(out)
