@@ -89,8 +89,8 @@ def reference():
 def test_apply_becomes_ready_with_useful_columns(target: Target, applied: str, base_url) -> None:
     wait_ready(target, applied)
     table = target.kubectl("get", "isvc", "-n", applied).splitlines()
-    assert table[0].split()[:4] == ["NAME", "READY", "REPLICAS", "MODEL"]
-    assert table[1].split()[:4] == [NAME, "True", "1", MODEL]
+    assert table[0].split()[:5] == ["NAME", "READY", "REASON", "REPLICAS", "MODEL"]
+    assert table[1].split()[:5] == [NAME, "True", "Serving", "1", MODEL]
     # The user-facing Service leads to the router, which knows one ready engine.
     assert get_json(base_url(NAME) + "/ready")["endpoints"] == 1
 

@@ -51,7 +51,7 @@ def test_schema_is_structural():
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     assert [c["name"] for c in version["additionalPrinterColumns"] if "priority" not in c] == \
-        ["Ready", "Replicas", "Model", "Age"]
+        ["Ready", "Reason", "Replicas", "Model", "Age"]
 
 
 # ----- against the real API server -----------------------------------------------------------

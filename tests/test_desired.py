@@ -215,9 +215,11 @@ def deployment(name: str, generation: int = 1, ready: int = 0, replicas: int = 1
                        "conditions": conditions or []}}
 
 
-def status_for(spec, deployments, previous=None, now="2026-01-01T00:00:00Z") -> dict:
+def status_for(spec, deployments, previous=None, now="2026-01-01T00:00:00Z", router="ready") -> dict:
+    routers = {"ready": deployment("chat-router", ready=1), "unready": deployment("chat-router"), "none": None}
     return summarize(spec=spec, generation=4, revision=revision_name("chat", spec), deployments=deployments,
-                     previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now)
+                     previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now,
+                     router=routers[router])
 
 
 def conditions(status: dict) -> dict[str, tuple[str, str]]:
@@ -238,6 +240,15 @@ def test_status_reports_what_deployments_report():
     assert (ready["replicas"], ready["readyReplicas"], ready["desiredReplicas"]) == (3, 3, 2)
     assert [r["role"] for r in ready["revisions"]] == ["stable", "old"]
     assert all(c["observedGeneration"] == 4 for c in ready["conditions"])
+
+
+def test_ready_waits_for_the_router():
+    spec = spec_of()
+    engines = [deployment(revision_name("chat", spec), ready=1)]
+    assert conditions(status_for(spec, engines, router="none"))["Ready"] == ("False", "Creating")
+    unready = conditions(status_for(spec, engines, router="unready"))
+    assert unready["Ready"] == ("False", "RouterNotReady") and unready["WorkloadReady"][0] == "True"
+    assert conditions(status_for(spec, engines))["RouteReady"] == ("True", "RouterReady")
 
 
 def test_unsettled_or_stuck_deployment_is_not_ready():

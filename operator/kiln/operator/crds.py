@@ -23,6 +23,8 @@ NAME_RULE = cel(
 # What a user skimming `kubectl get isvc` needs; the rest is in `kubectl describe`.
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    # Why it is (not) Ready: Loading, RouterNotReady, Serving, ...
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Source", "type": "string", "jsonPath": ".spec.model.source", "priority": 1},

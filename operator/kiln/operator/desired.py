@@ -82,8 +82,8 @@ def selector(name: str, component: str = "engine") -> dict[str, str]:
     return {LABEL_ISVC: name, LABEL_COMPONENT: component}
 
 
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector(name).items())
+def selector_string(name: str, component: str = "engine") -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
 
 
 def labels(name: str, component: str = "engine") -> dict[str, str]:

@@ -59,9 +59,10 @@ def apply(api: Api, obj: dict[str, Any]) -> None:
                              force=True, _content_type=APPLY)
 
 
-def list_revisions(api: Api, owner: Owner) -> list[dict[str, Any]]:
-    # The engine revisions only: the router's Deployment is no revision.
-    found = api.apps.list_namespaced_deployment(owner.namespace, label_selector=selector_string(owner.name))
+def list_revisions(api: Api, owner: Owner, component: str = "engine") -> list[dict[str, Any]]:
+    """The engine revisions' Deployments (or, with component="router", the router's)."""
+    found = api.apps.list_namespaced_deployment(owner.namespace,
+                                                label_selector=selector_string(owner.name, component))
     deployments = api.client.sanitize_for_serialization(found)["items"]
     # A same-named service deleted and recreated must not adopt its predecessor's leftovers.
     return [d for d in deployments
@@ -107,7 +108,7 @@ def reconcile(body: Mapping[str, Any], api: Api, image: str, logger: logging.Log
     status = summarize(spec=spec, generation=meta.get("generation") or 0, revision=children.revision,
                        deployments=[d for d in deployments if d["metadata"]["name"] not in stale],
                        previous=previous, url=service_url(owner), selector=selector_string(owner.name),
-                       now=now())
+                       now=now(), router=next(iter(list_revisions(api, owner, "router")), None))
     if any(previous.get(key) != value for key, value in status.items()):
         api.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, owner.namespace, PLURAL, owner.name, {"status": status},

@@ -69,10 +69,20 @@ def model_condition(current: dict[str, Any] | None, desired: int) -> dict[str, A
     return condition("ModelLoaded", False, "Loading", "no replica has loaded the model yet")
 
 
-def ready_condition(workload: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
-    if workload["status"] == "True" and model["status"] == "True":
+def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
+    """The router answers only once it knows a ready engine (its readiness probe)."""
+    if router is None:
+        return condition("RouteReady", False, "Creating", "the router's Deployment does not exist yet")
+    ready = deployment_counts(router)[1]
+    if ready > 0:
+        return condition("RouteReady", True, "RouterReady", f"{ready} router replica(s) ready")
+    return condition("RouteReady", False, "RouterNotReady", "no router replica is ready yet")
+
+
+def ready_condition(workload: dict[str, Any], model: dict[str, Any], route: dict[str, Any]) -> dict[str, Any]:
+    blocker = next((c for c in (workload, model, route) if c["status"] != "True"), None)
+    if blocker is None:
         return condition("Ready", True, "Serving", workload["message"])
-    blocker = workload if workload["status"] != "True" else model
     return condition("Ready", False, blocker["reason"], blocker["message"])
 
 
@@ -99,13 +109,15 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
 
 def summarize(*, spec: InferenceServiceSpec, generation: int, revision: str,
               deployments: list[dict[str, Any]], previous: dict[str, Any], url: str,
-              selector: str, now: str) -> dict[str, Any]:
-    """The whole status of an InferenceService, from its spec and its revisions' Deployments."""
+              selector: str, now: str, router: dict[str, Any] | None) -> dict[str, Any]:
+    """The whole status of an InferenceService, from its spec, its revisions' Deployments and
+    its router's Deployment."""
     desired = desired_replicas(spec)
     current = next((d for d in deployments if d["metadata"]["name"] == revision), None)
     workload = workload_condition(current, desired)
     model = model_condition(current, desired)
-    conditions = [ready_condition(workload, model), workload, model, spec_condition(spec)]
+    route = route_condition(router)
+    conditions = [ready_condition(workload, model, route), workload, model, route, spec_condition(spec)]
     revisions = []
     for dep in sorted(deployments, key=lambda d: d["metadata"]["name"] != revision):
         replicas, ready = deployment_counts(dep)
