@@ -4,7 +4,9 @@ kwok acts on Stage objects (a selector over the resource plus the status to writ
 nodes become Ready keeping the capacity they were created with; pods on our nodes become
 Running with an IP from their node's podCIDR (a slice of the bridge subnet) and Ready,
 unless annotated `kiln.dev/readiness: external`, which leaves Ready to the test runtime
-that runs the pod's process; pods being deleted are removed (there is no kubelet).
+that runs the pod's process; pods being deleted are removed (there is no kubelet), except
+annotated ones: the test runtime removes those once their process has stopped, so that
+their IP is not handed to a new pod while the old process still drains on it.
 """
 from __future__ import annotations
 
@@ -100,6 +102,7 @@ spec:
   selector:
     matchExpressions:
     - {key: .metadata.deletionTimestamp, operator: Exists}
+    - {key: '.metadata.annotations["%(annotation)s"]', operator: DoesNotExist}
   next:
     delete: true
 """
@@ -110,7 +113,7 @@ def stages_yaml() -> str:
                               "operator": "DoesNotExist", "ready": "True", "ready_bool": "true"}
     external = POD_RUNNING % {"name": "kiln-pod-started", "annotation": EXTERNAL_READINESS,
                               "operator": "Exists", "ready": "False", "ready_bool": "false"}
-    return "---".join([NODE_READY, ordinary, external, POD_DELETE])
+    return "---".join([NODE_READY, ordinary, external, POD_DELETE % {"annotation": EXTERNAL_READINESS}])
 
 
 def node_manifest(name: str, pod_cidr: str) -> dict:

@@ -175,7 +175,10 @@ class Runtime:
                 grace = run.grace if pod is None else float(pod.metadata.deletion_grace_period_seconds or run.grace)
                 self.stop_later(run, grace)
         for uid, pod in live.items():
-            if uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip and not pod.metadata.deletion_timestamp:
+            if pod.metadata.deletion_timestamp is not None:
+                if uid not in self.pods and kwok.EXTERNAL_READINESS in (pod.metadata.annotations or {}):
+                    self.remove(pod)  # nothing (left) running: what a kubelet does after stopping it
+            elif uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip:
                 self.start(pod)
         for run in list(self.pods.values()):
             if not run.stopping:
@@ -191,6 +194,16 @@ class Runtime:
         self.net.create_namespace(run.netns, run.ip)
         self.pods[run.uid] = run
         self.launch(run)
+
+    def remove(self, pod: Any) -> None:
+        """Delete a pod for good; kwok leaves annotated pods to us (see kiln.local.kwok)."""
+        try:
+            # In the body: a body's absent gracePeriodSeconds would override the query parameter.
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                            body={"gracePeriodSeconds": 0, "preconditions": {"uid": pod.metadata.uid}})
+        except ApiException as exc:
+            if exc.status not in (404, 409):  # gone already, or a new pod of the same name
+                raise
 
     def plan(self, pod: Any) -> PodRun:
         container = pod.spec.containers[0]
