@@ -201,7 +201,7 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     assert condition(obj, "SpecImplemented")["status"] == "True"
     assert all(c["observedGeneration"] == obj["metadata"]["generation"] for c in status["conditions"])
     listing = kubectl("get", "isvc", "-n", ns).stdout
-    assert listing.split("\n")[1].split()[:4] == ["smollm2", "True", "1", "smollm2-135m"]
+    assert listing.split("\n")[1].split()[:5] == ["smollm2", "True", "Serving", "1", "smollm2-135m"]
 
     # /scale, as HPA or `kubectl scale` would use it; status follows what the cluster reports.
     kubectl("scale", "isvc/smollm2", "-n", ns, "--replicas=2")
