@@ -58,10 +58,12 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     path = resolve_model_path("smollm2-135m")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # Unpacked to dense float32 weights, the plain reference implementation.
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
     return model.eval()
 
 
