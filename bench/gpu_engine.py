@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -34,19 +32,10 @@ SHAPES = {
 }
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_model(shape: str, dtype: torch.dtype, device: str, max_positions: int, backend: str = "triton"):
     from kiln.engine.config import ModelConfig
     from kiln.engine.llama import LlamaForCausalLM
+    from kiln.engine.loader import default_dtype
     cfg = ModelConfig(vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None,
                       max_position_embeddings=max_positions, attention_bias=False, bos_token_id=None,
                       **SHAPES[shape])

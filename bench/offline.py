@@ -20,42 +20,17 @@ from pathlib import Path
 
 import torch
 
+from cpu_common import ceilings, machine
+
 WORKLOAD = Path("/work/shared/bench/mixed_workload_seed0.json")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine_info() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    line = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")  # noqa: E731
     import transformers
 
-    return {
-        "cpu": line("model name"),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_flags": [f for f in line("flags").split() if f.startswith(("avx", "amx", "fma"))],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_average_start": os.getloadavg(),
-    }
-
-
-def ceilings() -> dict:
-    """The machine's two limits, measured now: read bandwidth and bf16 matmul throughput."""
-    x = torch.ones(128 << 20, dtype=torch.bfloat16)  # 256 MiB
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    bandwidth = 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    a @ a
-    start = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    flops = 5 * 2 * 2048**3 / (time.perf_counter() - start)
-    return {"read_GBps": round(bandwidth / 1e9, 1), "bf16_matmul_GFLOPs": round(flops / 1e9, 1)}
+    return {**machine(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def run_kiln(requests: list[dict], profile: bool) -> dict:

@@ -27,6 +27,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from cpu_common import ceilings, machine
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 CACHE = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
@@ -184,32 +186,6 @@ def start_llama(binary: Path, gguf: Path, args: argparse.Namespace) -> ServerUnd
     cmd = [str(binary), "-m", str(gguf), "-np", "64", "-c", "32768", "-t", str(args.threads),
            "--host", "127.0.0.1", "--port", str(port)]
     return ServerUnderTest("llama-server", cmd, port, "/health", args.log_dir / "llama-server.log", args.threads)
-
-
-def machine() -> dict:
-    cpu = Path("/proc/cpuinfo").read_text()
-    flags = next((line.split(":")[1].split() for line in cpu.splitlines() if line.startswith("flags")), [])
-    model = next((line.split(":")[1].strip() for line in cpu.splitlines() if line.startswith("model name")), "?")
-    return {"cpus": os.cpu_count(), "cpu": model, "loadavg": os.getloadavg(),
-            "flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))}
-
-
-def ceilings() -> dict:
-    """The machine's memory bandwidth and bf16 matmul rate, measured now (BENCHMARKS.md)."""
-    import torch
-    x = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB
-    x.sum()
-    t = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    a @ a
-    t = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    flops = 5 * 2 * 2048**3 / (time.perf_counter() - t)
-    return {"read_bandwidth_GBps": bw / 1e9, "bf16_matmul_GFLOPs": flops / 1e9}
 
 
 def versions() -> dict:

@@ -125,7 +125,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -148,7 +148,7 @@ def load_model(config: Config) -> LoadedModel:
         source = str(path)
     max_len = resolve_max_model_len(config, model_config)
     # Parameters are created in the target dtype/device directly, never as a float32 copy first.
-    with torch.device(config.torch_device), _default_dtype(config.torch_dtype):
+    with torch.device(config.torch_device), default_dtype(config.torch_dtype):
         model = LlamaForCausalLM(model_config, max_positions=max_len,
                                  attention_backend=config.resolved_attention_backend)
     model.load_weights(weights, source=source)

@@ -1,0 +1,33 @@
+"""What the CPU benchmarks record about the machine they ran on (BENCHMARKS.md)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def machine() -> dict:
+    """CPU model, cores, the SIMD flags that matter for bf16, and the load when measured."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    field = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")  # noqa: E731
+    return {"cpu": field("model name"), "cores": os.cpu_count(), "load_average": os.getloadavg(),
+            "cpu_flags": sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma")))}
+
+
+def ceilings() -> dict:
+    """The machine's two limits, measured now: read bandwidth and bf16 matmul throughput."""
+    import torch
+
+    x = torch.ones(128 << 20, dtype=torch.bfloat16)  # 256 MiB
+    x.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    bandwidth = 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ a
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    flops = 5 * 2 * 2048**3 / (time.perf_counter() - start)
+    return {"read_GBps": round(bandwidth / 1e9, 1), "bf16_matmul_GFLOPs": round(flops / 1e9, 1)}
