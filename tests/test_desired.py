@@ -1,4 +1,5 @@
-"""Pure parts of the operator: desired children and status from a spec, no cluster needed."""
+"""Pure parts of the operator: desired children and status from a spec and what was observed,
+no cluster needed. (plan() on recorded cluster states: tests/test_plan.py.)"""
 from __future__ import annotations
 
 import argparse
@@ -8,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kiln.operator.desired import (ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, desired_children,
-                                   desired_replicas, revision_name, served_model_name)
+from kiln.operator.desired import Desired, desired, desired_replicas
 from kiln.operator.models import InferenceServiceSpec
-from kiln.operator.status import stale_revisions, summarize, transitions, unimplemented
+from kiln.operator.observed import Observed
+from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name, served_model_name
+from kiln.operator.status import summarize, transitions, unimplemented
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_EXAMPLE = ROOT / "examples/full.yaml"
@@ -29,6 +31,14 @@ def pod_spec(deployment: dict) -> dict:
     return deployment["spec"]["template"]["spec"]
 
 
+def want(spec: InferenceServiceSpec, observed: Observed = Observed(), annotations: dict | None = None) -> Desired:
+    return desired(OWNER, spec, observed, IMAGE, annotations)
+
+
+def child(wanted: Desired, kind: str, name: str) -> dict:
+    return next(o for o in wanted.objects() if (o["kind"], o["metadata"]["name"]) == (kind, name))
+
+
 def test_user_examples_parse():
     spec = InferenceServiceSpec.model_validate(yaml.safe_load((ROOT / "examples/smollm2.yaml").read_text())["spec"])
     assert spec.model.name == "smollm2-135m" and spec.resources.gpus == 1
@@ -42,76 +52,98 @@ def test_unknown_field_is_an_error():
 
 
 def test_children_carry_owner_labels_and_matching_selectors():
-    children = desired_children(OWNER, spec_of(replicas=2), IMAGE)
-    for obj in children.all():
+    wanted = want(spec_of(replicas=2))
+    for obj in wanted.objects():
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref == {"apiVersion": "kiln.dev/v1alpha1", "kind": "InferenceService", "name": "chat",
                        "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
         assert obj["metadata"]["namespace"] == "ml"
-    dep, svc, pdb, engines = children.deployment, children.service, children.pdb, children.engine_service
+        assert obj["metadata"]["labels"]["kiln.dev/inferenceservice"] == "chat"  # how a pass finds it
+    stable = wanted.stable
+    dep, revision_svc = stable.deployment, stable.service
+    svc, pdb = child(wanted, "Service", "chat"), child(wanted, "PodDisruptionBudget", "chat")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-    for sel in (dep["spec"]["selector"]["matchLabels"], engines["spec"]["selector"],
+    for sel in (dep["spec"]["selector"]["matchLabels"], revision_svc["spec"]["selector"],
                 pdb["spec"]["selector"]["matchLabels"]):
         assert sel.items() <= pod_labels.items()
-    assert dep["metadata"]["name"] == children.revision == pod_labels[LABEL_REVISION]
-    assert dep["spec"]["replicas"] == 2
+    assert dep["metadata"]["name"] == stable.name == pod_labels[LABEL_REVISION] == revision_svc["metadata"]["name"]
+    # The revision Service's labels reach its EndpointSlices: the router's per-revision view.
+    assert revision_svc["metadata"]["labels"][LABEL_REVISION] == stable.name
+    assert revision_svc["spec"]["clusterIP"] == "None"
+    # Replicas have their own writer: never in the main apply, but planned for the revision.
+    assert "replicas" not in dep["spec"] and stable.replicas == 2 and stable.role == "stable"
     assert pdb["spec"]["maxUnavailable"] == 1
     # Users reach the router, never an engine directly.
-    router_labels = children.router["spec"]["template"]["metadata"]["labels"]
-    assert svc["metadata"]["name"] == "chat" and svc["spec"]["ports"][0]["port"] == 8000
+    router = child(wanted, "Deployment", "chat-router")
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["ports"][0]["port"] == 8000
     assert svc["spec"]["selector"].items() <= router_labels.items()
     assert not svc["spec"]["selector"].items() <= pod_labels.items()
-    assert children.router["spec"]["selector"]["matchLabels"].items() <= router_labels.items()
-    (router_port,) = pod_spec(children.router)["containers"][0]["ports"]
+    assert router["spec"]["selector"]["matchLabels"].items() <= router_labels.items()
+    (router_port,) = pod_spec(router)["containers"][0]["ports"]
     assert svc["spec"]["ports"][0]["targetPort"] == router_port["name"]
 
 
-def test_router_discovers_the_engine_service_with_least_privilege():
+def test_router_discovers_every_revision_with_least_privilege():
     router = pytest.importorskip("kiln.router.main")
-    children = desired_children(OWNER, spec_of(), IMAGE)
-    engines, pod = children.engine_service, pod_spec(children.router)
+    wanted = want(spec_of())
+    pod = pod_spec(child(wanted, "Deployment", "chat-router"))
     (c,) = pod["containers"]
     assert c["command"][:2] == ["kiln", "router"]
     parser = argparse.ArgumentParser()
     router.add_arguments(parser)
     args = parser.parse_args(c["command"][2:])
-    # It reads the slices of the engines' Service, on the port name the engines' port carries.
-    assert args.service == engines["metadata"]["name"] == "chat-engine"
-    assert [p["name"] for p in engines["spec"]["ports"]] == [args.port_name]
-    assert engines["spec"]["clusterIP"] == "None"
+    # It reads the EndpointSlices of every revision's Service, on the port name engines carry.
+    revision_svc = wanted.stable.service
+    labels = dict(pair.split("=") for pair in args.selector.split(","))
+    assert labels.items() <= revision_svc["metadata"]["labels"].items() and "kiln.dev/revision" not in labels
+    assert [p["name"] for p in revision_svc["spec"]["ports"]] == [args.port_name]
     assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    account, role, binding = children.router_account
-    assert pod["serviceAccountName"] == account["metadata"]["name"] == "chat-router"
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["list", "watch"]}]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account, binding = child(wanted, "ServiceAccount", "chat-router"), child(wanted, "RoleBinding", "chat-router")
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    # A binding to the fixed ClusterRole manifests/ ships, in this namespace only.
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "kiln-router"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-router", "namespace": "ml"}]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False and pod["securityContext"]["runAsNonRoot"]
 
 
+def rbac_documents() -> list[dict]:
+    return list(yaml.safe_load_all((ROOT / "manifests/rbac.yaml").read_text()))
+
+
+def granted_by(role: str) -> set[tuple[str, str, str]]:
+    rules = next(d for d in rbac_documents() if d["kind"] == "ClusterRole" and d["metadata"]["name"] == role)["rules"]
+    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
 def test_operator_cluster_role_covers_every_child_kind():
-    """Server-side apply of each child needs create and patch on its resource."""
-    rules = [d for d in yaml.safe_load_all((ROOT / "manifests/rbac.yaml").read_text())
-             if d["kind"] == "ClusterRole"][0]["rules"]
-    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}
-    for obj in desired_children(OWNER, spec_of(), IMAGE).all():
+    """Observing a child needs list, server-side apply needs create and patch."""
+    granted = granted_by("kiln-operator")
+    for obj in want(spec_of()).objects():
         group = obj["apiVersion"].rpartition("/")[0]
         resource = obj["kind"].lower() + "s"
-        assert {(group, resource, "create"), (group, resource, "patch")} <= granted, obj["kind"]
-    # The router's Role can only be granted by someone holding what it grants.
-    assert {("discovery.k8s.io", "endpointslices", v) for v in ("list", "watch")} <= granted
+        assert {(group, resource, v) for v in ("list", "create", "patch")} <= granted, obj["kind"]
+    # What wakes a reconcile is watched; revisions and their Services are deleted.
+    assert {("apps", "deployments", "watch"), ("", "pods", "watch"), ("", "services", "watch"),
+            ("apps", "deployments", "delete"), ("", "services", "delete")} <= granted
+    # The router's RoleBinding names the fixed kiln-router role, which the operator may bind but
+    # does not hold, and roles are never created on the fly.
+    assert ("rbac.authorization.k8s.io", "clusterroles", "bind") in granted
+    assert not {("rbac.authorization.k8s.io", r, "create") for r in ("roles", "clusterroles")} & granted
+    assert not any(r == "endpointslices" for _, r, _ in granted)
+    assert granted_by("kiln-router") == {("discovery.k8s.io", "endpointslices", v) for v in ("list", "watch")}
 
 
 def test_pod_annotations_go_on_every_pod_template():
-    plain = desired_children(OWNER, spec_of(), IMAGE)
-    assert "annotations" not in plain.deployment["spec"]["template"]["metadata"]
-    marked = desired_children(OWNER, spec_of(), IMAGE, {"kiln.dev/readiness": "runtime"})
-    for dep in (marked.deployment, marked.router):
+    plain = want(spec_of())
+    assert "annotations" not in plain.stable.deployment["spec"]["template"]["metadata"]
+    marked = want(spec_of(), annotations={"kiln.dev/readiness": "runtime"})
+    for dep in (marked.stable.deployment, child(marked, "Deployment", "chat-router")):
         assert dep["spec"]["template"]["metadata"]["annotations"] == {"kiln.dev/readiness": "runtime"}
     # Not part of the revision: annotating pods starts no rollout.
-    assert marked.revision == plain.revision
+    assert marked.stable.name == plain.stable.name
 
 
 def test_engine_container_command_resources_probes_and_hardening():
@@ -120,7 +152,7 @@ def test_engine_container_command_resources_probes_and_hardening():
                    resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                "effect": "NoSchedule"}]})
-    pod = pod_spec(desired_children(OWNER, spec, IMAGE).deployment)
+    pod = pod_spec(want(spec).stable.deployment)
     (c,) = pod["containers"]
     assert c["image"] == IMAGE
     assert c["command"] == ["kiln", "serve", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m",
@@ -143,7 +175,7 @@ def test_engine_container_command_resources_probes_and_hardening():
 
 
 def test_cpu_only_service_asks_for_no_gpu():
-    c = pod_spec(desired_children(OWNER, spec_of(), IMAGE).deployment)["containers"][0]
+    c = pod_spec(want(spec_of()).stable.deployment)["containers"][0]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
 
 
@@ -151,8 +183,8 @@ def test_engine_command_is_accepted_by_kiln_serve():
     server = pytest.importorskip("kiln.engine.server")
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
-    c = pod_spec(desired_children(OWNER, spec_of(engine={"maxModelLen": 512, "kvCache": {"prefixCaching": False}}),
-                                  IMAGE).deployment)["containers"][0]
+    c = pod_spec(want(spec_of(engine={"maxModelLen": 512, "kvCache": {"prefixCaching": False}}))
+                 .stable.deployment)["containers"][0]
     assert c["command"][:2] == ["kiln", "serve"]
     args = parser.parse_args(c["command"][2:])
     assert (args.model, args.port, args.max_model_len, args.kv_cache_memory) == ("smollm2-135m", 8000, 512, 1 << 30)
@@ -166,7 +198,7 @@ def test_engine_command_is_accepted_by_kiln_serve():
     ("hostpath:///data/smollm2", "/data/smollm2", {"name": "model", "hostPath": {"path": "/data/smollm2"}}),
 ])
 def test_model_sources_become_volumes(source, model_arg, volume):
-    pod = pod_spec(desired_children(OWNER, spec_of(model={"source": source}), IMAGE).deployment)
+    pod = pod_spec(want(spec_of(model={"source": source})).stable.deployment)
     command = pod["containers"][0]["command"]
     assert command[command.index("--model") + 1] == model_arg
     assert volume in pod["volumes"]
@@ -206,20 +238,24 @@ def test_later_features_are_reported_not_ignored():
 
 
 def deployment(name: str, generation: int = 1, ready: int = 0, replicas: int = 1, updated: int | None = None,
-               conditions: list | None = None) -> dict:
-    """A Deployment as the API server reports it (only the fields status.py reads)."""
-    return {"metadata": {"name": name, "generation": generation,
+               conditions: list | None = None, component: str = "engine") -> dict:
+    """A Deployment as the API server reports it (only the fields the operator reads)."""
+    return {"kind": "Deployment",
+            "metadata": {"name": name, "generation": generation,
+                         "labels": {"kiln.dev/inferenceservice": "chat", "kiln.dev/component": component},
                          "annotations": {ANNOTATION_QUANTIZATION: "none"}},
+            "spec": {"replicas": replicas},
             "status": {"observedGeneration": generation, "replicas": replicas, "readyReplicas": ready,
                        "updatedReplicas": replicas if updated is None else updated,
                        "conditions": conditions or []}}
 
 
 def status_for(spec, deployments, previous=None, now="2026-01-01T00:00:00Z", router="ready") -> dict:
-    routers = {"ready": deployment("chat-router", ready=1), "unready": deployment("chat-router"), "none": None}
-    return summarize(spec=spec, generation=4, revision=revision_name("chat", spec), deployments=deployments,
-                     previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now,
-                     router=routers[router])
+    routers = {"ready": [deployment("chat-router", ready=1, component="router")],
+               "unready": [deployment("chat-router", component="router")], "none": []}
+    observed = Observed.of(*deployments, *routers[router])
+    return summarize(spec=spec, generation=4, desired=want(spec, observed), observed=observed,
+                     previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now)
 
 
 def conditions(status: dict) -> dict[str, tuple[str, str]]:
@@ -232,13 +268,15 @@ def test_status_reports_what_deployments_report():
     loading = status_for(spec, [deployment(rev, replicas=2, ready=0)])
     assert conditions(loading)["Ready"] == ("False", "ReplicasNotReady")
     assert conditions(loading)["ModelLoaded"] == ("False", "Loading")
-    half = status_for(spec, [deployment(rev, replicas=2, ready=1)])
+    half = status_for(spec, [deployment(rev, replicas=2, ready=1), deployment("chat-old", ready=1)])
     assert conditions(half)["ModelLoaded"] == ("True", "Loaded")
     assert conditions(half)["WorkloadReady"] == ("False", "ReplicasNotReady")
+    assert [(r["name"], r["role"]) for r in half["revisions"]] == [(rev, "stable"), ("chat-old", "old")]
+    assert (half["replicas"], half["readyReplicas"], half["desiredReplicas"]) == (3, 2, 2)
     ready = status_for(spec, [deployment(rev, replicas=2, ready=2), deployment("chat-old", ready=1)])
     assert conditions(ready)["Ready"] == ("True", "Serving")
-    assert (ready["replicas"], ready["readyReplicas"], ready["desiredReplicas"]) == (3, 3, 2)
-    assert [r["role"] for r in ready["revisions"]] == ["stable", "old"]
+    # At full strength the old revision is no longer desired (this pass deletes it).
+    assert [r["role"] for r in ready["revisions"]] == ["stable"]
     assert all(c["observedGeneration"] == 4 for c in ready["conditions"])
 
 
@@ -279,8 +317,32 @@ def test_old_revisions_retire_only_once_the_new_one_is_ready():
     spec = spec_of(replicas=2)
     rev = revision_name("chat", spec)
     old = deployment("chat-0ld0ld00", ready=2, replicas=2)
-    assert stale_revisions(rev, [deployment(rev, ready=1, replicas=2), old], 2) == []
-    assert stale_revisions(rev, [deployment(rev, ready=2, replicas=2), old], 2) == ["chat-0ld0ld00"]
+    starting = want(spec, Observed.of(deployment(rev, ready=1, replicas=2), old))
+    assert [(r.name, r.role, r.deployment is None) for r in starting.revisions] == \
+        [(rev, "stable", False), ("chat-0ld0ld00", "old", True)]  # an old revision is left as it is
+    assert [r.name for r in want(spec, Observed.of(deployment(rev, ready=2, replicas=2), old)).revisions] == [rev]
+
+
+def test_replicas_belong_to_one_writer():
+    spec = spec_of(replicas=3)
+    rev = revision_name("chat", spec)
+    assert want(spec, Observed.of(deployment(rev, replicas=5))).stable.replicas == 3  # spec.replicas rules
+    scaled = spec_of(replicas=3, autoscaling={"mode": "hpa", "minReplicas": 1, "maxReplicas": 8})
+    rev = revision_name("chat", scaled)
+    # The autoscaler's value is never overwritten; a new revision starts at today's capacity.
+    assert want(scaled, Observed.of(deployment(rev, replicas=5))).stable.replicas is None
+    assert want(scaled, Observed.of(deployment("chat-0ld0ld00", replicas=6))).stable.replicas == 6
+    assert want(scaled).stable.replicas == 3
+    status = status_for(scaled, [deployment(rev, replicas=5, ready=5)])
+    assert status["desiredReplicas"] == 5 and conditions(status)["Ready"] == ("True", "Serving")
+
+
+def test_an_error_is_news_once_per_message():
+    from kiln.operator.status import invalid
+    first = invalid({}, 1, "InvalidSpec", "bad field x", "t1")
+    assert [(c["type"], c["reason"]) for c in transitions({}, first)] == [("Ready", "InvalidSpec")]
+    assert transitions(first, invalid(first, 1, "InvalidSpec", "bad field x", "t2")) == []
+    assert len(transitions(first, invalid(first, 2, "InvalidSpec", "bad field y", "t2"))) == 1
 
 
 def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):

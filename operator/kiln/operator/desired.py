@@ -1,74 +1,48 @@
-"""Desired state: the children an InferenceService should have, as a pure function of its
-spec. No API calls here; reconcile.py makes the cluster match what this returns."""
+"""Desired state: which children an InferenceService should have, as a pure function of its
+spec and of what was observed. No API calls here; plan.py turns the difference between this
+and the cluster into actions.
+
+Revisions are a list with roles. Today: the `stable` revision the spec describes, and `old`
+ones (earlier specs) kept until the stable one serves at full strength. Canary and standby
+roles slot in here later; each revision is a Deployment plus a headless Service whose
+EndpointSlices give the router a per-revision view."""
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from dataclasses import dataclass
-from pathlib import PurePosixPath
+from dataclasses import dataclass, field
 from typing import Any
 
-from kubernetes.utils import parse_quantity
+from .models import InferenceServiceSpec
+from .observed import Observed, deployment_counts, replicas_of
+from .render import (Owner, render_deployment, render_pdb, render_revision_service, render_router,
+                     render_router_account, render_service, revision_name)
 
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec
-
-DEFAULT_ENGINE_IMAGE = "ghcr.io/kiln/engine:0.1.0"
-PORT = 8000
-ROUTER_PORT = 8080
-LABEL_ISVC = "kiln.dev/inferenceservice"
-LABEL_REVISION = "kiln.dev/revision"
-LABEL_COMPONENT = "kiln.dev/component"
-ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
-MODEL_MOUNT = "/models"
-# Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
-# covers that pause plus finishing in-flight generations.
-PRESTOP_SLEEP_S = 10
-GRACE_PERIOD_S = 120
-RUN_AS = 1000
+STABLE, OLD = "stable", "old"
 
 
 @dataclass(frozen=True)
-class Owner:
+class Revision:
     name: str
-    namespace: str
-    uid: str
+    role: str
+    deployment: dict[str, Any] | None  # None: an observed revision that is left as it is
+    service: dict[str, Any]
+    # What the operator writes to the Deployment's spec.replicas; None: another writer owns it.
+    replicas: int | None
 
 
 @dataclass(frozen=True)
-class Children:
-    revision: str
-    deployment: dict[str, Any]
-    service: dict[str, Any]  # user-facing: the router pods
-    pdb: dict[str, Any]
-    engine_service: dict[str, Any]  # headless, all revisions' engine pods: what the router discovers
-    router: dict[str, Any]
-    router_account: list[dict[str, Any]]  # ServiceAccount, Role, RoleBinding
+class Desired:
+    revisions: list[Revision]  # stable first
+    shared: list[dict[str, Any]] = field(default_factory=list)  # router, its account, Service, PDB
 
-    def all(self) -> list[dict[str, Any]]:
-        # The router's identity before the router, the engines' Service before the router looks.
-        return [*self.router_account, self.engine_service, self.deployment, self.router, self.service,
-                self.pdb]
+    @property
+    def stable(self) -> Revision:
+        return self.revisions[0]
 
-
-def engine_image() -> str:
-    return os.environ.get("KILN_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE)
-
-
-def revision_name(name: str, spec: InferenceServiceSpec) -> str:
-    """<isvc>-<hash of model+engine>. Defaults are left out of the hash, so spelling a default
-    out, or a new operator version adding a defaulted field, starts no rollout."""
-    settings = {"model": spec.model.model_dump(mode="json", exclude_defaults=True),
-                "engine": spec.engine.model_dump(mode="json", exclude_defaults=True)}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    return f"{name}-{digest[:8]}"
-
-
-def served_model_name(spec: InferenceServiceSpec) -> str:
-    if spec.model.name:
-        return spec.model.name
-    last = spec.model.source.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
-    return last.removesuffix(".gguf")
+    def objects(self) -> list[dict[str, Any]]:
+        """Every object to apply, in a safe order: the router's identity before the router,
+        each revision's Service before its pods."""
+        revisions = [obj for r in self.revisions for obj in (r.service, r.deployment) if obj is not None]
+        return [*self.shared[:2], *revisions, *self.shared[2:]]
 
 
 def desired_replicas(spec: InferenceServiceSpec) -> int:
@@ -78,243 +52,43 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     return min(max(spec.replicas, spec.autoscaling.minReplicas), spec.autoscaling.maxReplicas)
 
 
-def selector(name: str, component: str = "engine") -> dict[str, str]:
-    return {LABEL_ISVC: name, LABEL_COMPONENT: component}
+def replicas_writer(spec: InferenceServiceSpec) -> str:
+    """Who owns the engine Deployments' spec.replicas: `spec` (the operator copies
+    spec.replicas, which `kubectl scale isvc` sets) or `autoscaler` (whichever the
+    autoscaling mode names; the operator then sets it only when it creates a revision)."""
+    scaling = spec.autoscaling
+    return "spec" if scaling is None or scaling.mode == "none" else "autoscaler"
 
 
-def selector_string(name: str, component: str = "engine") -> str:
-    return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
+def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
+    """The Deployment has settled on its latest template with `replicas` ready and updated."""
+    if deployment is None:
+        return False
+    status = deployment.get("status") or {}
+    settled = (status.get("observedGeneration") or 0) >= (deployment["metadata"].get("generation") or 0)
+    return settled and deployment_counts(deployment)[1] >= replicas \
+        and (status.get("updatedReplicas") or 0) >= replicas
 
 
-def labels(name: str, component: str = "engine") -> dict[str, str]:
-    return {"app.kubernetes.io/name": f"kiln-{component}", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/managed-by": "kiln-operator", **selector(name, component)}
-
-
-def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None,
-             component: str = "engine") -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": owner.namespace,
-        "labels": {**labels(owner.name, component), **(extra_labels or {})},
-        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
-                             "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}],
-    }
-
-
-def model_location(spec: InferenceServiceSpec) -> tuple[str, list[dict], list[dict]]:
-    """(--model argument, volumes, volume mounts) for the model source."""
-    scheme, rest = spec.model.source.split("://", 1)
-    if scheme == "builtin":
-        return rest, [], []
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        return str(PurePosixPath(MODEL_MOUNT, path)), [volume], [mount]
-    # hostpath:///abs/path: shown inside the pod where it lies on the node.
-    path = "/" + rest.lstrip("/")
-    volume = {"name": "model", "hostPath": {"path": path}}
-    return path, [volume], [{"name": "model", "mountPath": path, "readOnly": True}]
-
-
-def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
-    engine = spec.engine
-    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
-            "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
-            "--max-num-seqs", str(engine.maxNumSeqs),
-            "--kv-cache-memory", str(int(parse_quantity(engine.kvCache.memory)))]
-    if engine.maxModelLen is not None:
-        args += ["--max-model-len", str(engine.maxModelLen)]
-    if not engine.kvCache.prefixCaching:
-        args.append("--no-prefix-caching")
-    return args
-
-
-def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
-    res = spec.resources
-    requests = {"cpu": str(res.cpu), "memory": str(res.memory)}
-    # No CPU limit: throttling a decode loop only adds latency. Memory is capped to be evictable.
-    limits: dict[str, str] = {"memory": str(res.memory)}
-    if res.gpus > 0:
-        limits["nvidia.com/gpu"] = str(res.gpus)
-    return {"requests": requests, "limits": limits}
-
-
-def probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}
-
-
-HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}}
-POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
-                      pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    revision = revision_name(owner.name, spec)
-    pod_labels = {**labels(owner.name), LABEL_REVISION: revision}
-    model_arg, volumes, mounts = model_location(spec)
-    volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
-    if spec.engine.tensorParallelSize > 1:  # ranks exchange tensors through shared memory
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    container = {
-        "name": "engine",
-        "image": image,
-        "command": engine_args(spec, model_arg),
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "resources": container_resources(spec),
-        # Loading weights and warming kernels can take minutes: the startup probe allows 30.
-        "startupProbe": probe("/health", 5, 360),
-        "readinessProbe": probe("/ready", 5, 2),
-        "livenessProbe": probe("/health", 10, 3),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
-        "securityContext": HARDENED,
-        "volumeMounts": mounts,
-    }
-    pod_spec: dict[str, Any] = {
-        "containers": [container],
-        "volumes": volumes,
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": GRACE_PERIOD_S,
-        "securityContext": POD_SECURITY,
-    }
-    if spec.resources.nodeSelector:
-        pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
-    if spec.resources.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.resources.tolerations]
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {**metadata(owner, revision, {LABEL_REVISION: revision}),
-                     "annotations": {ANNOTATION_QUANTIZATION: spec.engine.quantization}},
-        "spec": {
-            "replicas": desired_replicas(spec),
-            "selector": {"matchLabels": {**selector(owner.name), LABEL_REVISION: revision}},
-            # Never drop below the wanted capacity while a replica reloads weights.
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "progressDeadlineSeconds": 1800,
-            "revisionHistoryLimit": 2,
-            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": pod_spec},
-        },
-    }
-
-
-def pod_metadata(pod_labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
-    return {"labels": pod_labels, **({"annotations": dict(annotations)} if annotations else {})}
-
-
-def router_name(name: str) -> str:
-    return f"{name}-router"
-
-
-def engine_service_name(name: str) -> str:
-    return f"{name}-engine"
-
-
-def render_service(owner: Owner) -> dict[str, Any]:
-    """The user-facing Service: the router pods, which spread requests over the engines."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(owner, owner.name, component="router"),
-        "spec": {"type": "ClusterIP", "selector": selector(owner.name, "router"),
-                 "ports": [{"name": "http", "port": PORT, "targetPort": "http",
-                            "protocol": "TCP", "appProtocol": "http"}]},
-    }
-
-
-def render_engine_service(owner: Owner) -> dict[str, Any]:
-    # Headless: nobody connects to it, the router reads its EndpointSlices (ready pods only).
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(owner, engine_service_name(owner.name)),
-        "spec": {"clusterIP": "None", "selector": selector(owner.name),
-                 "ports": [{"name": "http", "port": PORT, "targetPort": "http",
-                            "protocol": "TCP", "appProtocol": "http"}]},
-    }
-
-
-def render_router_account(owner: Owner) -> list[dict[str, Any]]:
-    """The router's ServiceAccount, allowed to list and watch EndpointSlices in its namespace only."""
-    name = router_name(owner.name)
-    meta = metadata(owner, name, component="router")
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
-    ]
-
-
-def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    """One router per InferenceService, in front of every revision's engine pods."""
-    name = router_name(owner.name)
-    container = {
-        "name": "router",
-        "image": image,  # the engine image carries the whole `kiln` CLI
-        "command": ["kiln", "router", "--service", engine_service_name(owner.name), "--port", str(ROUTER_PORT)],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
-        # Ready once it knows a ready engine, so the Service has no endpoint before it can serve.
-        "readinessProbe": probe("/ready", 2, 2),
-        "livenessProbe": probe("/health", 10, 3),
-        "securityContext": HARDENED,
-    }
-    pod_labels = labels(owner.name, "router")
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata(owner, name, component="router"),
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": selector(owner.name, "router")},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "revisionHistoryLimit": 2,
-            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": {
-                "serviceAccountName": name,
-                "automountServiceAccountToken": True,  # to watch EndpointSlices
-                "enableServiceLinks": False,
-                "containers": [container],
-                "securityContext": POD_SECURITY,
-            }},
-        },
-    }
-
-
-def render_pdb(owner: Owner) -> dict[str, Any]:
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": metadata(owner, owner.name),
-        # maxUnavailable, not minAvailable: a single replica must not block node drains forever.
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)},
-                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
-    }
-
-
-def desired_children(owner: Owner, spec: InferenceServiceSpec, image: str,
-                     pod_annotations: dict[str, str] | None = None) -> Children:
+def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
+            pod_annotations: dict[str, str] | None = None) -> Desired:
     """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in)."""
-    return Children(revision=revision_name(owner.name, spec),
-                    deployment=render_deployment(owner, spec, image, pod_annotations),
-                    service=render_service(owner), pdb=render_pdb(owner),
-                    engine_service=render_engine_service(owner),
-                    router=render_router(owner, image, pod_annotations),
-                    router_account=render_router_account(owner))
-
-
-def service_url(owner: Owner) -> str:
-    return f"http://{owner.name}.{owner.namespace}.svc:{PORT}/v1"
+    name = revision_name(owner.name, spec)
+    current = observed.engine(name)
+    olds = [d for d in observed.engines() if d["metadata"]["name"] != name]
+    if replicas_writer(spec) == "spec":
+        replicas: int | None = desired_replicas(spec)
+    elif current is None:  # a new revision starts with the capacity the service has now
+        replicas = max((replicas_of(d) for d in olds), default=desired_replicas(spec))
+    else:
+        replicas = None
+    target = replicas if replicas is not None else replicas_of(current)
+    stable = Revision(name, STABLE, render_deployment(owner, spec, image, pod_annotations),
+                      render_revision_service(owner, name), replicas)
+    # Old revisions keep serving until the stable one is at full strength (no canary yet).
+    keep = [] if fully_ready(current, target) else olds
+    revisions = [stable] + [Revision(d["metadata"]["name"], OLD, None,
+                                     render_revision_service(owner, d["metadata"]["name"]), None)
+                            for d in keep]
+    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations),
+                               render_service(owner), render_pdb(owner)])

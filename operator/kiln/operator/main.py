@@ -1,51 +1,59 @@
-"""`kiln operator`: wire reconcile() to kopf and run it.
+"""`kiln operator`: wire the reconcile loop to kopf's watches and run it.
 
-Every trigger calls the same reconcile: create/update/resume for a quick reaction, and a
-timer so the cluster keeps converging (deleted or edited children come back) without
-watching every child kind."""
+kopf only delivers watch events here: InferenceServices and the Deployments, pods and
+Services that carry an InferenceService's label. Each event wakes that InferenceService's one
+reconcile loop (controller.py); --interval is a slow resync as a safety net."""
 from __future__ import annotations
 
 import argparse
-import collections
+import functools
 import logging
 import sys
-import threading
 from typing import Any
 
 import kopf
 import kubernetes
 
-from .desired import engine_image
+from .controller import Controller
 from .models import GROUP, PLURAL, VERSION
-from .reconcile import Api, reconcile
+from .reconcile import Api, Settings, reconcile
+from .render import LABEL_ISVC, engine_image
+
+CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services")]
 
 
-def build_registry(api: Api, image: str, interval: float,
-                   pod_annotations: dict[str, str] | None = None) -> kopf.OperatorRegistry:
+def build_registry(api: Api, settings: Settings, interval: float) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    # Triggers can overlap (an update while the timer runs); one pass per object at a time.
-    locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
-
-    def handle(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        with locks[body["metadata"]["uid"]]:
-            reconcile(body, api, image, logger, pod_annotations)
+    controller = Controller(functools.partial(reconcile, api, settings=settings), interval)
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
+    async def stop(**_: Any) -> None:
+        await controller.stop()
+
+    async def on_service(event: kopf.RawEvent, namespace: str, name: str, **_: Any) -> None:
+        if event["type"] == "DELETED":
+            controller.forget((namespace, name))
+        else:
+            controller.trigger((namespace, name))
+
+    async def on_child(labels: kopf.Labels, namespace: str, **_: Any) -> None:
+        controller.trigger((namespace, labels[LABEL_ISVC]))
+
     kopf.on.login(registry=registry, id="login")(login)
-    retry = {"registry": registry, "backoff": min(interval, 10.0)}
-    kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", **retry)(handle)
-    kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile-update", field="spec", **retry)(handle)
-    kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile-resume", **retry)(handle)
-    kopf.timer(GROUP, VERSION, PLURAL, id="resync", interval=interval, **retry)(handle)
+    kopf.on.cleanup(registry=registry, id="stop")(stop)
+    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="inferenceservice")(on_service)
+    for group, version, plural in CHILDREN:
+        kopf.on.event(group, version, plural, registry=registry, id=f"child-{plural}",
+                      labels={LABEL_ISVC: kopf.PRESENT})(on_child)
     return registry
 
 
-class QuietResync(logging.Filter):
-    """A resync that found nothing to do every few seconds is not news; its failures are."""
+class QuietEvents(logging.Filter):
+    """kopf logs every event handler's success; every pod update is not news."""
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO or "Timer 'resync' succeeded" not in record.getMessage()
+        return record.levelno > logging.INFO or "succeeded" not in record.getMessage()
 
 
 def build_settings() -> kopf.OperatorSettings:
@@ -53,9 +61,10 @@ def build_settings() -> kopf.OperatorSettings:
     # kopf's bookkeeping goes to kiln.dev annotations, never into our status schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-    # kopf timers need a finalizer (to stop before the object goes); name it after us.
+    # No handler needs a finalizer now, so kopf removes this one from objects an older
+    # operator version marked: deleting an InferenceService never waits for the operator.
     settings.persistence.finalizer = f"{GROUP}/operator"
-    # Our own Events (kopf.event) say what changed; kopf's "handler succeeded" would drown them.
+    # Our own Events say what changed; kopf's "handler succeeded" would drown them.
     settings.posting.level = logging.WARNING
     return settings
 
@@ -63,8 +72,9 @@ def build_settings() -> kopf.OperatorSettings:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", "-n", action="append", default=[],
                         help="watch only this namespace (repeatable); default: all namespaces")
-    parser.add_argument("--interval", type=float, default=30.0,
-                        help="seconds between resync passes over each InferenceService (default 30)")
+    parser.add_argument("--interval", type=float, default=300.0,
+                        help="seconds between safety-net resync passes over each InferenceService; "
+                             "changes to it or its children wake it at once (default 300)")
     parser.add_argument("--engine-image", default=engine_image(),
                         help="engine container image (default: $KILN_ENGINE_IMAGE or %(default)s)")
     parser.add_argument("--pod-annotation", action="append", default=[], metavar="KEY=VALUE",
@@ -85,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     pod_annotations = {key: value for key, _, value in pairs}
     kopf.configure(verbose=args.verbose)
-    logging.getLogger("kopf.objects").addFilter(QuietResync())
+    logging.getLogger("kopf.objects").addFilter(QuietEvents())
     try:
         api = Api.connect()
     except kubernetes.config.ConfigException as err:
@@ -93,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
-    kopf.run(registry=build_registry(api, args.engine_image, args.interval, pod_annotations),
+    kopf.run(registry=build_registry(api, Settings(args.engine_image, pod_annotations), args.interval),
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0

@@ -1,25 +1,33 @@
-"""One idempotent reconcile: apply the desired children, retire old revisions, report status.
-Every trigger (create, update, resume, the resync timer) runs the same function, so a
-deleted or hand-edited child is put back on the next pass."""
+"""One reconcile pass over one InferenceService: read it afresh, observe its children, work out
+what is desired, plan the actions, execute them, then write the status and post an Event for
+each condition that changed. controller.py makes sure passes over one object never overlap,
+so each pass compares against the status the previous one stored."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-import kopf
 import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
-from .desired import Owner, desired_children, desired_replicas, selector_string, service_url
-from .models import GROUP, PLURAL, VERSION, InferenceServiceSpec
-from .status import stale_revisions, summarize, transitions
+from .desired import desired
+from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
+from .observed import Observed
+from .plan import CREATE, DELETE, SCALE, Action, plan
+from .render import LABEL_ISVC, Owner, selector_string, service_url
+from .status import WARNING_REASONS, invalid, summarize, transitions
 
 FIELD_MANAGER = "kiln-operator"
+# spec.replicas of engine Deployments has a field manager of its own, so the operator's main
+# apply can leave the field out without resetting it (see docs/architecture.md, "One writer").
+REPLICAS_MANAGER = "kiln-replicas"
 APPLY = "application/apply-patch+yaml"
-WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded"}
+log = logging.getLogger("kiln.operator")
 
 
 @dataclass(frozen=True)
@@ -43,77 +51,140 @@ class Api:
                    kubernetes.client.PolicyV1Api(client), kubernetes.client.CustomObjectsApi(client),
                    kubernetes.client.RbacAuthorizationV1Api(client))
 
-    def patcher(self, kind: str) -> Callable[..., Any]:
-        return {"Deployment": self.apps.patch_namespaced_deployment,
-                "Service": self.core.patch_namespaced_service,
-                "PodDisruptionBudget": self.policy.patch_namespaced_pod_disruption_budget,
-                "ServiceAccount": self.core.patch_namespaced_service_account,
-                "Role": self.rbac.patch_namespaced_role,
-                "RoleBinding": self.rbac.patch_namespaced_role_binding}[kind]
+    def call(self, verb: str, kind: str) -> Callable[..., Any]:
+        """The client method for `verb` (list, patch, delete) on a namespaced child kind."""
+        where = {"Deployment": (self.apps, "deployment"), "Service": (self.core, "service"),
+                 "PodDisruptionBudget": (self.policy, "pod_disruption_budget"),
+                 "ServiceAccount": (self.core, "service_account"), "RoleBinding": (self.rbac, "role_binding")}
+        api, name = where[kind]
+        return getattr(api, f"{verb}_namespaced_{name}")
 
 
-def apply(api: Api, obj: dict[str, Any]) -> None:
-    """Server-side apply, forcing ownership back from anyone who hand-edited our fields."""
-    meta = obj["metadata"]
-    api.patcher(obj["kind"])(meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER,
-                             force=True, _content_type=APPLY)
+CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding")
 
 
-def list_revisions(api: Api, owner: Owner, component: str = "engine") -> list[dict[str, Any]]:
-    """The engine revisions' Deployments (or, with component="router", the router's)."""
-    found = api.apps.list_namespaced_deployment(owner.namespace,
-                                                label_selector=selector_string(owner.name, component))
-    deployments = api.client.sanitize_for_serialization(found)["items"]
-    # A same-named service deleted and recreated must not adopt its predecessor's leftovers.
-    return [d for d in deployments
-            if any(ref.get("uid") == owner.uid for ref in d["metadata"].get("ownerReferences", []))]
+@dataclass(frozen=True)
+class Settings:
+    image: str
+    pod_annotations: dict[str, str] = field(default_factory=dict)
 
 
-def retire(api: Api, body: Mapping[str, Any], namespace: str, name: str) -> None:
-    try:
-        api.apps.delete_namespaced_deployment(name, namespace)
-    except ApiException as err:
-        if err.status != 404:
-            raise
-    kopf.event(body, type="Normal", reason="RevisionRetired", message=f"deleted old revision {name}")
+def observe(api: Api, owner: Owner) -> Observed:
+    """Every child this InferenceService owns (by owner uid: a same-named service deleted and
+    recreated must not adopt its predecessor's leftovers)."""
+    objects = []
+    for kind in CHILD_KINDS:
+        found = api.call("list", kind)(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}")
+        for obj in api.client.sanitize_for_serialization(found)["items"]:
+            refs = obj["metadata"].get("ownerReferences") or []
+            if any(ref.get("uid") == owner.uid for ref in refs):
+                objects.append({**obj, "kind": kind})
+    return Observed.of(*objects)
+
+
+def execute(api: Api, owner: Owner, action: Action) -> None:
+    ns = owner.namespace
+    if action.verb == DELETE:
+        try:
+            api.call("delete", action.kind)(action.name, ns)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+        return
+    # Server-side apply, forcing ownership back from anyone who hand-edited our fields.
+    body, manager = action.body, FIELD_MANAGER
+    if action.verb == SCALE:
+        body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": action.name, "namespace": ns},
+                "spec": {"replicas": action.replicas}}
+        manager = REPLICAS_MANAGER
+    api.call("patch", action.kind)(action.name, ns, body, field_manager=manager, force=True, _content_type=APPLY)
 
 
 def parse_spec(body: Mapping[str, Any]) -> InferenceServiceSpec:
+    """Raises ValueError with pydantic's message when the stored spec does not fit our models
+    (the CRD schema should stop that; a CRD older or newer than the operator may not)."""
     try:
-        return InferenceServiceSpec.model_validate(dict(body["spec"]))
+        return InferenceServiceSpec.model_validate(dict(body.get("spec") or {}))
     except pydantic.ValidationError as err:
-        # The CRD schema should have stopped this; retrying cannot help.
-        raise kopf.PermanentError(f"spec does not match this operator's models: {err}") from err
+        raise ValueError(f"spec does not match this operator's models: {err}") from None
 
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def reconcile(body: Mapping[str, Any], api: Api, image: str, logger: logging.Logger,
-              pod_annotations: dict[str, str] | None = None) -> None:
+def post_event(api: Api, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    meta = body["metadata"]
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    api.core.create_namespaced_event(meta["namespace"], {
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta["uid"]},
+        "type": type_, "reason": reason, "message": message[:1024], "count": 1,
+        "firstTimestamp": stamp, "lastTimestamp": stamp,
+        "source": {"component": FIELD_MANAGER, "host": socket.gethostname()},
+        "reportingComponent": FIELD_MANAGER, "reportingInstance": socket.gethostname()})
+
+
+def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> bool:
+    """One pass; False when the InferenceService is gone (its children go by garbage collection)."""
+    try:
+        body = api.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
-        return  # garbage collection removes the children through their owner references
-    owner = Owner(meta["name"], meta["namespace"], meta["uid"])
-    spec = parse_spec(body)
-    children = desired_children(owner, spec, image, pod_annotations)
-    for obj in children.all():
-        apply(api, obj)
-    deployments = list_revisions(api, owner)
-    stale = stale_revisions(children.revision, deployments, desired_replicas(spec))
-    for name in stale:
-        retire(api, body, owner.namespace, name)
+        return True
+    owner = Owner(name, namespace, meta["uid"])
     previous = dict(body.get("status") or {})
-    status = summarize(spec=spec, generation=meta.get("generation") or 0, revision=children.revision,
-                       deployments=[d for d in deployments if d["metadata"]["name"] not in stale],
-                       previous=previous, url=service_url(owner), selector=selector_string(owner.name),
-                       now=now(), router=next(iter(list_revisions(api, owner, "router")), None))
-    if any(previous.get(key) != value for key, value in status.items()):
-        api.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, owner.namespace, PLURAL, owner.name, {"status": status},
-            _content_type="application/merge-patch+json")
-        logger.debug("status written: %s", status)
+    generation = meta.get("generation") or 0
+    try:
+        spec = parse_spec(body)
+    except ValueError as err:
+        report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()))
+        return True
+    observed = observe(api, owner)
+    want = desired(owner, spec, observed, settings.image, settings.pod_annotations)
+    rejected = []
+    for action in plan(want, observed):
+        log.info("%s/%s: %s", namespace, name, action)
+        try:
+            execute(api, owner, action)
+        except ApiException as err:
+            if err.status not in (400, 422):  # not a verdict on what we sent: try again later
+                raise
+            rejected.append(f"{action}: {err.reason}: {api_message(err)}")
+            continue
+        if action.kind == "Deployment" and action.verb == CREATE and action.name == want.stable.name:
+            post_event(api, body, "Normal", "RevisionCreated", f"created revision {action.name}")
+        if action.kind == "Deployment" and action.verb == DELETE:  # only revisions are ever deleted
+            post_event(api, body, "Normal", "RevisionRetired", f"deleted old revision {action.name}")
+    status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
+                       url=service_url(owner), selector=selector_string(name), now=now())
+    if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses
+        status = invalid(status, generation, "Rejected", "; ".join(rejected), now())
+    report(api, body, previous, status)
+    return True
+
+
+def api_message(err: ApiException) -> str:
+    """The API server's own words (a Status object's message), else the body as it came."""
+    try:
+        return json.loads(err.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(err.body)[:500]
+
+
+def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]) -> None:
+    """Write the status if it changed, then one Event per condition that changed."""
+    if all(previous.get(key) == value for key, value in status.items()):
+        return
+    meta = body["metadata"]
+    api.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": status},
+        _content_type="application/merge-patch+json")
     for cond in transitions(previous, status):
-        kopf.event(body, type="Warning" if cond["reason"] in WARNING_REASONS else "Normal",
-                   reason=cond["reason"], message=f"{cond['type']}={cond['status']}: {cond['message']}")
+        post_event(api, body, "Warning" if cond["reason"] in WARNING_REASONS else "Normal", cond["reason"],
+                   f"{cond['type']}={cond['status']}: {cond['message']}")

@@ -1,11 +1,16 @@
-"""Status from what the cluster reports: Deployment statuses in, InferenceService status out.
-Pure functions; reconcile.py feeds them the objects it read from the API server."""
+"""Status from what the cluster reports: the pass's observed children in, InferenceService
+status out. Pure functions; reconcile.py feeds them what it read from the API server."""
 from __future__ import annotations
 
 from typing import Any
 
-from .desired import ANNOTATION_QUANTIZATION, desired_replicas
+from .desired import Desired, fully_ready
 from .models import InferenceServiceSpec
+from .observed import Observed, deployment_counts, replicas_of
+from .render import ANNOTATION_QUANTIZATION
+
+# Reasons that are Warnings; for these a new message is news too (another error).
+WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected"}
 
 
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
@@ -35,11 +40,6 @@ def condition(type_: str, ok: bool | None, reason: str, message: str) -> dict[st
     return {"type": type_, "status": status, "reason": reason, "message": message}
 
 
-def deployment_counts(deployment: dict[str, Any]) -> tuple[int, int]:
-    status = deployment.get("status") or {}
-    return status.get("replicas") or 0, status.get("readyReplicas") or 0
-
-
 def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str, Any]:
     if current is None:
         return condition("WorkloadReady", False, "Creating", "the revision's Deployment does not exist yet")
@@ -49,13 +49,10 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
             return condition("WorkloadReady", False, "ProgressDeadlineExceeded",
                              f"{name}: {cond.get('message', '')}")
-    settled = (status.get("observedGeneration") or 0) >= (current["metadata"].get("generation") or 0)
-    ready = status.get("readyReplicas") or 0
-    updated = status.get("updatedReplicas") or 0
-    message = f"{ready}/{desired} replicas of {name} ready"
+    message = f"{deployment_counts(current)[1]}/{desired} replicas of {name} ready"
     if desired == 0:
         return condition("WorkloadReady", True, "ScaledToZero", f"{name} is scaled to zero")
-    if settled and ready >= desired and updated >= desired:
+    if fully_ready(current, desired):
         return condition("WorkloadReady", True, "ReplicasReady", message)
     return condition("WorkloadReady", False, "ReplicasNotReady", message)
 
@@ -70,7 +67,7 @@ def model_condition(current: dict[str, Any] | None, desired: int) -> dict[str, A
 
 
 def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
-    """The router answers only once it knows a ready engine (its readiness probe)."""
+    """The router is ready once it takes requests, with or without a ready engine."""
     if router is None:
         return condition("RouteReady", False, "Creating", "the router's Deployment does not exist yet")
     ready = deployment_counts(router)[1]
@@ -107,23 +104,23 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
     return out
 
 
-def summarize(*, spec: InferenceServiceSpec, generation: int, revision: str,
-              deployments: list[dict[str, Any]], previous: dict[str, Any], url: str,
-              selector: str, now: str, router: dict[str, Any] | None) -> dict[str, Any]:
-    """The whole status of an InferenceService, from its spec, its revisions' Deployments and
-    its router's Deployment."""
-    desired = desired_replicas(spec)
-    current = next((d for d in deployments if d["metadata"]["name"] == revision), None)
-    workload = workload_condition(current, desired)
-    model = model_condition(current, desired)
-    route = route_condition(router)
+def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, observed: Observed,
+              previous: dict[str, Any], url: str, selector: str, now: str) -> dict[str, Any]:
+    """The whole status of an InferenceService, from its spec, what this pass wants and what
+    it observed."""
+    stable = desired.stable
+    current = observed.engine(stable.name)
+    target = stable.replicas if stable.replicas is not None else replicas_of(current)
+    workload = workload_condition(current, target)
+    model = model_condition(current, target)
+    route = route_condition(observed.router())
     conditions = [ready_condition(workload, model, route), workload, model, route, spec_condition(spec)]
     revisions = []
-    for dep in sorted(deployments, key=lambda d: d["metadata"]["name"] != revision):
-        replicas, ready = deployment_counts(dep)
-        annotations = dep["metadata"].get("annotations") or {}
-        revisions.append({"name": dep["metadata"]["name"],
-                          "role": "stable" if dep["metadata"]["name"] == revision else "old",
+    for revision in desired.revisions:
+        found = observed.engine(revision.name)
+        replicas, ready = deployment_counts(found) if found else (0, 0)
+        annotations = (found or revision.deployment or {}).get("metadata", {}).get("annotations") or {}
+        revisions.append({"name": revision.name, "role": revision.role,
                           "quantization": annotations.get(ANNOTATION_QUANTIZATION, "none"),
                           "replicas": replicas, "ready": ready})
     return {
@@ -131,22 +128,25 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, revision: str,
         "url": url,
         "replicas": sum(r["replicas"] for r in revisions),
         "readyReplicas": sum(r["ready"] for r in revisions),
-        "desiredReplicas": desired,
+        "desiredReplicas": target,
         "selector": selector,
         "revisions": revisions,
         "conditions": stamp(conditions, previous.get("conditions") or [], generation, now),
     }
 
 
-def stale_revisions(revision: str, deployments: list[dict[str, Any]], desired: int) -> list[str]:
-    """Old revisions go once the current one serves at full strength (no canary yet)."""
-    current = next((d for d in deployments if d["metadata"]["name"] == revision), None)
-    if workload_condition(current, desired)["status"] != "True":
-        return []
-    return [d["metadata"]["name"] for d in deployments if d["metadata"]["name"] != revision]
+def invalid(previous: dict[str, Any], generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
+    """Status for a spec this operator cannot act on: Ready says why; the rest is kept."""
+    others = [c for c in previous.get("conditions") or [] if c.get("type") != "Ready"]
+    conditions = [condition("Ready", False, reason, message), *others]
+    return {**previous, "observedGeneration": generation,
+            "conditions": stamp(conditions, previous.get("conditions") or [], generation, now)}
 
 
 def transitions(previous: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
-    """Conditions whose status changed since the last written status (for Events)."""
-    before = {c.get("type"): c.get("status") for c in previous.get("conditions") or []}
-    return [c for c in status["conditions"] if before.get(c["type"]) != c["status"]]
+    """Conditions that changed since the stored status (for Events): a new status or reason,
+    or, for a Warning, a new message (another error)."""
+    def news(c: dict[str, Any]) -> tuple:
+        return c.get("status"), c.get("reason"), c.get("message") if c.get("reason") in WARNING_REASONS else None
+    before = {c.get("type"): news(c) for c in previous.get("conditions") or []}
+    return [c for c in status["conditions"] if before.get(c["type"]) != news(c)]

@@ -1,0 +1,77 @@
+"""One serialized reconcile loop per InferenceService, woken by its own changes and by its
+children's, with a long resync as a safety net.
+
+kopf delivers watch events (no finalizer, no bookkeeping annotations); each event only wakes
+the loop of the InferenceService it concerns. Wake-ups that arrive while a pass runs fold into
+one more pass, so a burst of pod updates costs a pass or two, never one each, and two passes
+over one object never overlap. Passes run in threads (the Kubernetes client blocks), at most
+`workers` at once across all objects."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+log = logging.getLogger("kiln.operator")
+
+Key = tuple[str, str]  # (namespace, name)
+MAX_BACKOFF_S = 60.0
+
+
+class Controller:
+    def __init__(self, run_pass: Callable[[str, str], bool], interval: float, workers: int = 4) -> None:
+        """`run_pass(namespace, name)` reconciles once; returns False when the object is gone."""
+        self._run_pass = run_pass
+        self._interval = interval
+        self._slots = asyncio.Semaphore(workers)
+        self._wake: dict[Key, asyncio.Event] = {}
+        self._loops: dict[Key, asyncio.Task] = {}
+
+    def trigger(self, key: Key) -> None:
+        """Ask for a pass over `key` soon (starts its loop on first sight)."""
+        wake = self._wake.get(key)
+        if wake is None:
+            wake = self._wake[key] = asyncio.Event()
+            self._loops[key] = asyncio.get_running_loop().create_task(self._loop(key, wake))
+        wake.set()
+
+    def forget(self, key: Key) -> None:
+        """The object is gone: its loop ends after any pass in progress."""
+        wake = self._wake.pop(key, None)
+        if wake is not None:
+            wake.set()
+
+    def known(self) -> list[Key]:
+        return sorted(self._wake)
+
+    async def stop(self) -> None:
+        for task in self._loops.values():
+            task.cancel()
+        await asyncio.gather(*self._loops.values(), return_exceptions=True)
+
+    async def _loop(self, key: Key, wake: asyncio.Event) -> None:
+        failures = 0
+        try:
+            while self._wake.get(key) is wake:
+                delay = self._interval if failures == 0 else min(0.5 * 2 ** failures, MAX_BACKOFF_S)
+                try:
+                    await asyncio.wait_for(wake.wait(), delay)
+                except TimeoutError:
+                    pass  # resync, or retry after a failure
+                if self._wake.get(key) is not wake:
+                    break
+                wake.clear()
+                async with self._slots:
+                    try:
+                        exists = await asyncio.to_thread(self._run_pass, *key)
+                    except Exception as err:  # noqa: BLE001 - any failure: log, back off, retry
+                        failures += 1
+                        log.warning("%s/%s: pass failed (%s: %s); retrying in %.1fs", *key,
+                                    type(err).__name__, err, min(0.5 * 2 ** failures, MAX_BACKOFF_S))
+                        continue
+                failures = 0
+                if not exists:
+                    self.forget(key)
+        finally:
+            if self._loops.get(key) is asyncio.current_task():  # not a successor's loop
+                del self._loops[key]

@@ -1,0 +1,66 @@
+"""Plan: the actions that take the cluster from what was observed to what is desired. Pure, so
+tests run it on recorded cluster states; reconcile.py executes the actions it returns.
+
+An object is patched only when something we set differs from what is stored (defaults the
+API server adds are not differences), so a steady state plans nothing at all."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .desired import Desired
+from .observed import Observed, replicas_of
+
+CREATE, PATCH, SCALE, DELETE = "create", "patch", "scale", "delete"
+
+
+@dataclass(frozen=True)
+class Action:
+    verb: str  # create | patch | scale | delete
+    kind: str
+    name: str
+    body: dict[str, Any] | None = None  # create, patch: the object to apply
+    replicas: int | None = None  # scale
+
+    def __str__(self) -> str:
+        return f"{self.verb} {self.kind}/{self.name}" + (f" to {self.replicas}" if self.verb == SCALE else "")
+
+
+def contains(stored: Any, wanted: Any) -> bool:
+    """Every field of `wanted` is in `stored` with the same value (maps may have more keys)."""
+    if isinstance(wanted, dict):
+        return isinstance(stored, dict) and all(k in stored and contains(stored[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(stored, list) and len(stored) == len(wanted) \
+            and all(contains(s, w) for s, w in zip(stored, wanted))
+    return stored == wanted
+
+
+def plan(desired: Desired, observed: Observed) -> list[Action]:
+    actions = []
+    for obj in desired.objects():
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        stored = observed.get(kind, name)
+        if stored is None:
+            actions.append(Action(CREATE, kind, name, with_initial_replicas(obj, desired)))
+        elif not contains(stored, obj):
+            actions.append(Action(PATCH, kind, name, obj))
+    for revision in desired.revisions:
+        stored = observed.engine(revision.name)
+        if revision.replicas is not None and (stored is None or replicas_of(stored) != revision.replicas):
+            actions.append(Action(SCALE, "Deployment", revision.name, replicas=revision.replicas))
+    kept = {r.name for r in desired.revisions}
+    for kind in ("Deployment", "Service"):  # revisions that are no longer desired
+        actions += [Action(DELETE, kind, o["metadata"]["name"]) for o in observed.of_kind(kind, "engine")
+                    if o["metadata"]["name"] not in kept]
+    return actions
+
+
+def with_initial_replicas(obj: dict[str, Any], desired: Desired) -> dict[str, Any]:
+    """A new engine Deployment is created at its first replica count (not the API default of 1,
+    which would start a pod for a revision meant to be at zero); the scale action that follows
+    hands the field to its own field manager, so later applies without it do not reset it."""
+    revision = next((r for r in desired.revisions if r.deployment is obj), None)
+    if revision is None or revision.replicas is None:
+        return obj
+    return {**obj, "spec": {**obj["spec"], "replicas": revision.replicas}}

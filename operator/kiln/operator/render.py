@@ -1,0 +1,282 @@
+"""Each child object of an InferenceService, rendered from its spec: pure functions, no API
+calls. desired.py decides which of them should exist."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kiln/engine:0.1.0"
+PORT = 8000
+ROUTER_PORT = 8080
+LABEL_ISVC = "kiln.dev/inferenceservice"
+LABEL_REVISION = "kiln.dev/revision"
+LABEL_COMPONENT = "kiln.dev/component"
+ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
+ROUTER_CLUSTER_ROLE = "kiln-router"  # shipped in manifests/rbac.yaml
+MODEL_MOUNT = "/models"
+# Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
+# covers that pause plus finishing in-flight generations.
+PRESTOP_SLEEP_S = 10
+GRACE_PERIOD_S = 120
+RUN_AS = 1000
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+
+def engine_image() -> str:
+    return os.environ.get("KILN_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE)
+
+
+def revision_name(name: str, spec: InferenceServiceSpec) -> str:
+    """<isvc>-<hash of model+engine>. Defaults are left out of the hash, so spelling a default
+    out, or a new operator version adding a defaulted field, starts no rollout."""
+    settings = {"model": spec.model.model_dump(mode="json", exclude_defaults=True),
+                "engine": spec.engine.model_dump(mode="json", exclude_defaults=True)}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return f"{name}-{digest[:8]}"
+
+
+def served_model_name(spec: InferenceServiceSpec) -> str:
+    if spec.model.name:
+        return spec.model.name
+    last = spec.model.source.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
+    return last.removesuffix(".gguf")
+
+
+def selector(name: str, component: str = "engine") -> dict[str, str]:
+    return {LABEL_ISVC: name, LABEL_COMPONENT: component}
+
+
+def selector_string(name: str, component: str = "engine") -> str:
+    return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
+
+
+def labels(name: str, component: str = "engine") -> dict[str, str]:
+    return {"app.kubernetes.io/name": f"kiln-{component}", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/managed-by": "kiln-operator", **selector(name, component)}
+
+
+def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None,
+             component: str = "engine") -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**labels(owner.name, component), **(extra_labels or {})},
+        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
+                             "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}],
+    }
+
+
+def model_location(spec: InferenceServiceSpec) -> tuple[str, list[dict], list[dict]]:
+    """(--model argument, volumes, volume mounts) for the model source."""
+    scheme, rest = spec.model.source.split("://", 1)
+    if scheme == "builtin":
+        return rest, [], []
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        return str(PurePosixPath(MODEL_MOUNT, path)), [volume], [mount]
+    # hostpath:///abs/path: shown inside the pod where it lies on the node.
+    path = "/" + rest.lstrip("/")
+    volume = {"name": "model", "hostPath": {"path": path}}
+    return path, [volume], [{"name": "model", "mountPath": path, "readOnly": True}]
+
+
+def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
+    engine = spec.engine
+    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
+            "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
+            "--max-num-seqs", str(engine.maxNumSeqs),
+            "--kv-cache-memory", str(int(parse_quantity(engine.kvCache.memory)))]
+    if engine.maxModelLen is not None:
+        args += ["--max-model-len", str(engine.maxModelLen)]
+    if not engine.kvCache.prefixCaching:
+        args.append("--no-prefix-caching")
+    return args
+
+
+def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    res = spec.resources
+    requests = {"cpu": str(res.cpu), "memory": str(res.memory)}
+    # No CPU limit: throttling a decode loop only adds latency. Memory is capped to be evictable.
+    limits: dict[str, str] = {"memory": str(res.memory)}
+    if res.gpus > 0:
+        limits["nvidia.com/gpu"] = str(res.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
+                      pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    revision = revision_name(owner.name, spec)
+    pod_labels = {**labels(owner.name), LABEL_REVISION: revision}
+    model_arg, volumes, mounts = model_location(spec)
+    volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
+    if spec.engine.tensorParallelSize > 1:  # ranks exchange tensors through shared memory
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "engine",
+        "image": image,
+        "command": engine_args(spec, model_arg),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": container_resources(spec),
+        # Loading weights and warming kernels can take minutes: the startup probe allows 30.
+        "startupProbe": probe("/health", 5, 360),
+        "readinessProbe": probe("/ready", 5, 2),
+        "livenessProbe": probe("/health", 10, 3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": HARDENED,
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": GRACE_PERIOD_S,
+        "securityContext": POD_SECURITY,
+    }
+    if spec.resources.nodeSelector:
+        pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
+    if spec.resources.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.resources.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {**metadata(owner, revision, {LABEL_REVISION: revision}),
+                     "annotations": {ANNOTATION_QUANTIZATION: spec.engine.quantization}},
+        # No replicas: that field has its own writer (desired.replicas_writer).
+        "spec": {
+            "selector": {"matchLabels": {**selector(owner.name), LABEL_REVISION: revision}},
+            # Never drop below the wanted capacity while a replica reloads weights.
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": 1800,
+            "revisionHistoryLimit": 2,
+            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": pod_spec},
+        },
+    }
+
+
+def pod_metadata(pod_labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
+    return {"labels": pod_labels, **({"annotations": dict(annotations)} if annotations else {})}
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
+
+
+def render_service(owner: Owner) -> dict[str, Any]:
+    """The user-facing Service: the router pods, which spread requests over the engines."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, owner.name, component="router"),
+        "spec": {"type": "ClusterIP", "selector": selector(owner.name, "router"),
+                 "ports": [{"name": "http", "port": PORT, "targetPort": "http",
+                            "protocol": "TCP", "appProtocol": "http"}]},
+    }
+
+
+def render_revision_service(owner: Owner, revision: str) -> dict[str, Any]:
+    """Headless, one per revision: nobody connects to it. Its EndpointSlices (which carry its
+    labels, revision included) are how the router sees each revision's ready pods."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, revision, {LABEL_REVISION: revision}),
+        "spec": {"clusterIP": "None", "selector": {**selector(owner.name), LABEL_REVISION: revision},
+                 "ports": [{"name": "http", "port": PORT, "targetPort": "http",
+                            "protocol": "TCP", "appProtocol": "http"}]},
+    }
+
+
+def render_router_account(owner: Owner) -> list[dict[str, Any]]:
+    """The router's ServiceAccount, bound in its namespace only to the fixed `kiln-router`
+    ClusterRole that manifests/ installs (list/watch EndpointSlices)."""
+    name = router_name(owner.name)
+    meta = metadata(owner, name, component="router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": ROUTER_CLUSTER_ROLE},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]
+
+
+def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """One router per InferenceService, in front of every revision's engine pods."""
+    name = router_name(owner.name)
+    container = {
+        "name": "router",
+        "image": image,  # the engine image carries the whole `kiln` CLI
+        "command": ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT)],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        # Ready once it can take requests, engines or not: at zero replicas it is what holds them.
+        "readinessProbe": probe("/ready", 2, 2),
+        "livenessProbe": probe("/health", 10, 3),
+        "securityContext": HARDENED,
+    }
+    pod_labels = labels(owner.name, "router")
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(owner, name, component="router"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector(owner.name, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 2,
+            "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": {
+                "serviceAccountName": name,
+                "automountServiceAccountToken": True,  # to watch EndpointSlices
+                "enableServiceLinks": False,
+                "containers": [container],
+                "securityContext": POD_SECURITY,
+            }},
+        },
+    }
+
+
+def render_pdb(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(owner, owner.name),
+        # maxUnavailable, not minAvailable: a single replica must not block node drains forever.
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def service_url(owner: Owner) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc:{PORT}/v1"
