@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import Target, eventually
+from e2e_support import Target
+from kiln.local.testing import KubectlError, eventually
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -55,8 +56,8 @@ def namespace(target: Target) -> Iterator[str]:
     name = f"kiln-e2e-{uuid.uuid4().hex[:6]}"
     target.kubectl("create", "namespace", name)
     # Pods are refused until the controller-manager has made the namespace's ServiceAccount.
-    eventually(lambda: target.kubectl("get", "serviceaccount", "default", "-n", name, check=False),
-               "the default ServiceAccount")
+    eventually(lambda: target.kubectl("get", "serviceaccount", "default", "-n", name), "the default ServiceAccount",
+               timeout=120, ignore=(KubectlError,))
     try:
         yield name
     finally:
@@ -104,14 +105,15 @@ def base_url(target: Target, namespace: str) -> Iterator[Callable[[str], str]]:
     def url(name: str) -> str:
         if target.cluster is not None:  # no kube-proxy here: the router pod's IP on the bridge
             from kiln.local import demo
-            found = eventually(lambda: demo.router_url(target.kubeconfig, name, namespace), "a ready router")
+            found = eventually(lambda: demo.router_url(target.kubeconfig, name, namespace), "a ready router",
+                               timeout=120, ignore=(KubectlError,))
             return found.removesuffix("/v1")
         port = free_port()
         forwards.append(subprocess.Popen([target.kubectl_bin, f"--kubeconfig={target.kubeconfig}", "port-forward",
                                           "-n", namespace, f"svc/{name}", f"{port}:8000"],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         eventually(lambda: socket.create_connection(("127.0.0.1", port), timeout=2).close() or True,
-                   "kubectl port-forward")
+                   "kubectl port-forward", timeout=120, ignore=(OSError,))
         return f"http://127.0.0.1:{port}"
 
     yield url

@@ -1,10 +1,12 @@
 """The whole system: kubectl apply an InferenceService, and SmolLM2 answers through its router.
 
-Each step is what the README's "Try it" shows, in order: apply examples/smollm2.yaml, wait
-for Ready, ask for completions and chat (greedy text must equal the engine's own, computed
-here in-process), scale to two replicas through the scale subresource and see the router
-spread traffic over both, delete an engine pod under load without losing a request that had
-not started streaming, delete the InferenceService and see everything it made go.
+The steps are what the README's "Try it" shows: apply examples/smollm2.yaml, wait for Ready,
+ask for completions and chat (greedy text must equal the engine's own, computed here
+in-process), scale to two replicas through the scale subresource and see the router spread
+traffic over both, delete an engine pod under load without losing a request that had not
+started streaming, delete the InferenceService and see everything it made go. Each test gets
+the InferenceService into the state it starts from (the `serving` fixture), so any one runs
+alone or in any order (in file order, most find it as the test before left it).
 """
 from __future__ import annotations
 
@@ -14,13 +16,15 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e_support import REPO, Target, eventually
+from e2e_support import REPO, Target
+from kiln.local.testing import KubectlError, eventually
 
 NAME = "smollm2"
 MODEL = "smollm2-135m"
@@ -30,17 +34,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LABEL = f"kiln.dev/inferenceservice={NAME}"
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-@pytest.fixture(scope="module")
-def applied(target: Target, namespace: str, operator: None) -> str:
-    target.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples/smollm2.yaml"))
-    return namespace
-
-
-def wait_ready(target: Target, namespace: str) -> None:
-    target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
-                   f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
 
 
 def client(url: str) -> openai.OpenAI:
@@ -78,6 +71,31 @@ def engine_pods(target: Target, namespace: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def serving(target: Target, namespace: str, operator: None, base_url) -> Callable[..., str]:
+    """serving(replicas=None) -> the router's URL, once examples/smollm2.yaml is applied (a no-op
+    when it is already), scaled to `replicas` engines if given, Ready, and there are exactly that
+    many engine pods, all known to the router (without replicas: the router knows at least one)."""
+    def serve(replicas: int | None = None) -> str:
+        target.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples/smollm2.yaml"))
+        if replicas is not None:
+            target.kubectl("scale", "-n", namespace, f"inferenceservice/{NAME}", f"--replicas={replicas}")
+        target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
+                       f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+        if replicas is not None:
+            target.kubectl("wait", "-n", namespace, f"--for=jsonpath={{.status.readyReplicas}}={replicas}",
+                           f"--timeout={LOAD_TIMEOUT}s", f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+        url = base_url(NAME)
+
+        def settled() -> bool:
+            endpoints = get_json(url + "/ready")["endpoints"]
+            return endpoints > 0 if replicas is None else endpoints == replicas == len(engine_pods(target, namespace))
+        eventually(settled, f"{replicas or 'a'} ready engine(s), known to the router", timeout=180,
+                   ignore=(OSError, KubectlError))
+        return url
+    return serve
+
+
+@pytest.fixture(scope="module")
 def reference():
     """The engine's own greedy answers, in-process, same dtype as examples/smollm2.yaml."""
     from kiln.engine import LLM, SamplingParams
@@ -86,17 +104,17 @@ def reference():
     return {"completion": llm.generate(PROMPT, params)[0].text, "chat": llm.chat(CHAT, params)[0].text}
 
 
-def test_apply_becomes_ready_with_useful_columns(target: Target, applied: str, base_url) -> None:
-    wait_ready(target, applied)
-    table = target.kubectl("get", "isvc", "-n", applied).splitlines()
+def test_apply_becomes_ready_with_useful_columns(target: Target, namespace: str, serving) -> None:
+    url = serving(1)
+    table = target.kubectl("get", "isvc", "-n", namespace).splitlines()
     assert table[0].split()[:5] == ["NAME", "READY", "REASON", "REPLICAS", "MODEL"]
     assert table[1].split()[:5] == [NAME, "True", "Serving", "1", MODEL]
     # The user-facing Service leads to the router, which knows one ready engine.
-    assert get_json(base_url(NAME) + "/ready")["endpoints"] == 1
+    assert get_json(url + "/ready")["endpoints"] == 1
 
 
-def test_completions_and_chat_are_answered_by_smollm2(applied: str, base_url, reference) -> None:
-    api = client(base_url(NAME))
+def test_completions_and_chat_are_answered_by_smollm2(serving, reference) -> None:
+    api = client(serving())
     completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
     assert completion.choices[0].text == reference["completion"]
     chat = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
@@ -104,12 +122,13 @@ def test_completions_and_chat_are_answered_by_smollm2(applied: str, base_url, re
     assert "Paris" in chat.choices[0].message.content
 
 
-def test_scale_to_two_spreads_traffic_over_both(target: Target, applied: str, base_url) -> None:
-    target.kubectl("scale", "-n", applied, f"inferenceservice/{NAME}", "--replicas=2")
-    target.kubectl("wait", "-n", applied, "--for=jsonpath={.status.readyReplicas}=2", f"--timeout={LOAD_TIMEOUT}s",
+def test_scale_to_two_spreads_traffic_over_both(target: Target, namespace: str, serving) -> None:
+    url = serving(1)
+    target.kubectl("scale", "-n", namespace, f"inferenceservice/{NAME}", "--replicas=2")
+    target.kubectl("wait", "-n", namespace, "--for=jsonpath={.status.readyReplicas}=2", f"--timeout={LOAD_TIMEOUT}s",
                    f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
-    url = base_url(NAME)
-    eventually(lambda: get_json(url + "/ready")["endpoints"] == 2, "the router to know both engines")
+    eventually(lambda: get_json(url + "/ready")["endpoints"] == 2, "the router to know both engines", timeout=120,
+               ignore=(OSError,))
     before = router_requests(url)
     api = client(url)
     threads = [threading.Thread(target=api.completions.create,
@@ -120,7 +139,7 @@ def test_scale_to_two_spreads_traffic_over_both(target: Target, applied: str, ba
     for t in threads:
         t.join()
     served = router_requests(url) - before
-    ips = {f"{p['status']['podIP']}:8000" for p in engine_pods(target, applied)}
+    ips = {f"{p['status']['podIP']}:8000" for p in engine_pods(target, namespace)}
     assert set(served) == ips, f"requests per engine: {dict(served)}; engine pods: {ips}"
     assert sum(served.values()) == 8
 
@@ -146,18 +165,19 @@ def stream_until(api: openai.OpenAI, stop: threading.Event, outcomes: list[Outco
             outcomes.append(Outcome(streamed, False, repr(exc)))
 
 
-def test_deleting_an_engine_pod_under_load_loses_no_request(target: Target, applied: str, base_url) -> None:
-    api = client(base_url(NAME))
-    victim = engine_pods(target, applied)[0]["metadata"]["name"]
+def test_deleting_an_engine_pod_under_load_loses_no_request(target: Target, namespace: str, serving) -> None:
+    api = client(serving(2))  # another engine to take over
+    victim = engine_pods(target, namespace)[0]["metadata"]["name"]
     stop, outcomes = threading.Event(), []
     workers = [threading.Thread(target=stream_until, args=(api, stop, outcomes)) for _ in range(4)]
     for w in workers:
         w.start()
-    eventually(lambda: len(outcomes) >= 4, "load to flow")
-    target.kubectl("delete", "pod", "-n", applied, victim, "--wait=false")
+    eventually(lambda: len(outcomes) >= 4, "load to flow", timeout=120)
+    target.kubectl("delete", "pod", "-n", namespace, victim, "--wait=false")
     at_delete = len(outcomes)
     # Past the preStop pause and the drain: the pod's engine is gone by then.
-    eventually(lambda: victim not in {p["metadata"]["name"] for p in engine_pods(target, applied)}, "pod deletion")
+    eventually(lambda: victim not in {p["metadata"]["name"] for p in engine_pods(target, namespace)}, "pod deletion",
+               timeout=120, ignore=(KubectlError,))
     time.sleep(15)
     stop.set()
     for w in workers:
@@ -169,15 +189,15 @@ def test_deleting_an_engine_pod_under_load_loses_no_request(target: Target, appl
     assert not broken, f"streams broken off mid-way: {broken[:3]}"  # the engine drained them
 
 
-def test_deleting_the_service_removes_everything(target: Target, applied: str, base_url) -> None:
-    url = base_url(NAME)
-    uids = [p["metadata"]["uid"] for p in engine_pods(target, applied)]
-    target.kubectl("delete", "-n", applied, f"inferenceservice/{NAME}", "--timeout=120s")
+def test_deleting_the_service_removes_everything(target: Target, namespace: str, serving) -> None:
+    url = serving()
+    uids = [p["metadata"]["uid"] for p in engine_pods(target, namespace)]
+    target.kubectl("delete", "-n", namespace, f"inferenceservice/{NAME}", "--timeout=120s")
     kinds = "deployments,replicasets,pods,services,endpointslices,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
 
     def leftovers() -> str:
-        return target.kubectl("get", kinds, "-n", applied, "-l", LABEL, "-o", "name").strip()
-    eventually(lambda: leftovers() == "", "every child to be garbage-collected", timeout=180)
+        return target.kubectl("get", kinds, "-n", namespace, "-l", LABEL, "-o", "name").strip()
+    eventually(lambda: leftovers() == "", "every child to be garbage-collected", timeout=180, ignore=(KubectlError,))
     eventually(lambda: not answers(url + "/health"), "the router to stop answering", 60)
     if target.cluster is not None:  # the test runtime stopped the pods' processes and namespaces
         net = target.cluster.network()

@@ -24,18 +24,15 @@ class LocalCluster:
 def local_cluster():
     """The local cluster: built when missing, started when not running, and taken down at
     the end only if test sessions started it and no other session still uses it."""
-    import kubernetes
-
     from kiln.local import build, cluster
+    from kiln.local.testing import api_client
 
     if os.geteuid() != 0:
         pytest.fail("the local cluster needs root: it makes a bridge and network namespaces")
     c, _ = cluster.up(cluster.default_dir(), user=os.getpid())
     kubectl = build.binary("kubectl")
     os.environ["PATH"] = f"{kubectl.parent}{os.pathsep}{os.environ['PATH']}"
-    config = kubernetes.client.Configuration()
-    kubernetes.config.load_kube_config(config_file=str(c.kubeconfig), client_configuration=config)
-    api = kubernetes.client.ApiClient(config)
+    api = api_client(c.kubeconfig)
     try:
         yield LocalCluster(c.kubeconfig, api, c, c.network(), kubectl)
     finally:
@@ -46,6 +43,7 @@ def local_cluster():
 # ---------------------------------------------------------------------------
 # operator fixtures (kiln.operator): Kiln installed with `kubectl apply -k manifests/`
 # ---------------------------------------------------------------------------
+import functools  # noqa: E402
 import subprocess  # noqa: E402
 import uuid  # noqa: E402
 
@@ -54,14 +52,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def kubectl(local_cluster: LocalCluster):
-    """Run kubectl as cluster admin; failures raise with kubectl's own message."""
-    def run(*args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-        done = subprocess.run(["kubectl", f"--kubeconfig={local_cluster.kubeconfig}", *args], input=input,
-                              capture_output=True, text=True, timeout=120)
-        if check and done.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr or done.stdout}")
-        return done
-    return run
+    """kubectl(*args, check=True, input=None, timeout=120) as cluster admin: kiln.local.testing.kubectl
+    with the cluster's kubeconfig; a failure raises KubectlError with kubectl's own message."""
+    from kiln.local import testing
+    return functools.partial(testing.kubectl, local_cluster.kubeconfig)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 
@@ -17,18 +16,9 @@ from kubernetes.client.rest import ApiException
 
 from kiln.local import build, cluster, kwok, processes
 from kiln.local.network import PodNetwork
+from kiln.local.testing import api_client, eventually, kubectl, service_account_kubeconfig
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def wait_until(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -44,26 +34,15 @@ def test_apiserver_reports_the_pinned_version(local_cluster):
     info = kubernetes.client.VersionApi(local_cluster.api_client).get_code()
     assert info.git_version == build.KUBE_VERSION
     assert (info.major, info.minor) == ("1", build.KUBE_VERSION.split(".")[1])
-    out = subprocess.run([str(build.binary("kubectl")), "version", "-o", "json",
-                          f"--kubeconfig={local_cluster.kubeconfig}"], capture_output=True, text=True, check=True)
-    versions = json.loads(out.stdout)
+    versions = json.loads(kubectl(local_cluster.kubeconfig, "version", "-o", "json").stdout)
     assert versions["serverVersion"]["gitVersion"] == versions["clientVersion"]["gitVersion"] == build.KUBE_VERSION
 
 
-def token_client(local_cluster, namespace: str, account: str) -> kubernetes.client.ApiClient:
-    core = kubernetes.client.CoreV1Api(local_cluster.api_client)
-    core.create_namespaced_service_account(namespace, {"metadata": {"name": account}})
-    request = {"spec": {"audiences": [], "expirationSeconds": 600}}
-    token = core.create_namespaced_service_account_token(account, namespace, request).status.token
-    config = kubernetes.client.Configuration()
-    config.host = local_cluster.api_client.configuration.host
-    config.ssl_ca_cert = local_cluster.api_client.configuration.ssl_ca_cert
-    config.api_key = {"authorization": f"Bearer {token}"}
-    return kubernetes.client.ApiClient(config)
-
-
-def test_rbac_denies_a_service_account_until_a_role_allows_it(local_cluster, namespace):
-    bot = kubernetes.client.CoreV1Api(token_client(local_cluster, namespace, "bot"))
+def test_rbac_denies_a_service_account_until_a_role_allows_it(local_cluster, namespace, tmp_path):
+    admin = local_cluster.api_client
+    kubernetes.client.CoreV1Api(admin).create_namespaced_service_account(namespace, {"metadata": {"name": "bot"}})
+    bot = kubernetes.client.CoreV1Api(api_client(
+        service_account_kubeconfig(admin, namespace, "bot", tmp_path / "bot.kubeconfig", expiration_s=600)))
     with pytest.raises(ApiException) as denied:
         bot.list_namespaced_pod(namespace)
     assert denied.value.status == 403
@@ -83,7 +62,7 @@ def test_rbac_denies_a_service_account_until_a_role_allows_it(local_cluster, nam
         except ApiException as exc:
             assert exc.status == 403
             return False
-    wait_until("the RoleBinding to take effect", allowed, 30)
+    eventually(allowed, "the RoleBinding to take effect", 30)
     with pytest.raises(ApiException) as still_denied:  # the role grants pods, nothing else
         bot.list_namespaced_secret(namespace)
     assert still_denied.value.status == 403
@@ -103,7 +82,7 @@ def running_pods(core, namespace: str, app: str, count: int) -> list:
         pods = core.list_namespaced_pod(namespace, label_selector=f"app={app}").items
         running = [p for p in pods if p.status.phase == "Running" and p.status.pod_ip]
         return running if len(running) == count == len(pods) else None
-    return wait_until(f"{count} running pods of {app}", ready, 90)
+    return eventually(ready, f"{count} running pods of {app}", 90)
 
 
 def test_deployment_pods_run_on_kwok_nodes_with_bridge_ips_and_are_collected(local_cluster, namespace):
@@ -134,11 +113,11 @@ def test_deployment_pods_run_on_kwok_nodes_with_bridge_ips_and_are_collected(loc
             namespace, label_selector="kubernetes.io/service-name=web").items
         found = {a for s in slices for e in (s.endpoints or []) if e.conditions.ready for a in e.addresses}
         return found if found == pod_ips else None
-    wait_until("EndpointSlices listing the pod IPs", slice_addresses, 60)
+    eventually(slice_addresses, "EndpointSlices listing the pod IPs", 60)
 
     apps.delete_namespaced_deployment("web", namespace, propagation_policy="Background")
-    wait_until("garbage collection of ReplicaSet and pods", lambda: not apps.list_namespaced_replica_set(
-        namespace).items and not core.list_namespaced_pod(namespace).items, 90)
+    eventually(lambda: not apps.list_namespaced_replica_set(namespace).items
+               and not core.list_namespaced_pod(namespace).items, "garbage collection of ReplicaSet and pods", 90)
 
 
 def test_gpu_capacity_is_scheduled(local_cluster, namespace):
@@ -152,12 +131,12 @@ def test_gpu_capacity_is_scheduled(local_cluster, namespace):
             {"name": "engine", "image": "kiln.invalid/engine:test", "resources": {"limits": limits}}]}}
     core.create_namespaced_pod(namespace, gpu_pod("fits", int(kwok.NODE_CAPACITY["nvidia.com/gpu"])))
     core.create_namespaced_pod(namespace, gpu_pod("too-big", int(kwok.NODE_CAPACITY["nvidia.com/gpu"]) + 1))
-    wait_until("the fitting pod to run", lambda: core.read_namespaced_pod("fits", namespace).status.phase == "Running")
+    eventually(lambda: core.read_namespaced_pod("fits", namespace).status.phase == "Running", "the fitting pod to run")
 
     def unschedulable():
         conditions = core.read_namespaced_pod("too-big", namespace).status.conditions or []
         return any(c.type == "PodScheduled" and c.reason == "Unschedulable" for c in conditions)
-    wait_until("the oversized pod to be reported unschedulable", unschedulable)
+    eventually(unschedulable, "the oversized pod to be reported unschedulable")
     assert core.read_namespaced_pod("too-big", namespace).spec.node_name is None
 
 
@@ -175,13 +154,10 @@ def test_external_readiness_pod_is_served_from_its_own_namespace(local_cluster, 
                                "--bind", pod.status.pod_ip, "8000"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        def served():
-            try:
-                with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8000/", timeout=2) as resp:
-                    return resp.status == 200
-            except OSError:
-                return False
-        wait_until("the process in the pod namespace to answer on the pod IP", served, 30)
+        def served() -> bool:
+            with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8000/", timeout=2) as resp:
+                return resp.status == 200
+        eventually(served, "the process in the pod namespace to answer on the pod IP", 30, ignore=(OSError,))
         assert netns in PodNetwork.system_namespaces()
     finally:
         server.terminate()

@@ -5,9 +5,7 @@ needs no model and has a real readiness endpoint. The whole system (engines, ope
 exercised in e2e/."""
 from __future__ import annotations
 
-import time
 import urllib.request
-from typing import Any, Callable
 
 import kubernetes
 import pytest
@@ -15,19 +13,9 @@ from kubernetes.client.rest import ApiException
 
 from kiln.local import processes
 from kiln.local.kwok import EXTERNAL_READINESS
+from kiln.local.testing import eventually
 
 pytestmark = pytest.mark.timeout(1800)  # the session's cluster may have to be built and started first
-
-
-def eventually(check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last seen: {last!r}")
 
 
 def pod(name: str, command: list[str], env: list[dict] | None = None) -> dict:

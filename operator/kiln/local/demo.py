@@ -12,29 +12,17 @@ import argparse
 import json
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
-import yaml
-
-from kiln.local import build, cluster, processes
+from kiln.local import cluster, processes
 from kiln.local.kwok import EXTERNAL_READINESS
+from kiln.local.testing import api_client, eventually, kubectl, service_account_kubeconfig
 
 REPO = Path(__file__).resolve().parents[3]
 OPERATOR = "operator"
 EXAMPLE = REPO / "examples" / "smollm2.yaml"
 TOKEN_SECONDS = 24 * 3600
-
-
-def kubectl(kubeconfig: Path, *args: str, input: str | None = None, timeout: float = 120) -> str:
-    """Run kubectl; a failure raises RuntimeError with kubectl's own message."""
-    done = subprocess.run([str(build.binary("kubectl")), f"--kubeconfig={kubeconfig}", *args], input=input,
-                          capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise RuntimeError(f"kubectl {' '.join(args)}: {(done.stderr or done.stdout).strip()}")
-    return done.stdout
 
 
 def install(kubeconfig: Path) -> None:
@@ -44,21 +32,9 @@ def install(kubeconfig: Path) -> None:
 
 def operator_kubeconfig(c: cluster.Cluster) -> Path:
     """A kubeconfig holding only the kiln-operator ServiceAccount's token."""
-    request = json.dumps({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                          "spec": {"expirationSeconds": TOKEN_SECONDS}})
-    out = kubectl(c.kubeconfig, "create", "--raw",
-                  "/api/v1/namespaces/kiln-system/serviceaccounts/kiln-operator/token", "-f", "-", input=request)
-    token = json.loads(out)["status"]["token"]
-    path = c.dir / "pods" / "operator.kubeconfig"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kiln-operator",
-        "clusters": [{"name": "kiln-local", "cluster": {"server": c.server(),
-                                                         "certificate-authority": str(c.dir / "pki" / "ca.crt")}}],
-        "users": [{"name": "kiln-operator", "user": {"token": token}}],
-        "contexts": [{"name": "kiln-operator", "context": {"cluster": "kiln-local", "user": "kiln-operator"}}]}))
-    path.chmod(0o600)
-    return path
+    with api_client(c.kubeconfig) as admin:
+        return service_account_kubeconfig(admin, "kiln-system", "kiln-operator", c.dir / "pods" / "operator.kubeconfig",
+                                          expiration_s=TOKEN_SECONDS)
 
 
 def ensure_operator(c: cluster.Cluster) -> dict:
@@ -86,7 +62,7 @@ def router_url(kubeconfig: Path, name: str, namespace: str) -> str | None:
 
     The local cluster has no kube-proxy, so Service IPs lead nowhere; pod IPs on the bridge do."""
     out = kubectl(kubeconfig, "get", "endpointslices", "-n", namespace,
-                  "-l", f"kubernetes.io/service-name={name}", "-o", "json")
+                  "-l", f"kubernetes.io/service-name={name}", "-o", "json").stdout
     for item in json.loads(out)["items"]:
         port = next((p["port"] for p in item.get("ports") or [] if p.get("name") == "http"), None)
         for ep in item.get("endpoints") or []:
@@ -99,17 +75,14 @@ def wait_until_serving(kubeconfig: Path, name: str, namespace: str, timeout: flo
     """Wait for Ready and a router that knows a ready engine; returns the URL."""
     kubectl(kubeconfig, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", "-n", namespace,
             f"inferenceservice/{name}", timeout=timeout + 30)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def answering() -> str | None:
         url = router_url(kubeconfig, name, namespace)
         if url:
-            try:
-                with urllib.request.urlopen(url.removesuffix("/v1") + "/ready", timeout=5):
-                    return url
-            except (OSError, urllib.error.URLError):
-                pass
-        time.sleep(1)
-    raise RuntimeError(f"{namespace}/{name} is Ready but its router never answered /ready")
+            urllib.request.urlopen(url.removesuffix("/v1") + "/ready", timeout=5).close()
+        return url
+    return eventually(answering, f"the router of {namespace}/{name} (Ready) to answer /ready", timeout=120,
+                      interval=1, ignore=(OSError,))
 
 
 def up() -> int:
@@ -119,7 +92,7 @@ def up() -> int:
     kubectl(c.kubeconfig, "apply", "-f", str(EXAMPLE))
     print("waiting for smollm2 to load and warm up (a minute or two on a CPU)...", flush=True)
     url = wait_until_serving(c.kubeconfig, "smollm2", "default")
-    print(kubectl(c.kubeconfig, "get", "isvc"))
+    print(kubectl(c.kubeconfig, "get", "isvc").stdout)
     body = json.dumps({"model": "smollm2-135m", "max_tokens": 32,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     print(f"Kiln serves smollm2 through its router at {url}\n\n"
@@ -141,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return up() if args.action == "up" else down()
-    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as exc:  # kubectl failed, a wait timed out
         print(f"make {args.action}: {exc}", file=sys.stderr)
         return 1
 

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes
-import yaml
 from kubernetes.client.rest import ApiException
 
 from kiln.local import kwok, processes
 from kiln.local.cluster import Cluster
 from kiln.local.network import PodNetwork
 from kiln.local.relay import Relay
+from kiln.local.testing import api_client, service_account_kubeconfig
 
 log = logging.getLogger("kiln.local.runtime")
 RUNNABLE = {("kiln", "serve"), ("kiln", "router")}
@@ -54,18 +54,6 @@ def runnable(pod: Any) -> bool:
         return False
     containers = pod.spec.containers or []
     return len(containers) == 1 and tuple((containers[0].command or [])[:2]) in RUNNABLE
-
-
-def token_kubeconfig(path: Path, server: str, ca: Path, user: str, token: str) -> Path:
-    """A kubeconfig that authenticates with a bearer token (a ServiceAccount's)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kiln-local",
-        "clusters": [{"name": "kiln-local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "kiln-local", "context": {"cluster": "kiln-local", "user": user}}]}))
-    path.chmod(0o600)
-    return path
 
 
 def field_value(pod: Any, path: str) -> str:
@@ -146,9 +134,8 @@ class Runtime:
         self.cluster = cluster
         state = cluster.state()
         self.net: PodNetwork = cluster.network(state)
-        config = kubernetes.client.Configuration()
-        kubernetes.config.load_kube_config(str(cluster.kubeconfig), client_configuration=config)
-        self.core = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(config))
+        self.admin = api_client(cluster.kubeconfig)
+        self.core = kubernetes.client.CoreV1Api(self.admin)
         self.relay = Relay((self.net.gateway, 0), ("127.0.0.1", state["ports"]["apiserver"]))
         self.pods: dict[str, PodRun] = {}  # by uid
         self.refused: set[str] = set()
@@ -232,14 +219,11 @@ class Runtime:
 
     def service_account_kubeconfig(self, pod: Any) -> Path:
         """What the kubelet's projected token volume gives a pod, as a kubeconfig."""
-        sa = pod.spec.service_account_name or "default"
-        request = {"spec": {"expirationSeconds": TOKEN_SECONDS,
-                            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name,
-                                               "uid": pod.metadata.uid}}}
-        token = self.core.create_namespaced_service_account_token(sa, pod.metadata.namespace, request).status.token
-        server = f"https://{self.relay.address[0]}:{self.relay.address[1]}"
-        return token_kubeconfig(self.workdir / pod.metadata.uid / "kubeconfig", server,
-                                self.cluster.dir / "pki" / "ca.crt", f"{pod.metadata.namespace}:{sa}", token)
+        return service_account_kubeconfig(
+            self.admin, pod.metadata.namespace, pod.spec.service_account_name or "default",
+            self.workdir / pod.metadata.uid / "kubeconfig", expiration_s=TOKEN_SECONDS,
+            server=f"https://{self.relay.address[0]}:{self.relay.address[1]}",
+            bound_to={"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name, "uid": pod.metadata.uid})
 
     def launch(self, run: PodRun) -> None:
         run.record = processes.launch(run.argv, run.log_path, env=run.env)

@@ -1,0 +1,101 @@
+"""Helpers for whatever drives a cluster from outside: tests/, e2e/ and `make up` (kiln.local.demo).
+
+- eventually(check, what, ...): poll until check() is truthy, or fail saying what was last seen.
+- kubectl(kubeconfig, *args, ...): run kubectl (by default the one the local cluster builds).
+- service_account_kubeconfig(admin, namespace, account, path, ...): a kubeconfig holding only a
+  ServiceAccount's token (TokenRequest), to run something with exactly the RBAC it is granted.
+- api_client(kubeconfig): a kubernetes ApiClient for any kubeconfig (admin's or a token one).
+"""
+from __future__ import annotations
+
+import base64
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import kubernetes
+import yaml
+
+from kiln.local import build
+
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T], what: str, timeout: float = 60.0, interval: float = 0.5,
+               ignore: tuple[type[BaseException], ...] = ()) -> T:
+    """Poll check() until it returns something truthy, and return that.
+
+    An exception of a type in `ignore` counts as "not yet"; any other propagates at once.
+    After `timeout` seconds (check() runs at least once), raise AssertionError naming `what`
+    and the last value or exception seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+        except ignore as exc:
+            last: object = exc
+        else:
+            if value:
+                return value
+            last = value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; last seen: {last!r}")
+        time.sleep(interval)
+
+
+class KubectlError(RuntimeError):
+    """kubectl exited non-zero; the message ends with kubectl's own error output."""
+
+
+def kubectl(kubeconfig: Path | str, *args: str, input: str | None = None, check: bool = True,
+            timeout: float = 120, binary: Path | str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `kubectl --kubeconfig=<kubeconfig> <args>`, text in and out.
+
+    binary: None for the kubectl that the local cluster builds (kiln.local.build), else a path
+    or a name on PATH. With check, a non-zero exit raises KubectlError; running past `timeout`
+    seconds raises subprocess.TimeoutExpired."""
+    exe = str(build.binary("kubectl") if binary is None else binary)
+    done = subprocess.run([exe, f"--kubeconfig={kubeconfig}", *args], input=input, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise KubectlError(f"kubectl {' '.join(args)} (exit {done.returncode}): "
+                           f"{(done.stderr or done.stdout).strip()}")
+    return done
+
+
+def service_account_kubeconfig(admin: kubernetes.client.ApiClient, namespace: str, account: str, path: Path,
+                               expiration_s: int = 3600, server: str | None = None,
+                               bound_to: dict | None = None) -> Path:
+    """Write (mode 0600) and return a kubeconfig with only a token of ServiceAccount namespace/account.
+
+    The token comes from a TokenRequest made with `admin` (the ServiceAccount must exist).
+    The cluster entry is admin's server (or `server`: another address of the same apiserver)
+    and admin's CA, inlined so the file stands alone. bound_to: a TokenRequest boundObjectRef
+    ({"kind": "Pod", "apiVersion": "v1", "name": ..., "uid": ...}): the token dies with that object."""
+    spec: dict = {"expirationSeconds": expiration_s}
+    if bound_to is not None:
+        spec["boundObjectRef"] = bound_to
+    core = kubernetes.client.CoreV1Api(admin)
+    token = core.create_namespaced_service_account_token(account, namespace, {"spec": spec}).status.token
+    cluster = {"server": server or admin.configuration.host}
+    if admin.configuration.ssl_ca_cert:
+        cluster["certificate-authority-data"] = base64.b64encode(
+            Path(admin.configuration.ssl_ca_cert).read_bytes()).decode()
+    user = f"system:serviceaccount:{namespace}:{account}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": user,
+        "clusters": [{"name": "cluster", "cluster": cluster}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "cluster", "user": user}}]}))
+    path.chmod(0o600)
+    return path
+
+
+def api_client(kubeconfig: Path | str) -> kubernetes.client.ApiClient:
+    """A kubernetes ApiClient authenticated as the kubeconfig's current context; close it when done."""
+    config = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(config_file=str(kubeconfig), client_configuration=config)
+    return kubernetes.client.ApiClient(config)
