@@ -110,7 +110,7 @@ def test_router_discovers_every_revision_with_least_privilege():
 
 
 def rbac_documents() -> list[dict]:
-    return list(yaml.safe_load_all((ROOT / "manifests/rbac.yaml").read_text()))
+    return list(yaml.safe_load_all((ROOT / "manifests/base/rbac.yaml").read_text()))
 
 
 def granted_by(role: str) -> set[tuple[str, str, str]]:

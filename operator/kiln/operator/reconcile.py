@@ -74,11 +74,12 @@ def observe(api: Api, owner: Owner) -> Observed:
     recreated must not adopt its predecessor's leftovers)."""
     objects = []
     for kind in CHILD_KINDS:
-        found = api.call("list", kind)(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}")
-        for obj in api.client.sanitize_for_serialization(found)["items"]:
+        found = api.client.sanitize_for_serialization(
+            api.call("list", kind)(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}"))
+        for obj in found["items"]:  # items of a list carry no kind or apiVersion of their own
             refs = obj["metadata"].get("ownerReferences") or []
             if any(ref.get("uid") == owner.uid for ref in refs):
-                objects.append({**obj, "kind": kind})
+                objects.append({**obj, "kind": kind, "apiVersion": found["apiVersion"]})
     return Observed.of(*objects)
 
 

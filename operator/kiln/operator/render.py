@@ -20,7 +20,7 @@ LABEL_ISVC = "kiln.dev/inferenceservice"
 LABEL_REVISION = "kiln.dev/revision"
 LABEL_COMPONENT = "kiln.dev/component"
 ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
-ROUTER_CLUSTER_ROLE = "kiln-router"  # shipped in manifests/rbac.yaml
+ROUTER_CLUSTER_ROLE = "kiln-router"  # shipped in manifests/base/rbac.yaml
 MODEL_MOUNT = "/models"
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
 # covers that pause plus finishing in-flight generations.

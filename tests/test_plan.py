@@ -1,0 +1,109 @@
+"""plan(desired, observed) on cluster states: a recorded one (what the real API server stored for
+a serving InferenceService, tests/data/observed-serving.json, written by
+tests/test_operator.py::test_record_a_serving_state) and edits of it."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln.operator.desired import desired
+from kiln.operator.models import InferenceServiceSpec
+from kiln.operator.observed import Observed
+from kiln.operator.plan import CREATE, DELETE, PATCH, SCALE, contains, plan
+from kiln.operator.render import Owner
+
+RECORDED = Path(__file__).parent / "data" / "observed-serving.json"
+
+
+@pytest.fixture(scope="module")
+def recording() -> dict:
+    """{"owner": {...}, "spec": {...}, "image": ..., "pod_annotations": {...}, "objects": [...]}"""
+    return json.loads(RECORDED.read_text())
+
+
+def replay(recording: dict, spec: dict | None = None, edit=None):
+    objects = copy.deepcopy(recording["objects"])
+    if edit is not None:
+        objects = edit(objects)
+    observed = Observed.of(*objects)
+    owner = Owner(**recording["owner"])
+    parsed = InferenceServiceSpec.model_validate(spec or recording["spec"])
+    wanted = desired(owner, parsed, observed, recording["image"], recording["pod_annotations"])
+    return wanted, [(a.verb, a.kind, a.name, a.replicas) for a in plan(wanted, observed)]
+
+
+def named(objects: list[dict], kind: str, name: str) -> dict:
+    return next(o for o in objects if (o["kind"], o["metadata"]["name"]) == (kind, name))
+
+
+def test_a_steady_state_plans_nothing(recording):
+    # The API server adds defaults (probes' successThreshold, the pod's dnsPolicy...) and
+    # bookkeeping; none of it is a difference.
+    assert replay(recording) == (replay(recording)[0], [])
+
+
+def test_a_missing_child_is_created_in_place(recording):
+    name = recording["owner"]["name"]
+    dropped = [o for o in recording["objects"] if (o["kind"], o["metadata"]["name"]) != ("Service", name)]
+    _, actions = replay(recording, edit=lambda _: dropped)
+    assert actions == [(CREATE, "Service", name, None)]
+
+
+def test_a_hand_edit_is_patched_back(recording):
+    wanted, _ = replay(recording)
+    revision = wanted.stable.name
+
+    def edit(objects):
+        dep = named(objects, "Deployment", revision)
+        dep["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/engine:latest"
+        dep["metadata"]["labels"]["extra"] = "kept"  # a label we never set is not our business
+        return objects
+    assert replay(recording, edit=edit)[1] == [(PATCH, "Deployment", revision, None)]
+
+
+def test_replicas_follow_their_one_writer(recording):
+    wanted, _ = replay(recording)
+    revision = wanted.stable.name
+
+    def scaled_by_someone(objects):
+        named(objects, "Deployment", revision)["spec"]["replicas"] = 3
+        return objects
+    # Autoscaling off: spec.replicas is the one source, a hand scale is put back.
+    assert replay(recording, edit=scaled_by_someone)[1] == [(SCALE, "Deployment", revision, 1)]
+    # An autoscaler owns replicas: its value stands, and nothing else is planned either
+    # (autoscaling is not part of the revision).
+    spec = {**recording["spec"], "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}}
+    assert replay(recording, spec, edit=scaled_by_someone)[1] == []
+
+
+def test_a_new_revision_starts_then_the_old_one_retires(recording):
+    old, _ = replay(recording)
+    spec = copy.deepcopy(recording["spec"])
+    spec.setdefault("engine", {})["maxNumSeqs"] = 7
+    wanted, actions = replay(recording, spec)
+    new = wanted.stable.name
+    assert new != old.stable.name
+    assert actions == [(CREATE, "Service", new, None), (CREATE, "Deployment", new, None),
+                       (SCALE, "Deployment", new, 1)]
+    create = plan(wanted, Observed.of(*recording["objects"]))[1]
+    assert create.body["spec"]["replicas"] == 1  # created at its size, not at the API default
+
+    def new_one_serving(objects):
+        dep = copy.deepcopy(named(objects, "Deployment", old.stable.name))
+        dep["metadata"]["name"] = new
+        svc = copy.deepcopy(named(objects, "Service", old.stable.name))
+        svc["metadata"]["name"] = new
+        return objects + [dep, svc]
+    _, actions = replay(recording, spec, edit=new_one_serving)
+    assert {(verb, kind, name) for verb, kind, name, _ in actions if verb == DELETE} == \
+        {(DELETE, "Deployment", old.stable.name), (DELETE, "Service", old.stable.name)}
+
+
+def test_contains_compares_what_we_set_only():
+    assert contains({"a": 1, "b": {"c": [1, {"d": 2, "e": 3}]}}, {"b": {"c": [1, {"d": 2}]}})
+    assert not contains({"a": [1, 2]}, {"a": [1]})  # lists are ours whole: no item is extra
+    assert not contains({"a": "1"}, {"a": 1})
+    assert not contains({}, {"a": None})
