@@ -1,0 +1,114 @@
+"""The builtin autoscaler's decision: a pure function of the load samples, the spec's
+autoscaling block, the state it left last time and the time now, after Knative's KPA.
+
+- load is the engine's own queue: kiln:num_requests_waiting + kiln:num_requests_running summed
+  over the ready engine pods that answered, plus the requests the router holds at zero;
+- desired = ceil(load / targetQueueDepth), averaged over `stableWindow`;
+- a `panicWindow` average takes over when it asks for PANIC_THRESHOLD x the ready replicas:
+  scale up at once, and never down until a whole stable window passed without panic;
+- scale-down only once demand stayed lower for `scaleDownDelay`, and never while a replica is
+  still loading (it is capacity on its way);
+- no sample, or only stale ones: hold (a missing sample is never zero load);
+- clamped to [minReplicas, maxReplicas]; up by at most MAX_SCALE_UP_RATE x the ready replicas.
+
+State that must survive an operator restart (panic-until, the scale-down timer, the last
+decision) is a `ScalerState`, kept in the InferenceService's status; the samples are not:
+after a restart the windows refill, and the persisted state holds replicas meanwhile."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from .models import Autoscaling
+
+# Knative's defaults (panic-threshold-percentage 200): panic when the short window asks for
+# twice the replicas that are ready.
+PANIC_THRESHOLD = 2.0
+# Knative allows 1000x up per decision, fit for containers that start in a second. An LLM
+# replica takes a GPU and minutes to load: at most double the ready replicas per decision
+# (one more from zero or one), so a spike cannot order a fleet before the first one serves.
+MAX_SCALE_UP_RATE = 2.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    time: float  # seconds since the epoch, when it was scraped
+    load: float  # waiting + running requests over the ready pods that answered, + held at the router
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    replicas: int  # the last decision
+    panic_until: float | None = None
+    lower_since: float | None = None  # when demand fell below `replicas` (the scale-down timer)
+    last_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str  # the ScalingReady condition's reason
+    message: str
+    mode: str  # stable | panic
+    load: float | None  # the stable window's average load; None without data
+    ok: bool = True  # ScalingReady's status
+
+
+def seconds(duration: str) -> float:
+    """'1h30m', '90s', '500ms' -> seconds (the CRD's Duration grammar)."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration))
+
+
+def average(samples: list[Sample], since: float) -> float | None:
+    window = [s.load for s in samples if s.time >= since]
+    return sum(window) / len(window) if window else None
+
+
+def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: int, starting: int,
+           now: float) -> tuple[Decision, ScalerState]:
+    """`ready`: replicas serving; `starting`: replicas created but not ready yet (loading)."""
+    stable_window, panic_window = seconds(spec.stableWindow), seconds(spec.panicWindow)
+    fresh = [s for s in samples if now - stable_window <= s.time <= now]
+    stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
+    current = state.replicas
+    if panic_load is None or stable_load is None:  # nothing recent: hold, never guess zero
+        return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.panicWindow}; "
+                         f"holding {current} replica(s)", "stable", None, ok=False), state)
+    target = spec.targetQueueDepth
+    want_stable = math.ceil(stable_load / target)
+    want_panic = math.ceil(panic_load / target)
+    panicking = state.panic_until is not None and now < state.panic_until
+    if want_panic > 0 and want_panic >= PANIC_THRESHOLD * max(ready, 1) and want_panic > current:
+        panicking, state = True, replace(state, panic_until=now + stable_window)
+    if panicking:
+        want = max(current, want_panic)  # up fast, never down while panicking
+    else:
+        want = want_stable
+        state = replace(state, panic_until=None)
+    limit = max(current, math.ceil(MAX_SCALE_UP_RATE * max(ready, 1)))
+    capped = min(want, limit, spec.maxReplicas)
+    capped = max(capped, spec.minReplicas)
+    if capped < current:
+        since = state.lower_since if state.lower_since is not None else now
+        state = replace(state, lower_since=since)
+        if starting > 0:
+            capped, waiting = current, f"{starting} replica(s) still loading"
+        elif now - since < seconds(spec.scaleDownDelay):
+            capped, waiting = current, f"demand lower since {now - since:.0f}s of {spec.scaleDownDelay}"
+        else:
+            waiting = ""
+        if capped == current:
+            return (Decision(current, "ScaleDownDelayed", f"load {stable_load:.1f} asks for {max(want, 0)}; "
+                             f"holding {current}: {waiting}", "stable", stable_load), state)
+    state = replace(state, lower_since=None) if capped >= current else state
+    mode = "panic" if panicking else "stable"
+    if capped != current:
+        state = replace(state, replicas=capped, last_scale=now, lower_since=None)
+    message = (f"load {stable_load:.1f} (panic window {panic_load:.1f}) at {target} per replica "
+               f"asks for {want}; {capped} replica(s)")
+    if want > spec.maxReplicas:
+        return Decision(capped, "AtMaxReplicas", message + f" (maxReplicas {spec.maxReplicas})", mode,
+                        stable_load), state
+    return Decision(capped, "ScaledToZero" if capped == 0 else "Scaled", message, mode, stable_load), state

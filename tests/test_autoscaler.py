@@ -1,0 +1,159 @@
+"""The builtin autoscaler's decision function on load series, tick by tick as the operator runs
+it (every 2 s), with its state carried from one decision to the next exactly as status keeps it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.operator.autoscaler import MAX_SCALE_UP_RATE, PANIC_THRESHOLD, Decision, Sample, ScalerState, decide, seconds
+from kiln.operator.models import Autoscaling
+
+TICK = 2.0
+
+
+def spec(**kw) -> Autoscaling:
+    base = dict(mode="builtin", minReplicas=1, maxReplicas=10, targetQueueDepth=4, stableWindow="60s",
+                panicWindow="6s", scaleDownDelay="5m")
+    return Autoscaling.model_validate({**base, **kw})
+
+
+@dataclass
+class Run:
+    """Replays a load series; ready replicas follow decisions after `start_ticks` ticks."""
+    scaling: Autoscaling
+    replicas: int = 1
+    start_ticks: int = 0
+    now: float = 1_000_000.0
+    samples: list[Sample] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    pending: list[tuple[float, int]] = field(default_factory=list)  # (ready at, replicas)
+
+    def __post_init__(self) -> None:
+        self.state = ScalerState(self.replicas)
+        self.ready = self.replicas
+
+    def tick(self, load: float | None) -> Decision:
+        self.now += TICK
+        if load is not None:
+            self.samples.append(Sample(self.now, load))
+        for at, replicas in list(self.pending):
+            if at <= self.now:
+                self.ready = replicas
+                self.pending.remove((at, replicas))
+        starting = max(0, self.state.replicas - self.ready)
+        decision, self.state = decide(self.samples, self.scaling, self.state, self.ready, starting, self.now)
+        if decision.replicas > self.ready:
+            self.pending.append((self.now + self.start_ticks * TICK, decision.replicas))
+        elif decision.replicas < self.ready:
+            self.ready = decision.replicas
+        self.decisions.append(decision)
+        return decision
+
+    def run(self, loads: list[float | None]) -> list[int]:
+        return [self.tick(load).replicas for load in loads]
+
+
+def test_durations():
+    assert (seconds("90s"), seconds("5m"), seconds("1h30m"), seconds("500ms")) == (90, 300, 5400, 0.5)
+
+
+def test_a_step_up_panics_and_scales_within_the_panic_window():
+    run = Run(spec(), start_ticks=10)  # new replicas take 20 s to load
+    run.run([4.0] * 30)  # one replica's worth for a minute
+    assert run.state.replicas == 1 and run.decisions[-1].mode == "stable"
+    replicas = run.run([20.0] * 3)  # 5 replicas' worth: 5 >= 2 x 1 ready
+    assert replicas[0] > 1 and run.decisions[-1].mode == "panic"  # the first tick of the step
+    # Bounded: at most MAX_SCALE_UP_RATE x the ready replicas per decision, while they load.
+    assert replicas == [MAX_SCALE_UP_RATE * 1] * 3
+
+
+def test_panic_keeps_scaling_as_replicas_come_up_and_never_down():
+    run = Run(spec(), start_ticks=2)
+    replicas = run.run([20.0] * 10)
+    assert replicas[-1] == 5 and replicas == sorted(replicas)
+    # Load gone: panic holds for a stable window, then the scale-down delay holds.
+    after = run.run([0.0] * int(seconds("60s") / TICK))
+    assert set(after) == {5}
+
+
+def test_a_burst_shorter_than_the_stable_window_does_not_scale_down_before_the_delay():
+    run = Run(spec(minReplicas=1), start_ticks=1)
+    run.run([4.0] * 30)
+    run.run([40.0] * 5)  # a 10 s burst
+    peak = run.state.replicas
+    assert peak > 1
+    quiet = run.run([4.0] * int(seconds("5m") / TICK - 10))
+    assert set(quiet) == {peak}  # lower demand, but not for scaleDownDelay yet
+    assert run.decisions[-1].reason == "ScaleDownDelayed"
+    later = run.run([4.0] * 40)
+    assert later[-1] == 1 and run.decisions[-1].reason == "Scaled"
+
+
+def test_scale_to_zero_and_from_zero():
+    run = Run(spec(minReplicas=0, scaleDownDelay="30s"))
+    replicas = run.run([0.0] * 60)
+    assert replicas[-1] == 0 and run.decisions[-1].reason == "ScaledToZero"
+    zero_at = replicas.index(0)
+    assert zero_at * TICK >= seconds("30s")
+    # A request held at the router is load: one replica at once.
+    assert run.tick(1.0).replicas == 1
+
+
+def test_missing_samples_hold_replicas_and_stale_ones_are_dropped():
+    run = Run(spec(minReplicas=0, scaleDownDelay="10s"), replicas=3)
+    run.ready = 3
+    held = run.run([None] * 20)  # every scrape failed
+    assert set(held) == {3} and run.decisions[-1].reason == "MetricsUnavailable"
+    assert run.decisions[-1].ok is False
+    # Samples older than the stable window are never averaged in: one old spike is no load.
+    run = Run(spec(), replicas=1)
+    run.samples.append(Sample(run.now - 3600, 1000.0))
+    assert run.tick(4.0).replicas == 1
+
+
+def test_clamps_hold():
+    run = Run(spec(minReplicas=2, maxReplicas=3), replicas=2, start_ticks=0)
+    run.ready = 2
+    replicas = run.run([400.0] * 10)
+    assert max(replicas) == 3 and run.decisions[-1].reason == "AtMaxReplicas"
+    quiet = Run(spec(minReplicas=2, maxReplicas=3, scaleDownDelay="2s"), replicas=2)
+    quiet.ready = 2
+    assert min(quiet.run([0.0] * 40)) == 2
+
+
+def test_no_flapping_with_zero_traffic():
+    run = Run(spec(minReplicas=0, scaleDownDelay="20s"))
+    replicas = run.run([0.0] * 300)  # ten minutes of nothing
+    changes = sum(1 for a, b in zip(replicas, replicas[1:]) if a != b)
+    assert changes == 1 and replicas[-1] == 0
+
+
+def test_a_loading_replica_is_never_scaled_away():
+    run = Run(spec(minReplicas=0, scaleDownDelay="4s"), replicas=0, start_ticks=100)  # weights load slowly
+    run.ready = 0
+    assert run.tick(1.0).replicas == 1  # a held request
+    replicas = run.run([0.0] * 60)  # the request timed out meanwhile: no load, the pod still loads
+    assert set(replicas) == {1} and "loading" in run.decisions[-1].message
+
+
+def test_a_restart_with_the_persisted_state_continues_the_same_decision():
+    run = Run(spec(scaleDownDelay="60s"), start_ticks=1)
+    run.run([40.0] * 6)
+    run.run([4.0] * 35)  # demand fell; panic ended after a stable window; the scale-down timer runs
+    state = run.state
+    assert state.lower_since is not None and state.replicas > 1
+    # A restarted operator has no samples but the status: it holds, then scales down on time.
+    restarted = Run(spec(scaleDownDelay="60s"), replicas=state.replicas)
+    restarted.now, restarted.state, restarted.ready = run.now, state, state.replicas
+    replicas = restarted.run([4.0] * 30)
+    due = int((state.lower_since + 60 - run.now) / TICK)
+    assert set(replicas[:due - 1]) == {state.replicas} and replicas[-1] == 1
+
+
+def test_panic_threshold_is_relative_to_ready_replicas():
+    run = Run(spec(), replicas=4)
+    run.ready = 4
+    run.run([16.0] * 30)  # 4 replicas' worth: no change
+    assert run.state.replicas == 4
+    # 7 replicas' worth is less than 2 x 4 ready: stable window decides, no panic.
+    run.tick(28.0)
+    assert run.decisions[-1].mode == "stable" and PANIC_THRESHOLD == 2.0
