@@ -327,14 +327,28 @@ def test_replicas_belong_to_one_writer():
     spec = spec_of(replicas=3)
     rev = revision_name("chat", spec)
     assert want(spec, Observed.of(deployment(rev, replicas=5))).stable.replicas == 3  # spec.replicas rules
-    scaled = spec_of(replicas=3, autoscaling={"mode": "hpa", "minReplicas": 1, "maxReplicas": 8})
+    # An HPA or KEDA scales through the InferenceService's /scale: spec.replicas, kept in bounds.
+    hpa = spec_of(replicas=9, autoscaling={"mode": "hpa", "minReplicas": 1, "maxReplicas": 8})
+    assert want(hpa, Observed.of(deployment(rev, replicas=5))).stable.replicas == 8
+    # The builtin autoscaler's decision rules; before its first one, what runs stays, and a new
+    # revision starts at today's capacity.
+    scaled = spec_of(replicas=3, autoscaling={"mode": "builtin", "minReplicas": 1, "maxReplicas": 8})
     rev = revision_name("chat", scaled)
-    # The autoscaler's value is never overwritten; a new revision starts at today's capacity.
-    assert want(scaled, Observed.of(deployment(rev, replicas=5))).stable.replicas is None
+    assert desired(OWNER, scaled, Observed.of(deployment(rev, replicas=5)), IMAGE, autoscaled=2).stable.replicas == 2
+    assert want(scaled, Observed.of(deployment(rev, replicas=5))).stable.replicas == 5
     assert want(scaled, Observed.of(deployment("chat-0ld0ld00", replicas=6))).stable.replicas == 6
     assert want(scaled).stable.replicas == 3
     status = status_for(scaled, [deployment(rev, replicas=5, ready=5)])
     assert status["desiredReplicas"] == 5 and conditions(status)["Ready"] == ("True", "Serving")
+
+
+def test_scaled_to_zero_is_ready_to_serve():
+    spec = spec_of(replicas=0)
+    status = status_for(spec, [deployment(revision_name("chat", spec), replicas=0)])
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")  # the router holds requests
+    assert conditions(status)["ModelLoaded"] == ("Unknown", "ScaledToZero")
+    assert conditions(status_for(spec, [deployment(revision_name("chat", spec), replicas=0)],
+                                 router="unready"))["Ready"] == ("False", "RouterNotReady")
 
 
 def test_an_error_is_news_once_per_message():

@@ -103,9 +103,11 @@ def ns(namespace, apis, operator):
     apis["custom"].delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
 
 
-def smollm2(name: str = "smollm2") -> dict[str, Any]:
+def smollm2(name: str = "smollm2", gpus: int = 0) -> dict[str, Any]:
+    """examples/smollm2.yaml, on CPU unless asked: the kwok nodes' 8 GPUs must last the module."""
     body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
     body["metadata"]["name"] = name
+    body["spec"]["resources"]["gpus"] = gpus
     return body
 
 
@@ -170,7 +172,7 @@ def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
 
 
 def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns, kubectl):
-    apply(kubectl, ns, smollm2())
+    apply(kubectl, ns, smollm2(gpus=1))
     obj = until(lambda: ready(apis, ns, "smollm2"), "smollm2 Ready")
     uid = obj["metadata"]["uid"]
     (dep,) = engine_deployments(apis, ns, "smollm2")
@@ -251,7 +253,7 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     owner = Owner("steady", ns, obj["metadata"]["uid"])
     observed = observe(api, owner)
     assert {kind for kind, _ in observed.objects} == {"Deployment", "Service", "PodDisruptionBudget",
-                                                       "ServiceAccount", "RoleBinding"}
+                                                       "ServiceAccount", "RoleBinding", "Pod"}
     spec = InferenceServiceSpec.model_validate(obj["spec"])
     assert plan(desired(owner, spec, observed, "kiln/engine:test", {}), observed) == []
     if os.environ.get("KILN_RECORD"):
@@ -265,13 +267,13 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 
 def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):
     body = smollm2("later")
-    body["spec"].update({"autoscaling": {"mode": "builtin", "maxReplicas": 3}, "warmPool": {"size": 1}})
+    body["spec"]["warmPool"] = {"size": 1}
     body["spec"]["engine"]["quantization"] = "int4"
     apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "later"), "later Ready")
     spec_cond = condition(obj, "SpecImplemented")
     assert (spec_cond["status"], spec_cond["reason"]) == ("False", "NotImplemented")
-    for field in ("autoscaling.mode=builtin", "warmPool", "engine.quantization=int4"):
+    for field in ("warmPool", "engine.quantization=int4"):
         assert field in spec_cond["message"]
     until(lambda: "NotImplemented" in event_reasons(apis, ns, "later", "Warning"), "a Warning Event")
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
@@ -320,27 +322,29 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
     assert ready_events[0].startswith("Ready=False") and ready_events[-1] == "Ready=True Serving", after
 
 
-def test_an_autoscaler_owns_replicas_and_handing_back_is_clean(operator, apis, ns, kubectl):
+def test_an_hpa_scales_through_the_scale_subresource_and_stays_the_one_writer(operator, apis, ns, kubectl):
     body = smollm2("scaled")
     body["spec"]["autoscaling"] = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}
     apply(kubectl, ns, body)
     until(lambda: ready(apis, ns, "scaled"), "scaled Ready")
     (dep,) = engine_deployments(apis, ns, "scaled")
     name = dep.metadata.name
-    # Another writer (an HPA, KEDA, a person) sets replicas with its own field manager.
-    apis["apps"].patch_namespaced_deployment(
-        name, ns, {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name}, "spec": {"replicas": 3}},
-        field_manager="test-autoscaler", force=True, _content_type="application/apply-patch+yaml")
+    # An HPA (here: a field manager of its own) writes the InferenceService's /scale ...
+    apis["custom"].patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, "scaled",
+                                                        {"spec": {"replicas": 3}}, field_manager="test-hpa")
     until(lambda: (ready(apis, ns, "scaled") or {}).get("status", {}).get("readyReplicas") == 3, "3 ready")
-    # Several reconciles later (spec changes that start no rollout), its value stands.
-    for replicas in (2, 1):
-        kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"replicas": replicas}}))
+    # ... its value survives reconciles (spec changes that start no rollout), and a hand edit of
+    # the Deployment, a second writer, is put back.
+    kubectl("scale", f"deployment/{name}", "-n", ns, "--replicas=1")
+    for size in (1, 2):
+        kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"warmPool": {"size": size}}}))
         until(lambda: ready(apis, ns, "scaled"), "the change observed")
-    assert apis["apps"].read_namespaced_deployment(name, ns).spec.replicas == 3
-    assert isvc(apis, ns, "scaled")["status"]["desiredReplicas"] == 3
-    # Autoscaling off: spec.replicas is the one source again.
-    kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
-    until(lambda: apis["apps"].read_namespaced_deployment(name, ns).spec.replicas == 1, "replicas from spec")
+    until(lambda: apis["apps"].read_namespaced_deployment(name, ns).spec.replicas == 3, "the HPA's 3 put back")
+    obj = isvc(apis, ns, "scaled")
+    assert obj["spec"]["replicas"] == 3 and obj["status"]["desiredReplicas"] == 3
+    owners = {f.get("manager") for f in obj["metadata"]["managedFields"]
+              if "f:replicas" in (f.get("fieldsV1") or {}).get("f:spec", {})}
+    assert owners == {"test-hpa"}, owners  # the operator never writes spec
 
 
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
@@ -358,6 +362,17 @@ def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, a
             "-p", '[{"op":"remove","path":"/spec/resources/nodeSelector"}]')
     until(lambda: ready(apis, ns, "refused"), "refused Ready once fixed")
     operator.restart()
+
+
+def test_nodes_out_of_gpus_say_insufficient_capacity(operator, apis, ns, kubectl):
+    body = smollm2("greedy", gpus=4)
+    body["spec"]["replicas"] = 3  # 12 GPUs; the two kwok nodes have 4 each
+    apply(kubectl, ns, body)
+    cond = until(lambda: condition(isvc(apis, ns, "greedy"), "ScalingReady").get("reason") == "InsufficientCapacity"
+                 and condition(isvc(apis, ns, "greedy"), "ScalingReady"), "ScalingReady=False InsufficientCapacity")
+    assert cond["status"] == "False" and "nvidia.com/gpu" in cond["message"]
+    until(lambda: "InsufficientCapacity" in event_reasons(apis, ns, "greedy", "Warning"), "a Warning Event")
+    kubectl("delete", "isvc/greedy", "-n", ns)
 
 
 def test_killed_operator_converges_and_repairs_drift(operator, apis, ns, kubectl):

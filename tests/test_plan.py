@@ -71,12 +71,20 @@ def test_replicas_follow_their_one_writer(recording):
     def scaled_by_someone(objects):
         named(objects, "Deployment", revision)["spec"]["replicas"] = 3
         return objects
-    # Autoscaling off: spec.replicas is the one source, a hand scale is put back.
+    # Autoscaling off, or an HPA writing spec.replicas through /scale: spec.replicas is the one
+    # source, and a hand scale of the Deployment is put back.
     assert replay(recording, edit=scaled_by_someone)[1] == [(SCALE, "Deployment", revision, 1)]
-    # An autoscaler owns replicas: its value stands, and nothing else is planned either
-    # (autoscaling is not part of the revision).
-    spec = {**recording["spec"], "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}}
-    assert replay(recording, spec, edit=scaled_by_someone)[1] == []
+    hpa = {**recording["spec"], "autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}}
+    assert replay(recording, hpa, edit=scaled_by_someone)[1] == [(SCALE, "Deployment", revision, 1)]
+    # The builtin autoscaler: its decision is written; with none yet, what runs stays (and
+    # nothing else is planned: autoscaling is not part of the revision).
+    builtin = {**recording["spec"], "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 4}}
+    assert replay(recording, builtin, edit=scaled_by_someone)[1] == []
+    wanted = desired(Owner(**recording["owner"]), InferenceServiceSpec.model_validate(builtin),
+                     Observed.of(*scaled_by_someone(copy.deepcopy(recording["objects"]))), recording["image"],
+                     recording["pod_annotations"], autoscaled=2)
+    assert [str(a) for a in plan(wanted, Observed.of(*scaled_by_someone(copy.deepcopy(recording["objects"]))))] \
+        == [f"scale Deployment/{revision} to 2"]
 
 
 def test_a_new_revision_starts_then_the_old_one_retires(recording):

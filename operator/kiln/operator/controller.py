@@ -4,13 +4,14 @@ children's, with a long resync as a safety net.
 kopf delivers watch events (no finalizer, no bookkeeping annotations); each event only wakes
 the loop of the InferenceService it concerns. Wake-ups that arrive while a pass runs fold into
 one more pass, so a burst of pod updates costs a pass or two, never one each, and two passes
-over one object never overlap. Passes run in threads (the Kubernetes client blocks), at most
+over one object never overlap. Each pass says when the next one is due regardless (the
+builtin autoscaler's tick, or the resync). Passes run in threads (the Kubernetes client blocks), at most
 `workers` at once across all objects."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 log = logging.getLogger("kiln.operator")
 
@@ -19,10 +20,10 @@ MAX_BACKOFF_S = 60.0
 
 
 class Controller:
-    def __init__(self, run_pass: Callable[[str, str], bool], interval: float, workers: int = 4) -> None:
-        """`run_pass(namespace, name)` reconciles once; returns False when the object is gone."""
+    def __init__(self, run_pass: Callable[[str, str], Optional[float]], workers: int = 4) -> None:
+        """`run_pass(namespace, name)` reconciles once and returns the seconds until the next
+        pass is due even if nothing wakes it (None: the object is gone)."""
         self._run_pass = run_pass
-        self._interval = interval
         self._slots = asyncio.Semaphore(workers)
         self._wake: dict[Key, asyncio.Event] = {}
         self._loops: dict[Key, asyncio.Task] = {}
@@ -50,10 +51,10 @@ class Controller:
         await asyncio.gather(*self._loops.values(), return_exceptions=True)
 
     async def _loop(self, key: Key, wake: asyncio.Event) -> None:
-        failures = 0
+        failures, due = 0, 0.0
         try:
             while self._wake.get(key) is wake:
-                delay = self._interval if failures == 0 else min(0.5 * 2 ** failures, MAX_BACKOFF_S)
+                delay = due if failures == 0 else min(0.5 * 2 ** failures, MAX_BACKOFF_S)
                 try:
                     await asyncio.wait_for(wake.wait(), delay)
                 except TimeoutError:
@@ -62,16 +63,19 @@ class Controller:
                     break
                 wake.clear()
                 async with self._slots:
+                    log.debug("%s/%s: pass starts", *key)
                     try:
-                        exists = await asyncio.to_thread(self._run_pass, *key)
+                        next_in = await asyncio.to_thread(self._run_pass, *key)
                     except Exception as err:  # noqa: BLE001 - any failure: log, back off, retry
                         failures += 1
                         log.warning("%s/%s: pass failed (%s: %s); retrying in %.1fs", *key,
                                     type(err).__name__, err, min(0.5 * 2 ** failures, MAX_BACKOFF_S))
                         continue
                 failures = 0
-                if not exists:
+                if next_in is None:
                     self.forget(key)
+                else:
+                    due = next_in
         finally:
             if self._loops.get(key) is asyncio.current_task():  # not a successor's loop
                 del self._loops[key]

@@ -25,7 +25,7 @@ class Revision:
     role: str
     deployment: dict[str, Any] | None  # None: an observed revision that is left as it is
     service: dict[str, Any]
-    # What the operator writes to the Deployment's spec.replicas; None: another writer owns it.
+    # What the operator writes to the Deployment's spec.replicas; None: left as it is (old revisions).
     replicas: int | None
 
 
@@ -53,11 +53,11 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
 
 
 def replicas_writer(spec: InferenceServiceSpec) -> str:
-    """Who owns the engine Deployments' spec.replicas: `spec` (the operator copies
-    spec.replicas, which `kubectl scale isvc` sets) or `autoscaler` (whichever the
-    autoscaling mode names; the operator then sets it only when it creates a revision)."""
+    """Where the stable revision's replicas come from: `spec` (spec.replicas, which `kubectl
+    scale isvc`, an HPA or KEDA set through the /scale subresource) or `builtin` (the builtin
+    autoscaler's decision). Either way the operator writes the Deployment, as the only writer."""
     scaling = spec.autoscaling
-    return "spec" if scaling is None or scaling.mode == "none" else "autoscaler"
+    return "builtin" if scaling is not None and scaling.mode == "builtin" else "spec"
 
 
 def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
@@ -71,22 +71,23 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
 
 
 def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
-            pod_annotations: dict[str, str] | None = None) -> Desired:
-    """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in)."""
+            pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None) -> Desired:
+    """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in);
+    `autoscaled`: the builtin autoscaler's decision, when it decides."""
     name = revision_name(owner.name, spec)
     current = observed.engine(name)
     olds = [d for d in observed.engines() if d["metadata"]["name"] != name]
     if replicas_writer(spec) == "spec":
-        replicas: int | None = desired_replicas(spec)
-    elif current is None:  # a new revision starts with the capacity the service has now
-        replicas = max((replicas_of(d) for d in olds), default=desired_replicas(spec))
-    else:
-        replicas = None
-    target = replicas if replicas is not None else replicas_of(current)
+        replicas = desired_replicas(spec)
+    elif autoscaled is not None:
+        replicas = autoscaled
+    else:  # no decision yet: keep what runs, or start with the capacity the service has now
+        replicas = replicas_of(current) if current else max((replicas_of(d) for d in olds),
+                                                              default=desired_replicas(spec))
     stable = Revision(name, STABLE, render_deployment(owner, spec, image, pod_annotations),
                       render_revision_service(owner, name), replicas)
     # Old revisions keep serving until the stable one is at full strength (no canary yet).
-    keep = [] if fully_ready(current, target) else olds
+    keep = [] if fully_ready(current, replicas) else olds
     revisions = [stable] + [Revision(d["metadata"]["name"], OLD, None,
                                      render_revision_service(owner, d["metadata"]["name"]), None)
                             for d in keep]

@@ -6,8 +6,10 @@ reconcile loop (controller.py); --interval is a slow resync as a safety net."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -22,9 +24,9 @@ from .render import LABEL_ISVC, engine_image
 CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services")]
 
 
-def build_registry(api: Api, settings: Settings, interval: float) -> kopf.OperatorRegistry:
+def build_registry(api: Api, settings: Settings) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
-    controller = Controller(functools.partial(reconcile, api, settings=settings), interval)
+    controller = Controller(functools.partial(reconcile, api, settings=settings))
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
@@ -32,10 +34,12 @@ def build_registry(api: Api, settings: Settings, interval: float) -> kopf.Operat
     async def stop(**_: Any) -> None:
         await controller.stop()
 
-    async def on_service(event: kopf.RawEvent, namespace: str, name: str, **_: Any) -> None:
+    async def on_service(event: kopf.RawEvent, namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
         if event["type"] == "DELETED":
             controller.forget((namespace, name))
-        else:
+            settings.own_writes.pop((namespace, name), None)
+            settings.samples.pop((namespace, name), None)
+        elif settings.own_writes.get((namespace, name)) != meta.get("resourceVersion"):  # not our status write
             controller.trigger((namespace, name))
 
     async def on_child(labels: kopf.Labels, namespace: str, **_: Any) -> None:
@@ -103,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
-    kopf.run(registry=build_registry(api, Settings(args.engine_image, pod_annotations), args.interval),
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack: for a stuck pass
+    settings = Settings(args.engine_image, pod_annotations, args.interval)
+    kopf.run(registry=build_registry(api, settings),
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     return 0

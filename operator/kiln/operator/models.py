@@ -104,7 +104,7 @@ class Resources(Spec):
 
 
 class Autoscaling(Spec):
-    """Scaling on queue depth (only mode none is implemented yet)."""
+    """Scaling on queue depth: `builtin` (the operator's own autoscaler), `hpa`, `keda`, or `none`."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.minReplicas <= self.maxReplicas",
         "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")))
@@ -180,6 +180,19 @@ class RevisionStatus(BaseModel):
     ready: int = 0
 
 
+class AutoscalingStatus(BaseModel):
+    """The builtin autoscaler's last decision and the state it needs after an operator restart."""
+    replicas: int = Field(0, description="Replicas the autoscaler decided for the serving revision.")
+    mode: Literal["stable", "panic"] = "stable"
+    load: float | None = Field(None, description="Waiting + running requests (stable-window average), "
+                                                 "held requests included.")
+    panicUntil: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    scaleDownSince: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                       description="Since when demand is lower (the scale-down delay runs).")
+    lastScaleTime: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    lastColdStartSeconds: float | None = Field(None, description="Request held at zero replicas -> first byte.")
+
+
 class InferenceServiceStatus(BaseModel):
     observedGeneration: int | None = None
     url: str | None = None
@@ -188,5 +201,6 @@ class InferenceServiceStatus(BaseModel):
     desiredReplicas: int = 0
     selector: str | None = Field(None, description="Label selector of the engine pods (for /scale).")
     revisions: list[RevisionStatus] = Field(default_factory=list)
+    autoscaling: AutoscalingStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .render import LABEL_COMPONENT
+from .render import LABEL_COMPONENT, LABEL_REVISION
 
 Key = tuple[str, str]  # (kind, name)
 
@@ -37,6 +37,18 @@ class Observed:
 
     def router(self) -> dict[str, Any] | None:
         return next(iter(self.of_kind("Deployment", "router")), None)
+
+    def pods(self, revision: str | None = None, component: str = "engine") -> list[dict[str, Any]]:
+        """Pods by component, and of one revision if given (pods are found by label: their
+        owner is a ReplicaSet, not the InferenceService)."""
+        return [p for p in self.of_kind("Pod", component)
+                if revision is None or (p["metadata"].get("labels") or {}).get(LABEL_REVISION) == revision]
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def deployment_counts(deployment: dict[str, Any]) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import datetime
 import json
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -15,11 +16,14 @@ import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
-from .desired import desired
+from .autoscaler import Sample, seconds
+from .desired import desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
-from .observed import Observed
+from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
-from .render import LABEL_ISVC, Owner, selector_string, service_url
+from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
+from .scaling import Scaling, builtin, current_replicas, manual
+from .scrape import sample
 from .status import WARNING_REASONS, invalid, summarize, transitions
 
 FIELD_MANAGER = "kiln-operator"
@@ -61,12 +65,18 @@ class Api:
 
 
 CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding")
+AUTOSCALE_TICK_S = 2.0  # how often the builtin autoscaler decides
 
 
 @dataclass(frozen=True)
 class Settings:
     image: str
     pod_annotations: dict[str, str] = field(default_factory=dict)
+    interval: float = 300.0  # the safety-net resync
+    # The builtin autoscaler's recent samples, per (namespace, name): memory of this process only.
+    samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
+    # The resourceVersion of our own last status write per object, so it wakes no pass.
+    own_writes: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
 def observe(api: Api, owner: Owner) -> Observed:
@@ -80,6 +90,10 @@ def observe(api: Api, owner: Owner) -> Observed:
             refs = obj["metadata"].get("ownerReferences") or []
             if any(ref.get("uid") == owner.uid for ref in refs):
                 objects.append({**obj, "kind": kind, "apiVersion": found["apiVersion"]})
+    # Pods are found by label alone: their owner is a ReplicaSet.
+    pods = api.client.sanitize_for_serialization(
+        api.core.list_namespaced_pod(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}"))
+    objects += [{**pod, "kind": "Pod", "apiVersion": "v1"} for pod in pods["items"]]
     return Observed.of(*objects)
 
 
@@ -127,27 +141,50 @@ def post_event(api: Api, body: Mapping[str, Any], type_: str, reason: str, messa
         "reportingComponent": FIELD_MANAGER, "reportingInstance": socket.gethostname()})
 
 
-def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> bool:
-    """One pass; False when the InferenceService is gone (its children go by garbage collection)."""
+def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, previous: dict[str, Any],
+              settings: Settings) -> Scaling:
+    """Scrape one sample, then let the builtin autoscaler decide (other modes: spec.replicas)."""
+    stable = revision_name(owner.name, spec)
+    if replicas_writer(spec) != "builtin":
+        settings.samples.pop((owner.namespace, owner.name), None)
+        return manual(spec, observed, stable)
+    assert spec.autoscaling is not None
+    at = time.time()
+    engines = [f"http://{p['status']['podIP']}:{PORT}/metrics" for p in observed.pods() if is_ready(p)]
+    routers = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
+               for p in observed.pods(component="router") if is_ready(p)]
+    window = settings.samples.setdefault((owner.namespace, owner.name), [])
+    taken = sample(engines, routers, at)
+    if taken is not None:
+        window.append(taken)
+    window[:] = [s for s in window if s.time >= at - seconds(spec.autoscaling.stableWindow)]
+    initial = current_replicas(observed, stable, desired_replicas(spec))
+    return builtin(spec, observed, stable, previous, list(window), at, initial)
+
+
+def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float | None:
+    """One pass; returns the seconds until the next pass is due (the autoscaler's tick or the
+    resync), None when the InferenceService is gone (its children go by garbage collection)."""
     try:
         body = api.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except ApiException as err:
         if err.status == 404:
-            return False
+            return None
         raise
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
-        return True
+        return settings.interval
     owner = Owner(name, namespace, meta["uid"])
     previous = dict(body.get("status") or {})
     generation = meta.get("generation") or 0
     try:
         spec = parse_spec(body)
     except ValueError as err:
-        report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()))
-        return True
+        report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()), settings)
+        return settings.interval
     observed = observe(api, owner)
-    want = desired(owner, spec, observed, settings.image, settings.pod_annotations)
+    scaling = autoscale(spec, observed, owner, previous, settings)
+    want = desired(owner, spec, observed, settings.image, settings.pod_annotations, scaling.replicas)
     rejected = []
     for action in plan(want, observed):
         log.info("%s/%s: %s", namespace, name, action)
@@ -162,12 +199,16 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> bool:
             post_event(api, body, "Normal", "RevisionCreated", f"created revision {action.name}")
         if action.kind == "Deployment" and action.verb == DELETE:  # only revisions are ever deleted
             post_event(api, body, "Normal", "RevisionRetired", f"deleted old revision {action.name}")
+        if action.verb == SCALE and scaling.changed_from is not None and action.name == want.stable.name:
+            post_event(api, body, "Normal", "Scaled", f"{action.name} from {scaling.changed_from} to "
+                       f"{action.replicas} replica(s): {scaling.condition['message']}")
     status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
-                       url=service_url(owner), selector=selector_string(name), now=now())
+                       url=service_url(owner), selector=selector_string(name), now=now(),
+                       scaling=scaling.condition, autoscaling=scaling.status)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses
         status = invalid(status, generation, "Rejected", "; ".join(rejected), now())
-    report(api, body, previous, status)
-    return True
+    report(api, body, previous, status, settings)
+    return AUTOSCALE_TICK_S if replicas_writer(spec) == "builtin" else settings.interval
 
 
 def api_message(err: ApiException) -> str:
@@ -178,14 +219,18 @@ def api_message(err: ApiException) -> str:
         return str(err.body)[:500]
 
 
-def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any]) -> None:
+def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any],
+           settings: Settings) -> None:
     """Write the status if it changed, then one Event per condition that changed."""
-    if all(previous.get(key) == value for key, value in status.items()):
+    if all(previous.get(key) == value for key, value in status.items()) and set(previous) <= set(status):
         return
     meta = body["metadata"]
-    api.custom.patch_namespaced_custom_object_status(
-        GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": status},
+    # A merge patch: a key dropped from status is written as null (removed).
+    patch = {**{key: None for key in previous if key not in status}, **status}
+    written = api.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": patch},
         _content_type="application/merge-patch+json")
+    settings.own_writes[(meta["namespace"], meta["name"])] = written["metadata"]["resourceVersion"]
     for cond in transitions(previous, status):
         post_event(api, body, "Warning" if cond["reason"] in WARNING_REASONS else "Normal", cond["reason"],
                    f"{cond['type']}={cond['status']}: {cond['message']}")

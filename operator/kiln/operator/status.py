@@ -6,18 +6,19 @@ from typing import Any
 
 from .desired import Desired, fully_ready
 from .models import InferenceServiceSpec
-from .observed import Observed, deployment_counts, replicas_of
+from .observed import Observed, deployment_counts
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
-WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected"}
+WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
+                   "MetricsUnavailable", "KEDANotInstalled"}
 
 
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     """Fields this operator version accepts but does not act on yet, and what happens instead."""
     found = []
     scaling = spec.autoscaling
-    if scaling is not None and scaling.mode != "none":
+    if scaling is not None and scaling.mode in ("hpa", "keda"):
         found.append(f"autoscaling.mode={scaling.mode} (replicas follow spec.replicas within "
                      f"min/max)")
     if spec.warmPool is not None and spec.warmPool.size > 0:
@@ -77,9 +78,12 @@ def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def ready_condition(workload: dict[str, Any], model: dict[str, Any], route: dict[str, Any]) -> dict[str, Any]:
-    blocker = next((c for c in (workload, model, route) if c["status"] != "True"), None)
+    # At zero replicas the service still answers: the router holds requests while one starts.
+    at_zero = model["reason"] == "ScaledToZero"
+    blocker = next((c for c in (workload, model, route) if c["status"] != "True" and not (at_zero and c is model)),
+                   None)
     if blocker is None:
-        return condition("Ready", True, "Serving", workload["message"])
+        return condition("Ready", True, "ScaledToZero" if at_zero else "Serving", workload["message"])
     return condition("Ready", False, blocker["reason"], blocker["message"])
 
 
@@ -105,16 +109,20 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
 
 
 def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, observed: Observed,
-              previous: dict[str, Any], url: str, selector: str, now: str) -> dict[str, Any]:
+              previous: dict[str, Any], url: str, selector: str, now: str,
+              scaling: dict[str, Any] | None = None, autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole status of an InferenceService, from its spec, what this pass wants and what
-    it observed."""
+    it observed; `scaling` is the ScalingReady condition, `autoscaling` the builtin
+    autoscaler's block."""
     stable = desired.stable
     current = observed.engine(stable.name)
-    target = stable.replicas if stable.replicas is not None else replicas_of(current)
+    target = stable.replicas or 0
     workload = workload_condition(current, target)
     model = model_condition(current, target)
     route = route_condition(observed.router())
     conditions = [ready_condition(workload, model, route), workload, model, route, spec_condition(spec)]
+    if scaling is not None:
+        conditions.append(scaling)
     revisions = []
     for revision in desired.revisions:
         found = observed.engine(revision.name)
@@ -132,6 +140,7 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
         "selector": selector,
         "revisions": revisions,
         "conditions": stamp(conditions, previous.get("conditions") or [], generation, now),
+        **({"autoscaling": autoscaling} if autoscaling else {}),
     }
 
 
