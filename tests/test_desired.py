@@ -228,11 +228,12 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
 
 def test_later_features_are_reported_not_ignored():
     assert unimplemented(spec_of()) == []
-    assert unimplemented(spec_of(autoscaling={"mode": "none"})) == []
+    for mode in ("none", "builtin", "hpa", "keda"):
+        assert unimplemented(spec_of(autoscaling={"mode": mode})) == []
     found = " ".join(unimplemented(spec_of(
-        autoscaling={"mode": "keda"}, warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
+        warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
         engine={"quantization": "fp8", "speculative": {"method": "ngram"}})))
-    for field in ("autoscaling.mode=keda", "warmPool", "rollout", "engine.speculative",
+    for field in ("warmPool", "rollout", "engine.speculative",
                   "engine.quantization=fp8"):
         assert field in found
 

@@ -246,10 +246,7 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 
     apply(kubectl, ns, smollm2("steady"))
     obj = until(lambda: ready(apis, ns, "steady"), "steady Ready")
-    client = local_cluster.api_client
-    api = Api(client, kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client),
-              kubernetes.client.PolicyV1Api(client), kubernetes.client.CustomObjectsApi(client),
-              kubernetes.client.RbacAuthorizationV1Api(client))
+    api = Api.of(local_cluster.api_client)
     owner = Owner("steady", ns, obj["metadata"]["uid"])
     observed = observe(api, owner)
     assert {kind for kind, _ in observed.objects} == {"Deployment", "Service", "PodDisruptionBudget",
@@ -322,14 +319,18 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
     assert ready_events[0].startswith("Ready=False") and ready_events[-1] == "Ready=True Serving", after
 
 
-def test_an_hpa_scales_through_the_scale_subresource_and_stays_the_one_writer(operator, apis, ns, kubectl):
+def test_an_external_scaler_writes_the_scale_subresource_and_stays_the_one_writer(operator, apis, ns, kubectl):
     body = smollm2("scaled")
-    body["spec"]["autoscaling"] = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}
+    body["spec"]["autoscaling"] = {"mode": "keda", "minReplicas": 1, "maxReplicas": 4}
     apply(kubectl, ns, body)
     until(lambda: ready(apis, ns, "scaled"), "scaled Ready")
+    # No KEDA in this cluster: said so, once, and replicas follow spec.replicas meanwhile.
+    cond = condition(isvc(apis, ns, "scaled"), "ScalingReady")
+    assert (cond["status"], cond["reason"]) == ("False", "KEDANotInstalled") and "scaledobjects.keda.sh" in cond["message"]
+    until(lambda: "KEDANotInstalled" in event_reasons(apis, ns, "scaled", "Warning"), "a Warning Event")
     (dep,) = engine_deployments(apis, ns, "scaled")
     name = dep.metadata.name
-    # An HPA (here: a field manager of its own) writes the InferenceService's /scale ...
+    # An HPA or KEDA (here: a field manager of its own) writes the InferenceService's /scale ...
     apis["custom"].patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, "scaled",
                                                         {"spec": {"replicas": 3}}, field_manager="test-hpa")
     until(lambda: (ready(apis, ns, "scaled") or {}).get("status", {}).get("readyReplicas") == 3, "3 ready")
@@ -345,6 +346,29 @@ def test_an_hpa_scales_through_the_scale_subresource_and_stays_the_one_writer(op
     owners = {f.get("manager") for f in obj["metadata"]["managedFields"]
               if "f:replicas" in (f.get("fieldsV1") or {}).get("f:spec", {})}
     assert owners == {"test-hpa"}, owners  # the operator never writes spec
+
+
+def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, apis, ns, kubectl):
+    body = smollm2("hpa")
+    body["spec"]["autoscaling"] = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2,
+                                   "scaleDownDelay": "2m"}
+    apply(kubectl, ns, body)
+    hpas = kubernetes.client.AutoscalingV2Api(apis["core"].api_client)
+    hpa = until(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("hpa", ns), "the HPA")
+    ref = hpa.spec.scale_target_ref
+    assert (ref.api_version, ref.kind, ref.name) == (f"{GROUP}/{VERSION}", "InferenceService", "hpa")
+    (metric,) = hpa.spec.metrics
+    assert (metric.pods.metric.name, metric.pods.target.average_value) == ("kiln:num_requests_waiting", "2")
+    assert hpa.spec.behavior.scale_down.stabilization_window_seconds == 120
+    # The real HPA controller reads the InferenceService's /scale and asks for the metric; with no
+    # custom metrics API in this cluster it says so, and the InferenceService passes that on.
+    cond = until(lambda: condition(isvc(apis, ns, "hpa"), "ScalingReady").get("reason") == "FailedGetPodsMetric"
+                 and condition(isvc(apis, ns, "hpa"), "ScalingReady"), "the HPA's verdict", timeout=120)
+    assert cond["status"] == "False" and "kiln:num_requests_waiting" in cond["message"], cond
+    # Another mode: the HPA goes (one writer of spec.replicas at a time).
+    kubectl("patch", "isvc/hpa", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
+    until(lambda: absent(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("hpa", ns)), "the HPA deleted")
+    assert condition(isvc(apis, ns, "hpa"), "ScalingReady")["reason"] == "Manual"
 
 
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):

@@ -71,9 +71,11 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
 
 
 def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
-            pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None) -> Desired:
+            pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None,
+            scalers: list[dict[str, Any]] | None = None) -> Desired:
     """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in);
-    `autoscaled`: the builtin autoscaler's decision, when it decides."""
+    `autoscaled`: the builtin autoscaler's decision, when it decides; `scalers`: the HPA or
+    KEDA ScaledObject that scales the InferenceService, when one does."""
     name = revision_name(owner.name, spec)
     current = observed.engine(name)
     olds = [d for d in observed.engines() if d["metadata"]["name"] != name]
@@ -92,4 +94,4 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
                                      render_revision_service(owner, d["metadata"]["name"]), None)
                             for d in keep]
     return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations),
-                               render_service(owner), render_pdb(owner)])
+                               render_service(owner), render_pdb(owner), *(scalers or [])])

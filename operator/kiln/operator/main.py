@@ -18,10 +18,11 @@ import kubernetes
 
 from .controller import Controller
 from .models import GROUP, PLURAL, VERSION
-from .reconcile import Api, Settings, reconcile
+from .reconcile import DEFAULT_PROMETHEUS, Api, Settings, reconcile
 from .render import LABEL_ISVC, engine_image
 
-CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services")]
+CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services"),
+            ("autoscaling", "v2", "horizontalpodautoscalers")]
 
 
 def build_registry(api: Api, settings: Settings) -> kopf.OperatorRegistry:
@@ -84,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pod-annotation", action="append", default=[], metavar="KEY=VALUE",
                         help="annotation for every pod the operator makes (repeatable), e.g. "
                              "kiln.dev/readiness=runtime for the local test runtime")
+    parser.add_argument("--prometheus-url", default=DEFAULT_PROMETHEUS,
+                        help="Prometheus that KEDA ScaledObjects query (autoscaling.mode keda; "
+                             "default %(default)s)")
     parser.add_argument("--liveness", metavar="URL",
                         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--verbose", "-v", action="store_true")
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack: for a stuck pass
-    settings = Settings(args.engine_image, pod_annotations, args.interval)
+    settings = Settings(args.engine_image, pod_annotations, args.interval, args.prometheus_url)
     kopf.run(registry=build_registry(api, settings),
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)

@@ -49,10 +49,12 @@ def plan(desired: Desired, observed: Observed) -> list[Action]:
         stored = observed.engine(revision.name)
         if revision.replicas is not None and (stored is None or replicas_of(stored) != revision.replicas):
             actions.append(Action(SCALE, "Deployment", revision.name, replicas=revision.replicas))
-    kept = {r.name for r in desired.revisions}
-    for kind in ("Deployment", "Service"):  # revisions that are no longer desired
-        actions += [Action(DELETE, kind, o["metadata"]["name"]) for o in observed.of_kind(kind, "engine")
-                    if o["metadata"]["name"] not in kept]
+    # Whatever we own and no longer want goes: retired revisions and their Services, an HPA
+    # after a switch of autoscaling mode. (Old revisions still serving are wanted as they are.)
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired.objects()}
+    wanted |= {("Deployment", r.name) for r in desired.revisions}
+    actions += [Action(DELETE, kind, name) for kind, name in sorted(observed.objects)
+                if kind != "Pod" and (kind, name) not in wanted]
     return actions
 
 

@@ -22,7 +22,7 @@ from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
-from .scaling import Scaling, builtin, current_replicas, manual
+from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual
 from .scrape import sample
 from .status import WARNING_REASONS, invalid, summarize, transitions
 
@@ -43,6 +43,8 @@ class Api:
     policy: kubernetes.client.PolicyV1Api
     custom: kubernetes.client.CustomObjectsApi
     rbac: kubernetes.client.RbacAuthorizationV1Api
+    autoscaling: kubernetes.client.AutoscalingV2Api
+    extensions: kubernetes.client.ApiextensionsV1Api
 
     @classmethod
     def connect(cls) -> Api:
@@ -50,22 +52,44 @@ class Api:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config()  # $KUBECONFIG or ~/.kube/config
-        client = kubernetes.client.ApiClient()
-        return cls(client, kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client),
-                   kubernetes.client.PolicyV1Api(client), kubernetes.client.CustomObjectsApi(client),
-                   kubernetes.client.RbacAuthorizationV1Api(client))
+        return cls.of(kubernetes.client.ApiClient())
+
+    @classmethod
+    def of(cls, client: kubernetes.client.ApiClient) -> Api:
+        k = kubernetes.client
+        return cls(client, k.CoreV1Api(client), k.AppsV1Api(client), k.PolicyV1Api(client),
+                   k.CustomObjectsApi(client), k.RbacAuthorizationV1Api(client), k.AutoscalingV2Api(client),
+                   k.ApiextensionsV1Api(client))
 
     def call(self, verb: str, kind: str) -> Callable[..., Any]:
-        """The client method for `verb` (list, patch, delete) on a namespaced child kind."""
+        """The client method for `verb` (list, patch, delete) on a namespaced child kind, all
+        called as (namespace or name, namespace, ...) like the typed clients' methods."""
+        if kind == "ScaledObject":  # a custom resource: group, version and plural go first
+            method = getattr(self.custom, f"{verb}_namespaced_custom_object")
+            if verb == "list":
+                return lambda ns, **kw: method("keda.sh", "v1alpha1", ns, "scaledobjects", **kw)
+            return lambda name, ns, *args, **kw: method("keda.sh", "v1alpha1", ns, "scaledobjects", name, *args, **kw)
         where = {"Deployment": (self.apps, "deployment"), "Service": (self.core, "service"),
                  "PodDisruptionBudget": (self.policy, "pod_disruption_budget"),
-                 "ServiceAccount": (self.core, "service_account"), "RoleBinding": (self.rbac, "role_binding")}
+                 "ServiceAccount": (self.core, "service_account"), "RoleBinding": (self.rbac, "role_binding"),
+                 "HorizontalPodAutoscaler": (self.autoscaling, "horizontal_pod_autoscaler")}
         api, name = where[kind]
         return getattr(api, f"{verb}_namespaced_{name}")
 
+    def installed(self, crd: str) -> bool:
+        try:
+            self.extensions.read_custom_resource_definition(crd)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
 
-CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding")
+
+CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding",
+               "HorizontalPodAutoscaler")
 AUTOSCALE_TICK_S = 2.0  # how often the builtin autoscaler decides
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 
 @dataclass(frozen=True)
@@ -73,17 +97,18 @@ class Settings:
     image: str
     pod_annotations: dict[str, str] = field(default_factory=dict)
     interval: float = 300.0  # the safety-net resync
+    prometheus_url: str = DEFAULT_PROMETHEUS  # where KEDA's ScaledObjects read the engines' queue
     # The builtin autoscaler's recent samples, per (namespace, name): memory of this process only.
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
     # The resourceVersion of our own last status write per object, so it wakes no pass.
     own_writes: dict[tuple[str, str], str] = field(default_factory=dict)
 
 
-def observe(api: Api, owner: Owner) -> Observed:
+def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
     """Every child this InferenceService owns (by owner uid: a same-named service deleted and
     recreated must not adopt its predecessor's leftovers)."""
     objects = []
-    for kind in CHILD_KINDS:
+    for kind in CHILD_KINDS + (("ScaledObject",) if keda_installed else ()):
         found = api.client.sanitize_for_serialization(
             api.call("list", kind)(owner.namespace, label_selector=f"{LABEL_ISVC}={owner.name}"))
         for obj in found["items"]:  # items of a list carry no kind or apiVersion of their own
@@ -142,12 +167,15 @@ def post_event(api: Api, body: Mapping[str, Any], type_: str, reason: str, messa
 
 
 def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, previous: dict[str, Any],
-              settings: Settings) -> Scaling:
-    """Scrape one sample, then let the builtin autoscaler decide (other modes: spec.replicas)."""
+              settings: Settings, keda_installed: bool) -> Scaling:
+    """Who scales, and what it says: for the builtin autoscaler, scrape one sample and decide."""
     stable = revision_name(owner.name, spec)
-    if replicas_writer(spec) != "builtin":
+    mode = "none" if spec.autoscaling is None else spec.autoscaling.mode
+    if mode != "builtin":
         settings.samples.pop((owner.namespace, owner.name), None)
-        return manual(spec, observed, stable)
+        scaling = manual() if mode == "none" else external(owner, spec, observed, keda_installed,
+                                                            settings.prometheus_url)
+        return capacity(scaling, observed, stable)
     assert spec.autoscaling is not None
     at = time.time()
     engines = [f"http://{p['status']['podIP']}:{PORT}/metrics" for p in observed.pods() if is_ready(p)]
@@ -159,7 +187,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
         window.append(taken)
     window[:] = [s for s in window if s.time >= at - seconds(spec.autoscaling.stableWindow)]
     initial = current_replicas(observed, stable, desired_replicas(spec))
-    return builtin(spec, observed, stable, previous, list(window), at, initial)
+    return capacity(builtin(spec, observed, stable, previous, list(window), at, initial), observed, stable)
 
 
 def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float | None:
@@ -182,9 +210,11 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     except ValueError as err:
         report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()), settings)
         return settings.interval
-    observed = observe(api, owner)
-    scaling = autoscale(spec, observed, owner, previous, settings)
-    want = desired(owner, spec, observed, settings.image, settings.pod_annotations, scaling.replicas)
+    keda = api.installed(KEDA_CRD)
+    observed = observe(api, owner, keda)
+    scaling = autoscale(spec, observed, owner, previous, settings, keda)
+    want = desired(owner, spec, observed, settings.image, settings.pod_annotations, scaling.replicas,
+                   scaling.objects)
     rejected = []
     for action in plan(want, observed):
         log.info("%s/%s: %s", namespace, name, action)

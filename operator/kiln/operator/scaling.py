@@ -5,12 +5,13 @@ samples it scraped and the time."""
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .autoscaler import Sample, ScalerState, decide
-from .models import InferenceServiceSpec
+from .autoscaler import Sample, ScalerState, decide, seconds
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
+from .render import LABEL_ISVC, Owner, metadata
 from .status import condition
 
 
@@ -20,6 +21,7 @@ class Scaling:
     condition: dict[str, Any]
     status: dict[str, Any] = field(default_factory=dict)  # status.autoscaling
     changed_from: int | None = None  # the replicas before a decision that changed them
+    objects: list[dict[str, Any]] = field(default_factory=list)  # an HPA or ScaledObject to keep
 
 
 def iso(t: float | None) -> str | None:
@@ -66,7 +68,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     """One decision of the builtin autoscaler for the stable revision."""
     assert spec.autoscaling is not None
     state = scaler_state(previous, initial)
-    ready, starting, unschedulable = pod_counts(observed, stable)
+    ready, starting, _ = pod_counts(observed, stable)
     decision, new = decide(samples, spec.autoscaling, state, ready, starting, now)
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
@@ -75,25 +77,97 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     saved = previous.get("autoscaling") or {}
     if "lastColdStartSeconds" in saved:
         status["lastColdStartSeconds"] = saved["lastColdStartSeconds"]
-    if unschedulable is not None:  # what a cluster autoscaler acts on
-        cond = condition("ScalingReady", False, "InsufficientCapacity",
-                         f"{starting} replica(s) cannot be scheduled: {unschedulable}")
-    else:
-        cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
+    cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
     changed = state.replicas if new.replicas != state.replicas else None
     return Scaling(decision.replicas, cond, {k: v for k, v in status.items() if v is not None}, changed)
 
 
-def manual(spec: InferenceServiceSpec, observed: Observed, stable: str) -> Scaling:
-    """Replicas follow spec.replicas (autoscaling off, or an HPA/KEDA writing it via /scale)."""
-    _, _, unschedulable = pod_counts(observed, stable)
-    if unschedulable is not None:
-        return Scaling(None, condition("ScalingReady", False, "InsufficientCapacity", unschedulable))
-    mode = "none" if spec.autoscaling is None else spec.autoscaling.mode
-    return Scaling(None, condition("ScalingReady", True, "Manual" if mode == "none" else "External",
-                                   f"replicas follow spec.replicas (autoscaling mode {mode})"))
+def manual() -> Scaling:
+    """Autoscaling off: replicas follow spec.replicas (`kubectl scale isvc`)."""
+    return Scaling(None, condition("ScalingReady", True, "Manual", "replicas follow spec.replicas "
+                                   "(kubectl scale isvc/<name> --replicas=N)"))
+
+
+def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
+    """Pods the scheduler cannot place override any other report: it is what a cluster
+    autoscaler acts on."""
+    _, starting, unschedulable = pod_counts(observed, stable)
+    if unschedulable is None:
+        return scaling
+    return replace(scaling, condition=condition("ScalingReady", False, "InsufficientCapacity",
+                                                f"{starting} replica(s) cannot be scheduled: {unschedulable}"))
 
 
 def current_replicas(observed: Observed, stable: str, fallback: int) -> int:
     found = observed.engine(stable)
     return replicas_of(found) if found is not None else fallback
+
+
+KEDA_CRD = "scaledobjects.keda.sh"
+# prometheus-adapter serves it under the same name (README, "Autoscaling with an HPA").
+HPA_METRIC = "kiln:num_requests_waiting"
+
+
+def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """An HPA on the InferenceService's /scale: it writes spec.replicas, the operator the rest."""
+    assert spec.autoscaling is not None
+    scaling = spec.autoscaling
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name},
+            # An HPA cannot go to zero (unless the HPAScaleToZero feature gate is on): use builtin for that.
+            "minReplicas": max(1, scaling.minReplicas), "maxReplicas": scaling.maxReplicas,
+            "metrics": [{"type": "Pods", "pods": {"metric": {"name": HPA_METRIC},
+                                                  "target": {"type": "AverageValue",
+                                                             "averageValue": str(scaling.targetQueueDepth)}}}],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": int(seconds(scaling.scaleDownDelay))}},
+        },
+    }
+
+
+def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, prometheus_url: str) -> dict[str, Any]:
+    """A KEDA ScaledObject on the InferenceService's /scale, from the engines' queue in Prometheus."""
+    assert spec.autoscaling is not None
+    scaling = spec.autoscaling
+    query = (f'sum({HPA_METRIC}{{namespace="{owner.namespace}",'
+             f'{LABEL_ISVC.replace(".", "_").replace("/", "_")}="{owner.name}"}})')
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": metadata(owner, owner.name),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name},
+            "minReplicaCount": scaling.minReplicas, "maxReplicaCount": scaling.maxReplicas,
+            "cooldownPeriod": int(seconds(scaling.scaleDownDelay)),
+            "triggers": [{"type": "prometheus", "metadata": {
+                "serverAddress": prometheus_url, "query": query, "threshold": str(scaling.targetQueueDepth)}}],
+        },
+    }
+
+
+def scaler_condition(found: dict[str, Any] | None, who: str) -> dict[str, Any]:
+    """ScalingReady from the HPA's (AbleToScale, ScalingActive) or the ScaledObject's (Ready)
+    own conditions, with their reasons and messages."""
+    conditions = ((found or {}).get("status") or {}).get("conditions") or []
+    if not conditions:
+        return condition("ScalingReady", None, "Pending", f"the {who} reports no conditions yet")
+    failing = next((c for c in conditions if c.get("type") in ("AbleToScale", "ScalingActive", "Ready")
+                    and c.get("status") == "False"), None)
+    if failing is not None:
+        return condition("ScalingReady", False, failing.get("reason") or "Failing",
+                         f"{who}: {failing.get('message', '')}")
+    return condition("ScalingReady", True, "Active", f"the {who} scales spec.replicas")
+
+
+def external(owner: Owner, spec: InferenceServiceSpec, observed: Observed, keda_installed: bool,
+             prometheus_url: str) -> Scaling:
+    """`hpa` or `keda`: the object that scales the InferenceService's /scale, and its report."""
+    assert spec.autoscaling is not None
+    if spec.autoscaling.mode == "keda" and not keda_installed:
+        return Scaling(None, condition("ScalingReady", False, "KEDANotInstalled",
+                                       f"autoscaling.mode keda needs KEDA ({KEDA_CRD} is not installed); "
+                                       "replicas follow spec.replicas meanwhile"))
+    if spec.autoscaling.mode == "hpa":
+        obj, who = render_hpa(owner, spec), "HorizontalPodAutoscaler"
+    else:
+        obj, who = render_scaled_object(owner, spec, prometheus_url), "KEDA ScaledObject"
+    return Scaling(None, scaler_condition(observed.get(obj["kind"], owner.name), who), objects=[obj])

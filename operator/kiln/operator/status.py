@@ -17,10 +17,6 @@ WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", 
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     """Fields this operator version accepts but does not act on yet, and what happens instead."""
     found = []
-    scaling = spec.autoscaling
-    if scaling is not None and scaling.mode in ("hpa", "keda"):
-        found.append(f"autoscaling.mode={scaling.mode} (replicas follow spec.replicas within "
-                     f"min/max)")
     if spec.warmPool is not None and spec.warmPool.size > 0:
         found.append("warmPool (no standby replicas)")
     if spec.rollout is not None:
