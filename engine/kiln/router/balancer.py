@@ -3,7 +3,9 @@ requests. Ties rotate, so an idle service still spreads sequential requests."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
 
 from kiln.router.endpoints import Endpoint, EndpointSource
 
@@ -15,7 +17,7 @@ class LeastInFlight:
         self._turn = 0
 
     def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
-        candidates = [e for e in self._source.endpoints() if e not in exclude]
+        candidates = [e for e in self._source.ready().all if e not in exclude]
         if not candidates:
             return None
         start = self._turn % len(candidates)
@@ -23,13 +25,17 @@ class LeastInFlight:
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda e: self._in_flight[e])  # min keeps the first tie
 
-    def acquire(self, endpoint: Endpoint) -> None:
+    @contextmanager
+    def busy(self, endpoint: Endpoint) -> Iterator[None]:
+        """Counts a request at `endpoint` while the block runs."""
         self._in_flight[endpoint] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[endpoint] -= 1
+            if self._in_flight[endpoint] <= 0:
+                del self._in_flight[endpoint]  # endpoints come and go; forget idle ones
 
-    def release(self, endpoint: Endpoint) -> None:
-        self._in_flight[endpoint] -= 1
-        if self._in_flight[endpoint] <= 0:
-            del self._in_flight[endpoint]  # endpoints come and go; forget idle ones
-
-    def in_flight(self, endpoint: Endpoint) -> int:
-        return self._in_flight[endpoint]
+    def in_flight(self) -> Mapping[Endpoint, int]:
+        """Requests in flight by endpoint; idle endpoints are absent."""
+        return MappingProxyType(self._in_flight)

@@ -1,13 +1,18 @@
 """Where the engine replicas are. The router only asks a source for the ready endpoints
-right now; a static list (local use, tests) and EndpointSlices (in a cluster) both fit."""
+right now, grouped by revision; a static list (local use, tests) and EndpointSlices (in a
+cluster) both fit."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple, Protocol
 
 
 class Endpoint(NamedTuple):
     host: str
     port: int
+    revision: str = ""  # the engine revision serving here; "" when unknown (--endpoints)
 
     @property
     def url(self) -> str:
@@ -18,8 +23,30 @@ class Endpoint(NamedTuple):
         return self.url.removeprefix("http://")
 
 
+@dataclass(frozen=True)
+class ReadyEndpoints:
+    """The ready endpoints at one moment, by revision. A known revision may have none ready
+    (its pods are starting, or it is scaled to zero). Sources swap in a whole new one, so a
+    request handler never sees half an update."""
+
+    by_revision: Mapping[str, tuple[Endpoint, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, endpoints: Iterable[Endpoint], revisions: Iterable[str] = ()) -> ReadyEndpoints:
+        """Grouped by each endpoint's revision, plus `revisions` known to have none ready.
+        Sorted, so the balancer's rotation over them stays stable across updates."""
+        groups: dict[str, set[Endpoint]] = {revision: set() for revision in revisions}
+        for endpoint in endpoints:
+            groups.setdefault(endpoint.revision, set()).add(endpoint)
+        return cls({revision: tuple(sorted(groups[revision])) for revision in sorted(groups)})
+
+    @cached_property
+    def all(self) -> tuple[Endpoint, ...]:
+        return tuple(e for group in self.by_revision.values() for e in group)
+
+
 class EndpointSource(Protocol):
-    def endpoints(self) -> tuple[Endpoint, ...]:
+    def ready(self) -> ReadyEndpoints:
         """The ready endpoints now; cheap, called on every request."""
 
     async def start(self) -> None: ...
@@ -28,11 +55,11 @@ class EndpointSource(Protocol):
 
 
 class StaticEndpoints:
-    def __init__(self, endpoints: list[Endpoint]) -> None:
-        self._endpoints = tuple(endpoints)
+    def __init__(self, endpoints: Iterable[Endpoint]) -> None:
+        self._ready = ReadyEndpoints.of(endpoints)
 
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        return self._endpoints
+    def ready(self) -> ReadyEndpoints:
+        return self._ready
 
     async def start(self) -> None:
         pass

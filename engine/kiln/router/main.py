@@ -1,33 +1,72 @@
 """`kiln router`: one per InferenceService, in front of its engine pods. Replicas come
-from the Service's EndpointSlices, or from --endpoints for local use."""
+from the EndpointSlices of the engine revisions' Services, or from --endpoints for local
+use."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 import os
+import signal
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
 from kiln.router.endpoints import EndpointSource, StaticEndpoints, parse_endpoints
-from kiln.router.proxy import build_app
+from kiln.router.proxy import Limits, build_app
+
+log = logging.getLogger("kiln.router")
+
+DEFAULTS = Limits()
+# Under Kubernetes' default 30 s grace period: streams still running when the router
+# stops are cut by the router, which closes them properly, not by SIGKILL.
+SHUTDOWN_SECONDS = 25.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--endpoints", help="fixed replicas, host:port[,host:port...]")
-    where.add_argument("--service", help="Kubernetes Service whose EndpointSlices list "
-                                         "the engine pods")
+    where.add_argument("--selector", help="label selector of the engine revisions' "
+                                          "EndpointSlices, e.g. kiln.dev/inferenceservice=chat,"
+                                          "kiln.dev/component=engine")
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
-                        help="namespace of --service (default: $POD_NAMESPACE or 'default')")
+                        help="namespace of the EndpointSlices (default: $POD_NAMESPACE or "
+                             "'default')")
     parser.add_argument("--port-name", default="http",
                         help="name of the Service port the engines listen on ('' if unnamed)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, "
                                              "else ~/.kube/config)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0,
-                        help="seconds to wait for a replica to accept a connection")
+    parser.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout,
+                        help="seconds to wait for a replica to accept a connection "
+                             "(default: %(default)s)")
+    parser.add_argument("--first-byte-timeout", type=float,
+                        default=DEFAULTS.first_byte_timeout,
+                        help="seconds to wait for a replica's response headers, 0 for no "
+                             "limit; a non-streaming request gets them only once its whole "
+                             "generation is done (default: %(default)s)")
+    parser.add_argument("--max-in-flight", type=int, default=DEFAULTS.max_in_flight,
+                        help="/v1 requests handled at once; more get a 429 (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
+                        help="largest request body; larger get a 413 (default: %(default)s)")
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    """Raises ValueError with a message for the user."""
+    if not (math.isfinite(args.connect_timeout) and args.connect_timeout > 0):
+        raise ValueError("--connect-timeout must be positive seconds")
+    if not (math.isfinite(args.first_byte_timeout) and args.first_byte_timeout >= 0):
+        raise ValueError("--first-byte-timeout must be positive seconds, or 0 for no limit")
+    if args.max_in_flight < 1:
+        raise ValueError("--max-in-flight must be at least 1")
+    if args.max_body_bytes < 1:
+        raise ValueError("--max-body-bytes must be at least 1")
+    return Limits(args.connect_timeout, args.first_byte_timeout, args.max_in_flight,
+                  args.max_body_bytes)
 
 
 def _endpoint_source(args: argparse.Namespace) -> EndpointSource:
@@ -37,6 +76,9 @@ def _endpoint_source(args: argparse.Namespace) -> EndpointSource:
             return StaticEndpoints(parse_endpoints(args.endpoints))
         except ValueError as exc:
             raise ValueError(f"--endpoints: {exc}") from None
+    if not args.selector.strip():
+        raise ValueError("--selector must not be empty: it would take every EndpointSlice "
+                         "in the namespace")
     # Imported here: the static mode should not need a cluster client at all.
     from kubernetes import client, config
 
@@ -51,23 +93,47 @@ def _endpoint_source(args: argparse.Namespace) -> EndpointSource:
                                     client_configuration=configuration)
     except Exception as exc:  # noqa: BLE001 - ConfigException, missing or broken files
         raise ValueError(f"cannot load Kubernetes config: {exc}") from None
-    return EndpointSliceSource(client.ApiClient(configuration), args.namespace, args.service,
+    return EndpointSliceSource(client.ApiClient(configuration), args.namespace, args.selector,
                                args.port_name)
+
+
+@asynccontextmanager
+async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serves `app` while the block runs and gives the port it listens on. `kiln router`
+    and the tests both start the router here, so they run it alike."""
+    # handler_cancellation: a client that hangs up cancels its handler, which drops the
+    # upstream request, so the engine stops generating for nobody (streaming or not).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_SECONDS)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def _serve_until_stopped(app: web.Application, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with serving(app, host, port) as bound:
+        log.info("listening on %s:%d", host, bound)
+        await stop.wait()
+    log.info("stopped")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         print(f"kiln router: --port {args.port} is not a port number", file=sys.stderr)
         return 2
-    if args.connect_timeout <= 0:
-        print("kiln router: --connect-timeout must be positive", file=sys.stderr)
-        return 2
     try:
+        limits = _limits(args)
         source = _endpoint_source(args)
     except ValueError as exc:
         print(f"kiln router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    web.run_app(build_app(source, args.connect_timeout), host=args.host, port=args.port,
-                access_log=None)
+    asyncio.run(_serve_until_stopped(build_app(source, limits), args.host, args.port))
     return 0

@@ -1,33 +1,91 @@
 """The router's own Prometheus metrics, in a registry of their own so several routers
-(tests start many in one process) never collide in the global one."""
+(tests start many in one process) never collide in the global one.
+
+Series are labelled by revision, never by pod alone: pods come and go with every scale
+and rollout, revisions are few. The gauges are read at scrape time from the balancer and
+the endpoint source, so a pod or revision that went away leaves no stale series behind."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import EndpointSource
 
-NO_ENDPOINT = "none"  # endpoint label of responses the router made up itself
+NO_REVISION = "none"  # revision label of answers the router made up itself (503, 413, 429)
+
+# Seconds. A first token waits for queueing and the whole prompt's prefill; later tokens
+# come every few tens of milliseconds; a whole generation can take minutes.
+FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 30, 60, 120)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
 class RouterMetrics:
-    def __init__(self, source: EndpointSource) -> None:
+    def __init__(self, source: EndpointSource, balancer: LeastInFlight) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "kiln_router_requests", "Requests answered, by replica and HTTP status "
-            "(499: the client went away)", ["endpoint", "code"], registry=self.registry)
+            "kiln_router_requests", "Requests answered, by revision and HTTP status "
+            "(499: the client went away)", ["revision", "code"], registry=self.registry)
         self.errors = Counter(
-            "kiln_router_errors", "Failures talking to a replica, by reason "
-            "(connect, upstream_error, upstream_broken, no_endpoint)",
-            ["endpoint", "reason"], registry=self.registry)
+            "kiln_router_errors", "Failures talking to a replica, by reason (connect, "
+            "stale_connection, upstream_error, first_byte_timeout, upstream_broken, "
+            "no_endpoint)", ["revision", "reason"], registry=self.registry)
         self.retries = Counter(
-            "kiln_router_retries", "Requests sent again to another replica after a connect "
-            "failure", registry=self.registry)
-        self.in_flight = Gauge(
-            "kiln_router_in_flight_requests", "Requests in flight per replica",
-            ["endpoint"], registry=self.registry)
-        ready = Gauge("kiln_router_ready_endpoints", "Ready replicas known to the router",
-                      registry=self.registry)
-        ready.set_function(lambda: len(source.endpoints()))
+            "kiln_router_retries", "Requests sent again to another replica, by the revision "
+            "of the one that could not take them", ["revision"], registry=self.registry)
+        self.duration = Histogram(
+            "kiln_router_request_duration_seconds", "From request received to the end of "
+            "the response, all requests", ["revision"], buckets=DURATION_BUCKETS,
+            registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "kiln_router_time_to_first_token_seconds", "From request received to the first "
+            "body chunk of a streamed (SSE) response", ["revision"],
+            buckets=FIRST_TOKEN_BUCKETS, registry=self.registry)
+        self.inter_token_latency = Histogram(
+            "kiln_router_inter_token_latency_seconds", "Gaps between the later body chunks "
+            "of a streamed (SSE) response", ["revision"], buckets=INTER_TOKEN_BUCKETS,
+            registry=self.registry)
+        self.registry.register(_LiveGauges(source, balancer))
+
+    def answered(self, revision: str, code: int, seconds: float) -> None:
+        self.requests.labels(revision, str(code)).inc()
+        self.duration.labels(revision).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LiveGauges(Collector):
+    def __init__(self, source: EndpointSource, balancer: LeastInFlight) -> None:
+        self._source = source
+        self._balancer = balancer
+
+    def collect(self) -> Iterator[Metric]:
+        ready = self._source.ready()
+        in_flight = self._balancer.in_flight()
+        ready_gauge = GaugeMetricFamily(
+            "kiln_router_ready_endpoints", "Ready replicas known to the router, by revision",
+            labels=["revision"])
+        for revision, endpoints in ready.by_revision.items():
+            ready_gauge.add_metric([revision], len(endpoints))
+        # A replica that left the ready set may still be finishing requests: count those too.
+        by_revision = dict.fromkeys(ready.by_revision, 0)
+        for endpoint, count in in_flight.items():
+            by_revision[endpoint.revision] = by_revision.get(endpoint.revision, 0) + count
+        revision_gauge = GaugeMetricFamily(
+            "kiln_router_in_flight_requests", "Requests in flight, by revision",
+            labels=["revision"])
+        for revision, count in sorted(by_revision.items()):
+            revision_gauge.add_metric([revision], count)
+        endpoint_gauge = GaugeMetricFamily(
+            "kiln_router_endpoint_in_flight_requests", "Requests in flight per ready replica "
+            "(a replica's series goes when it leaves the ready set)",
+            labels=["revision", "endpoint"])
+        for endpoint in ready.all:
+            endpoint_gauge.add_metric([endpoint.revision, str(endpoint)],
+                                      in_flight.get(endpoint, 0))
+        yield from (ready_gauge, revision_gauge, endpoint_gauge)

@@ -1,15 +1,19 @@
 """The reverse proxy: each /v1 request goes to the least busy ready replica and its
 response streams back chunk by chunk, so SSE tokens reach the client as they are made.
 
-A request is sent again to another replica only when the connection could not be made,
-because then the replica never saw it. Once bytes went out, a retry could run a
-generation twice, so the client gets a 502 (or, mid-stream, a broken stream) instead."""
+A request goes to a second replica (once at most) only when the first cannot have acted on
+it: the connection could not be made, or a pooled keep-alive connection turned out to be
+closed already (the rule Go's net/http uses). A fresh connection dropped after the request
+went out, or a failure after response bytes, could mean a generation ran, so the client
+gets an error instead of a second run."""
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import contextmanager
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
@@ -17,17 +21,45 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
-from kiln.router.metrics import NO_ENDPOINT, RouterMetrics
+from kiln.router.metrics import NO_REVISION, RouterMetrics
 
 log = logging.getLogger("kiln.router")
 
-# Raised before a single byte of the request left: safe to send elsewhere.
+ATTEMPTS = 2  # the first try and at most one retry
+# Raised before a single byte of the request left.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# What a connection the replica had already closed gives; a sure sign only on a reused one.
+DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                          aiohttp.ClientConnectionResetError)
+RETRYABLE = frozenset({"connect", "stale_connection"})
 # Per-connection headers (RFC 9110 7.6.1) and ones the client library sets itself.
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
     "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
+
+
+@dataclass(frozen=True)
+class Limits:
+    connect_timeout: float = 5.0  # seconds for a replica to accept a connection
+    # Seconds to a replica's response headers, 0 for no limit. Generous: a non-streaming
+    # engine sends its headers only once the whole generation is done.
+    first_byte_timeout: float = 600.0
+    max_in_flight: int = 1024  # /v1 requests at once; more get a 429
+    max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
+
+
+@dataclass
+class _Exchange:
+    """One /v1 request, as its metrics see it."""
+    received: float = field(default_factory=time.monotonic)
+    revision: str = NO_REVISION  # of the replica that answered
+    code: int | None = None  # set where it differs from the response's status
+    last_chunk: float | None = None  # when the previous chunk of a stream came
+
+
+class _Retryable(Exception):
+    """The replica cannot have acted on the request: another one may take it."""
 
 
 def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
@@ -42,20 +74,40 @@ def _end_to_end(headers: Mapping[str, str], keep_length: bool) -> list[tuple[str
             if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == "content-length")]
 
 
+def _failure_reason(exc: Exception, reused: bool) -> str:
+    """Why a replica gave no response: the errors label, and in RETRYABLE if safe to retry."""
+    if isinstance(exc, CONNECT_ERRORS):
+        return "connect"
+    if reused and isinstance(exc, DEAD_CONNECTION_ERRORS):
+        return "stale_connection"
+    if isinstance(exc, TimeoutError):
+        return "first_byte_timeout"
+    return "upstream_error"
+
+
+async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
+                       params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    context.trace_request_ctx.reused = True
+
+
 class Router:
-    def __init__(self, source: EndpointSource, connect_timeout: float = 5.0) -> None:
+    def __init__(self, source: EndpointSource, limits: Limits) -> None:
         self.source = source
+        self.limits = limits
         self.balancer = LeastInFlight(source)
-        self.metrics = RouterMetrics(source)
-        self._connect_timeout = connect_timeout
+        self.metrics = RouterMetrics(source, self.balancer)
+        self._active = 0  # /v1 requests being handled, against limits.max_in_flight
         self._session: aiohttp.ClientSession | None = None
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup context: follow the endpoints and hold one pooled session."""
+        tracing = aiohttp.TraceConfig()
+        tracing.on_connection_reuseconn.append(_mark_reused)
         self._session = aiohttp.ClientSession(
             # No total/read timeout: a long generation is not a failure.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout),
             connector=aiohttp.TCPConnector(limit=0),  # the default 100 would cap streams
+            trace_configs=[tracing],
             auto_decompress=False)  # pass bytes through untouched
         await self.source.start()
         try:
@@ -65,108 +117,142 @@ class Router:
             await self._session.close()
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        tried: list[Endpoint] = []
-        while (endpoint := self.balancer.pick(exclude=tried)) is not None:
-            if tried:
-                self.metrics.retries.inc()
-            tried.append(endpoint)
-            try:
-                with self._in_flight(endpoint):
-                    return await self._relay(request, endpoint, body)
-            except CONNECT_ERRORS as exc:
-                log.warning("cannot connect to %s: %s", endpoint, exc)
-                self.metrics.errors.labels(str(endpoint), "connect").inc()
-        message = (f"none of the {len(tried)} ready replicas accepted a connection" if tried
-                   else "no ready replica for this service yet")
-        self.metrics.errors.labels(NO_ENDPOINT, "no_endpoint").inc()
-        return self._answer_error(NO_ENDPOINT, 503, message, "service_unavailable",
-                                  "no_ready_endpoint")
-
-    @contextmanager
-    def _in_flight(self, endpoint: Endpoint) -> Iterator[None]:
-        self.balancer.acquire(endpoint)
-        gauge = self.metrics.in_flight.labels(str(endpoint))
-        gauge.inc()
+        exchange = _Exchange()
         try:
-            yield
-        finally:
-            self.balancer.release(endpoint)
-            gauge.dec()
-
-    async def _relay(self, request: web.Request, endpoint: Endpoint,
-                     body: bytes) -> web.StreamResponse:
-        assert self._session is not None, "router used outside its lifecycle"
-        try:
-            upstream = await self._session.request(
-                request.method, endpoint.url + request.rel_url.raw_path_qs,
-                headers=_end_to_end(request.headers, keep_length=False), data=body)
-        except CONNECT_ERRORS:
+            response = await self._admit(request, exchange)
+            exchange.code = exchange.code or response.status
+            return response
+        except asyncio.CancelledError:  # handler cancellation: the client hung up
+            exchange.code = CLIENT_GONE
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning("%s failed before answering: %r", endpoint, exc)
-            self.metrics.errors.labels(str(endpoint), "upstream_error").inc()
-            return self._answer_error(str(endpoint), 502, f"replica {endpoint} failed before "
-                                      "answering", "bad_gateway", "upstream_error")
+        finally:
+            self.metrics.answered(exchange.revision, exchange.code or 500,
+                                  time.monotonic() - exchange.received)
+
+    async def _admit(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
+        if self._active >= self.limits.max_in_flight:
+            return error_response(429, f"the router is at its limit of {self._active} "
+                                  "requests in flight", "rate_limit_error", "rate_limit_exceeded")
+        self._active += 1
+        try:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return error_response(413, f"the request body is over the router's limit of "
+                                      f"{self.limits.max_body_bytes} bytes",
+                                      "invalid_request_error", "request_too_large")
+            return await self._send(request, body, exchange)
+        finally:
+            self._active -= 1
+
+    async def _send(self, request: web.Request, body: bytes,
+                    exchange: _Exchange) -> web.StreamResponse:
+        failed: list[Endpoint] = []
+        while len(failed) < ATTEMPTS and (endpoint := self.balancer.pick(failed)) is not None:
+            if failed:
+                self.metrics.retries.labels(failed[-1].revision).inc()
+            try:
+                with self.balancer.busy(endpoint):
+                    return await self._relay(request, endpoint, body, exchange)
+            except _Retryable:
+                failed.append(endpoint)
+        # A hold-queue for scale from zero goes here: wait for a replica instead of a 503.
+        exchange.revision = NO_REVISION
+        self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
+        message = (f"no replica could take the request ({len(failed)} tried)" if failed
+                   else "no ready replica for this service yet")
+        return error_response(503, message, "service_unavailable", "no_ready_endpoint")
+
+    async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,
+                     exchange: _Exchange) -> web.StreamResponse:
+        assert self._session is not None, "router used outside its lifecycle"
+        exchange.revision = endpoint.revision
+        attempt = SimpleNamespace(reused=False)  # _mark_reused sets it
+        try:
+            async with asyncio.timeout(self.limits.first_byte_timeout or None):
+                upstream = await self._session.request(
+                    request.method, endpoint.url + request.rel_url.raw_path_qs,
+                    headers=_end_to_end(request.headers, keep_length=False), data=body,
+                    trace_request_ctx=attempt)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            reason = _failure_reason(exc, attempt.reused)
+            log.warning("%s gave no response (%s): %r", endpoint, reason, exc)
+            self.metrics.errors.labels(endpoint.revision, reason).inc()
+            if reason in RETRYABLE:
+                raise _Retryable from exc
+            if reason == "first_byte_timeout":
+                return error_response(504, f"replica {endpoint} sent no response within "
+                                      f"{self.limits.first_byte_timeout:g} s", "timeout_error",
+                                      "upstream_timeout")
+            return error_response(502, f"replica {endpoint} failed before answering",
+                                  "bad_gateway", "upstream_error")
         async with upstream:
             response = web.StreamResponse(
                 status=upstream.status, reason=upstream.reason,
                 headers=_end_to_end(upstream.headers, keep_length=True))
             try:
                 await response.prepare(request)
-                complete = await _pump(upstream, response)
+                complete = await self._pump(upstream, response, exchange)
             except ConnectionResetError:
                 # Leaving `async with` drops the upstream connection, so the engine
                 # sees the disconnect and stops generating.
-                self.metrics.requests.labels(str(endpoint), str(CLIENT_GONE)).inc()
+                exchange.code = CLIENT_GONE
                 return response
-        self.metrics.requests.labels(str(endpoint), str(upstream.status)).inc()
         if not complete:
             log.warning("%s broke off its response mid-way", endpoint)
-            self.metrics.errors.labels(str(endpoint), "upstream_broken").inc()
+            self.metrics.errors.labels(endpoint.revision, "upstream_broken").inc()
             # The status line is gone already; closing without the final chunk is the
             # only way left to tell the client its response is incomplete.
             if request.transport is not None:
                 request.transport.close()
         return response
 
-    def _answer_error(self, endpoint: str, status: int, message: str, type_: str,
-                      code: str) -> web.Response:
-        self.metrics.requests.labels(endpoint, str(status)).inc()
-        return error_response(status, message, type_, code)
+    async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+                    exchange: _Exchange) -> bool:
+        """Copy the body as it arrives, timing the chunks of an SSE stream; False when the
+        replica broke off mid-way. Client-side write errors are the caller's to handle."""
+        streamed = upstream.content_type == "text/event-stream"
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+            if not chunk:
+                await response.write_eof()
+                return True
+            if streamed:
+                self._time_chunk(exchange)
+            await response.write(chunk)
+
+    def _time_chunk(self, exchange: _Exchange) -> None:
+        now = time.monotonic()
+        if exchange.last_chunk is None:
+            self.metrics.time_to_first_token.labels(exchange.revision).observe(
+                now - exchange.received)
+        else:
+            self.metrics.inter_token_latency.labels(exchange.revision).observe(
+                now - exchange.last_chunk)
+        exchange.last_chunk = now
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        count = len(self.source.endpoints())
-        if count == 0:
-            return error_response(503, "no ready replica known", "service_unavailable",
-                                  "no_ready_endpoint")
-        return web.json_response({"status": "ready", "endpoints": count})
+        """Ready as soon as it serves, engines or not: with none, a request still gets a
+        clear answer here (and, with scale from zero, will wait here for one)."""
+        ready = self.source.ready()
+        return web.json_response({
+            "status": "ready", "endpoints": len(ready.all),
+            "revisions": {revision: len(e) for revision, e in ready.by_revision.items()}})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _pump(upstream: aiohttp.ClientResponse, response: web.StreamResponse) -> bool:
-    """Copy the body as it arrives; False when the replica broke off mid-way.
-    Client-side write errors propagate: they are the caller's to handle."""
-    while True:
-        try:
-            chunk = await upstream.content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
-        if not chunk:
-            await response.write_eof()
-            return True
-        await response.write(chunk)
-
-
-def build_app(source: EndpointSource, connect_timeout: float = 5.0) -> web.Application:
-    router = Router(source, connect_timeout)
-    app = web.Application(client_max_size=64 << 20)  # long prompts are still small JSON
+def build_app(source: EndpointSource, limits: Limits = Limits()) -> web.Application:
+    router = Router(source, limits)
+    app = web.Application(client_max_size=limits.max_body_bytes)
     app.cleanup_ctx.append(router.lifecycle)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
