@@ -692,6 +692,13 @@ def test_endpointslice_discovery_groups_revisions_and_skips_other_services(
         assert source.ready().by_revision == {
             f"{ISVC}-{name}": (Endpoint(ips[name], 8000, f"{ISVC}-{name}"),)
             for name in ("blue", "green")}
+        # A router starting now serves only once it has listed them: no 503 meanwhile.
+        restarted = EndpointSliceSource(api, namespace, SELECTOR, "http")
+        asyncio.run(restarted.start())
+        try:
+            assert restarted.ready() == source.ready()
+        finally:
+            asyncio.run(restarted.stop())
     finally:
         asyncio.run(source.stop())
 
