@@ -53,15 +53,15 @@ def answers(url: str) -> bool:
     return True
 
 
-def router_requests(url: str) -> Counter:
-    """Answered requests per engine endpoint with status 200, from the router's /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+def finished_per_pod(target: Target, namespace: str) -> Counter:
+    """Requests each engine pod finished, from its own /metrics, read through the API server's
+    pod proxy (so it works on any cluster, port-forward or not)."""
     counts: Counter = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "kiln_router_requests_total" and sample.labels.get("code") == "200":
-                counts[sample.labels["endpoint"]] += sample.value
+    for pod in engine_pods(target, namespace):
+        name = pod["metadata"]["name"]
+        text = target.kubectl("get", "--raw", f"/api/v1/namespaces/{namespace}/pods/{name}:8000/proxy/metrics")
+        for family in text_string_to_metric_families(text):
+            counts[name] += sum(s.value for s in family.samples if s.name == "kiln:request_success_total")
     return counts
 
 
@@ -129,7 +129,7 @@ def test_scale_to_two_spreads_traffic_over_both(target: Target, namespace: str, 
                    f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
     eventually(lambda: get_json(url + "/ready")["endpoints"] == 2, "the router to know both engines", timeout=120,
                ignore=(OSError,))
-    before = router_requests(url)
+    before = finished_per_pod(target, namespace)
     api = client(url)
     threads = [threading.Thread(target=api.completions.create,
                                 kwargs={"model": MODEL, "prompt": f"{i} plus {i} is", "max_tokens": 16})
@@ -138,9 +138,9 @@ def test_scale_to_two_spreads_traffic_over_both(target: Target, namespace: str, 
         t.start()
     for t in threads:
         t.join()
-    served = router_requests(url) - before
-    ips = {f"{p['status']['podIP']}:8000" for p in engine_pods(target, namespace)}
-    assert set(served) == ips, f"requests per engine: {dict(served)}; engine pods: {ips}"
+    served = finished_per_pod(target, namespace) - before
+    pods = {p["metadata"]["name"] for p in engine_pods(target, namespace)}
+    assert set(served) == pods, f"requests per engine: {dict(served)}; engine pods: {pods}"
     assert sum(served.values()) == 8
 
 
