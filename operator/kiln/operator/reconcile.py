@@ -23,7 +23,7 @@ from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
 from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual
-from .scrape import sample
+from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
 
 FIELD_MANAGER = "kiln-operator"
@@ -182,12 +182,13 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
     routers = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
                for p in observed.pods(component="router") if is_ready(p)]
     window = settings.samples.setdefault((owner.namespace, owner.name), [])
-    taken = sample(engines, routers, at)
-    if taken is not None:
-        window.append(taken)
+    taken = scrape(engines, routers, at)
+    if taken.sample is not None:
+        window.append(taken.sample)
     window[:] = [s for s in window if s.time >= at - seconds(spec.autoscaling.stableWindow)]
     initial = current_replicas(observed, stable, desired_replicas(spec))
-    return capacity(builtin(spec, observed, stable, previous, list(window), at, initial), observed, stable)
+    return capacity(builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start),
+                    observed, stable)
 
 
 def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float | None:

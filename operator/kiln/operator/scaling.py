@@ -64,8 +64,9 @@ def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
 
 
 def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previous: dict[str, Any],
-            samples: list[Sample], now: float, initial: int) -> Scaling:
-    """One decision of the builtin autoscaler for the stable revision."""
+            samples: list[Sample], now: float, initial: int, cold_start: float | None = None) -> Scaling:
+    """One decision of the builtin autoscaler for the stable revision; `cold_start`: the
+    routers' latest held-to-first-byte time, if they saw one."""
     assert spec.autoscaling is not None
     state = scaler_state(previous, initial)
     ready, starting, _ = pod_counts(observed, stable)
@@ -74,9 +75,9 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
               "lastScaleTime": iso(new.last_scale)}
-    saved = previous.get("autoscaling") or {}
-    if "lastColdStartSeconds" in saved:
-        status["lastColdStartSeconds"] = saved["lastColdStartSeconds"]
+    last_cold = cold_start if cold_start is not None else (previous.get("autoscaling") or {}).get("lastColdStartSeconds")
+    if last_cold is not None:
+        status["lastColdStartSeconds"] = round(last_cold, 2)
     cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
     changed = state.replicas if new.replicas != state.replicas else None
     return Scaling(decision.replicas, cond, {k: v for k, v in status.items() if v is not None}, changed)

@@ -7,43 +7,50 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import urllib.request
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from .autoscaler import Sample
 
 ENGINE_LOAD = ("kiln:num_requests_waiting", "kiln:num_requests_running")
-ROUTER_HELD = ("kiln_router_held_requests",)
+ROUTER_HELD = "kiln_router_held_requests"
+ROUTER_COLD_START = "kiln_router_last_cold_start_seconds"
 TIMEOUT_S = 1.0
 log = logging.getLogger("kiln.operator")
 
 
-def read_metrics(url: str, names: tuple[str, ...], timeout: float = TIMEOUT_S) -> float | None:
-    """The sum of every sample of the metric families `names` at `url`; None when the page
-    cannot be had, cannot be parsed, or lacks one of them."""
+@dataclass(frozen=True)
+class Scrape:
+    sample: Sample | None  # None: not enough answered to know the load
+    cold_start: float | None  # the routers' latest request-held-to-first-byte, if any
+
+
+def read_metrics(url: str, timeout: float = TIMEOUT_S) -> dict[str, float] | None:
+    """Each metric family at `url` summed over its samples; None when the page cannot be had
+    or parsed."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read(1 << 20).decode()
-        found = {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(text)
-                 if f.name in names}
+        return {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(text)}
     except Exception as err:  # noqa: BLE001 - timeouts, refusals, garbage: all mean "no number"
         log.debug("scraping %s failed: %s", url, err)
         return None
-    if set(found) != set(names):
-        return None
-    return sum(found.values())
 
 
-def sample(engines: list[str], routers: list[str], now: float) -> Sample | None:
-    """One sample from the ready engine pods' and router pods' metrics URLs. None when no
-    router answered (its held requests are the load at zero) or engines exist and none did.
+def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
+    """One sample from the ready engine pods' and router pods' metrics URLs. No sample when no
+    router answered (its held requests are the load at zero) or engines run and none answered.
     Engines that did not answer count at the average of those that did, never at zero."""
-    urls = [(u, ENGINE_LOAD) for u in engines] + [(u, ROUTER_HELD) for u in routers]
+    urls = engines + routers
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        values = list(pool.map(lambda pair: read_metrics(*pair), urls))
-    engine_values = [v for v in values[:len(engines)] if v is not None]
-    router_values = [v for v in values[len(engines):] if v is not None]
-    if not router_values or (engines and not engine_values):
-        return None
-    engine_load = sum(engine_values) / len(engine_values) * len(engines) if engines else 0.0
-    return Sample(now, engine_load + sum(router_values))
+        pages = list(pool.map(read_metrics, urls))
+    loads = [sum(p[n] for n in ENGINE_LOAD) for p in pages[:len(engines)]
+             if p is not None and all(n in p for n in ENGINE_LOAD)]
+    held = [p[ROUTER_HELD] for p in pages[len(engines):] if p is not None and ROUTER_HELD in p]
+    cold = [p[ROUTER_COLD_START] for p in pages[len(engines):] if p and p.get(ROUTER_COLD_START)]
+    cold_start = max(cold) if cold else None
+    if not held or (engines and not loads):
+        return Scrape(None, cold_start)
+    engine_load = sum(loads) / len(loads) * len(engines) if engines else 0.0
+    return Scrape(Sample(now, engine_load + sum(held)), cold_start)

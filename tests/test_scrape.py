@@ -1,0 +1,69 @@
+"""The builtin autoscaler's scraper against real HTTP servers standing in for engine and router
+pods: well-formed pages, a page that hangs past the timeout, garbage, and a refused port."""
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kiln.operator.scrape import TIMEOUT_S, scrape
+
+ENGINE = "kiln:num_requests_waiting{{model_name=\"m\"}} {waiting}\nkiln:num_requests_running{{model_name=\"m\"}} {running}\n"
+ROUTER = "kiln_router_held_requests {held}\nkiln_router_last_cold_start_seconds {cold}\n"
+
+
+@contextmanager
+def serving(body: str, delay: float = 0.0) -> Iterator[str]:
+    """A /metrics page on 127.0.0.1; `delay` seconds before it answers."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(delay)
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def refused_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
+
+
+def test_load_is_engines_queues_plus_held_requests():
+    with serving(ENGINE.format(waiting=3, running=5)) as a, serving(ENGINE.format(waiting=0, running=2)) as b, \
+            serving(ROUTER.format(held=4, cold=0)) as router:
+        taken = scrape([a, b], [router], now=10.0)
+    assert (taken.sample.time, taken.sample.load) == (10.0, 14.0)
+    assert taken.cold_start is None  # 0 means the router never saw a cold start
+
+
+def test_engines_that_do_not_answer_count_at_the_average_never_at_zero():
+    with serving(ENGINE.format(waiting=2, running=4)) as ok, serving(ENGINE.format(waiting=9, running=9),
+                                                                     delay=TIMEOUT_S + 1) as hung, \
+            serving("this is not { prometheus") as garbage, serving(ROUTER.format(held=0, cold=12.5)) as router:
+        started = time.monotonic()
+        taken = scrape([ok, hung, garbage, refused_url()], [router], now=1.0)
+        assert time.monotonic() - started < TIMEOUT_S + 1  # scraped side by side, each bounded
+    assert taken.sample.load == 6.0 * 4 and taken.cold_start == 12.5
+
+
+def test_no_sample_without_a_router_or_without_any_engine_answer():
+    with serving(ENGINE.format(waiting=1, running=1)) as engine, serving(ROUTER.format(held=2, cold=0)) as router:
+        assert scrape([engine], [refused_url()], now=1.0).sample is None  # held requests unknown
+        assert scrape([refused_url()], [router], now=1.0).sample is None  # engines run, none answered
+        assert scrape([], [router], now=1.0).sample.load == 2.0  # at zero: the held requests are the load
