@@ -1,8 +1,9 @@
-"""Where the engine replicas are. The router only asks a source for the ready endpoints
-right now, grouped by revision; a static list (local use, tests) and EndpointSlices (in a
-cluster) both fit."""
+"""Where the engine replicas are. The router asks a source for the ready endpoints right
+now, grouped by revision, and waits on it for a change while there are none (scale from
+zero); a static list (local use, tests) and EndpointSlices (in a cluster) both fit."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,9 +50,40 @@ class EndpointSource(Protocol):
     def ready(self) -> ReadyEndpoints:
         """The ready endpoints now; cheap, called on every request."""
 
+    async def changed(self) -> None:
+        """Returns once ready() has changed; on the event loop the source started on."""
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+class Changes:
+    """How a source wakes the coroutines waiting in its changed(). A source may change in
+    another thread (the EndpointSlice watch), so notify() hands the wake-up to the event
+    loop rather than touch asyncio objects from there."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next = asyncio.Event()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop whose coroutines wait; before any change that should wake them."""
+        self._loop = loop
+        self._next = asyncio.Event()  # an Event belongs to the first loop that waits on it
+
+    def notify(self) -> None:
+        """From any thread, after the change is in place."""
+        # A source can outlive the loop that started it (tests do): nobody is left to wake.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake)
+
+    async def wait(self) -> None:
+        await self._next.wait()
+
+    def _wake(self) -> None:
+        self._next.set()  # wakes everyone waiting now; later waiters wait for the next one
+        self._next = asyncio.Event()
 
 
 class StaticEndpoints:
@@ -60,6 +92,9 @@ class StaticEndpoints:
 
     def ready(self) -> ReadyEndpoints:
         return self._ready
+
+    async def changed(self) -> None:
+        await asyncio.Event().wait()  # a fixed list never changes
 
     async def start(self) -> None:
         pass

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from kubernetes import client, watch
 
-from kiln.router.endpoints import Endpoint, ReadyEndpoints
+from kiln.router.endpoints import Changes, Endpoint, ReadyEndpoints
 
 log = logging.getLogger("kiln.router")
 
@@ -40,7 +40,8 @@ def ready_endpoints(slices: Iterable[client.V1EndpointSlice], port_name: str) ->
 
 class EndpointSliceSource:
     """Lists the selected slices, then watches them; a thread does the blocking client
-    calls and swaps in a new ReadyEndpoints that request handlers read without locks."""
+    calls, swaps in a new ReadyEndpoints that request handlers read without locks, and
+    wakes the requests waiting for one through Changes."""
 
     def __init__(self, api_client: client.ApiClient, namespace: str, selector: str,
                  port_name: str = "http", resync_seconds: int = 60) -> None:
@@ -51,6 +52,7 @@ class EndpointSliceSource:
         self._resync_seconds = resync_seconds
         self._slices: dict[str, client.V1EndpointSlice] = {}
         self._ready = ReadyEndpoints()
+        self._changes = Changes()
         self._first_look = threading.Event()  # the first list answered, or failed
         self._stopping = threading.Event()
         self._watch = watch.Watch()
@@ -58,7 +60,11 @@ class EndpointSliceSource:
     def ready(self) -> ReadyEndpoints:
         return self._ready
 
+    async def changed(self) -> None:
+        await self._changes.wait()
+
     async def start(self) -> None:
+        self._changes.bind(asyncio.get_running_loop())
         threading.Thread(target=self._follow, name=f"endpointslices[{self._selector}]",
                          daemon=True).start()
         # So that a restarted router does not turn requests away before it has looked.
@@ -104,8 +110,10 @@ class EndpointSliceSource:
 
     def _publish(self) -> None:
         ready = ready_endpoints(self._slices.values(), self._port_name)
-        if ready != self._ready:
-            log.info("ready replicas of %s: %s", self._selector, "; ".join(
-                f"{revision or '(no revision)'}: {', '.join(map(str, endpoints)) or 'none'}"
-                for revision, endpoints in ready.by_revision.items()) or "none")
+        if ready == self._ready:
+            return
+        log.info("ready replicas of %s: %s", self._selector, "; ".join(
+            f"{revision or '(no revision)'}: {', '.join(map(str, endpoints)) or 'none'}"
+            for revision, endpoints in ready.by_revision.items()) or "none")
         self._ready = ready
+        self._changes.notify()

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="/v1 requests handled at once; more get a 429 (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                         help="largest request body; larger get a 413 (default: %(default)s)")
+    parser.add_argument("--max-held", type=int, default=DEFAULTS.max_held,
+                        help="requests held at once while no replica is ready (scaled to "
+                             "zero); more get a 429 (default: %(default)s)")
+    parser.add_argument("--activation-timeout", type=float,
+                        default=DEFAULTS.activation_timeout,
+                        help="seconds a held request waits for a replica to become ready, "
+                             "then gets a 503 (default: %(default)s)")
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -65,8 +72,12 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--max-in-flight must be at least 1")
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be at least 1")
+    if args.max_held < 1:
+        raise ValueError("--max-held must be at least 1")
+    if not (math.isfinite(args.activation_timeout) and args.activation_timeout > 0):
+        raise ValueError("--activation-timeout must be positive seconds")
     return Limits(args.connect_timeout, args.first_byte_timeout, args.max_in_flight,
-                  args.max_body_bytes)
+                  args.max_body_bytes, args.max_held, args.activation_timeout)
 
 
 def _endpoint_source(args: argparse.Namespace) -> EndpointSource:

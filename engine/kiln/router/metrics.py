@@ -6,9 +6,9 @@ and rollout, revisions are few. The gauges are read at scrape time from the bala
 the endpoint source, so a pod or revision that went away leaves no stale series behind."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,10 +22,13 @@ NO_REVISION = "none"  # revision label of answers the router made up itself (503
 FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 30, 60, 120)
 INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+# An engine pod starting from zero: scheduling, maybe a node, the image, the weights.
+COLD_START_BUCKETS = (1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600)
 
 
 class RouterMetrics:
-    def __init__(self, source: EndpointSource, balancer: LeastInFlight) -> None:
+    def __init__(self, source: EndpointSource, balancer: LeastInFlight,
+                 held: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kiln_router_requests", "Requests answered, by revision and HTTP status "
@@ -49,11 +52,27 @@ class RouterMetrics:
             "kiln_router_inter_token_latency_seconds", "Gaps between the later body chunks "
             "of a streamed (SSE) response", ["revision"], buckets=INTER_TOKEN_BUCKETS,
             registry=self.registry)
+        # Unlabelled, and there from the start: the operator's builtin autoscaler sums it
+        # over the routers as load, the only load there is at zero replicas.
+        Gauge("kiln_router_held_requests", "Requests waiting for a replica to become ready "
+              "(scale from zero)", registry=self.registry).set_function(held)
+        self.cold_start = Histogram(
+            "kiln_router_cold_start_seconds", "From a request being held (no replica ready) "
+            "to the first response byte from a replica", buckets=COLD_START_BUCKETS,
+            registry=self.registry)
+        self.last_cold_start = Gauge(
+            "kiln_router_last_cold_start_seconds", "The latest cold start's "
+            "held-to-first-byte seconds; 0 until there is one (the operator copies it into "
+            "the InferenceService's status)", registry=self.registry)
         self.registry.register(_LiveGauges(source, balancer))
 
     def answered(self, revision: str, code: int, seconds: float) -> None:
         self.requests.labels(revision, str(code)).inc()
         self.duration.labels(revision).observe(seconds)
+
+    def cold_started(self, seconds: float) -> None:
+        self.cold_start.observe(seconds)
+        self.last_cold_start.set(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,10 @@ A request goes to a second replica (once at most) only when the first cannot hav
 it: the connection could not be made, or a pooled keep-alive connection turned out to be
 closed already (the rule Go's net/http uses). A fresh connection dropped after the request
 went out, or a failure after response bytes, could mean a generation ran, so the client
-gets an error instead of a second run."""
+gets an error instead of a second run.
+
+With no replica ready at all (the service is scaled to zero), a request is held until one
+is: the operator counts held requests as load and starts a replica for them."""
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +50,8 @@ class Limits:
     first_byte_timeout: float = 600.0
     max_in_flight: int = 1024  # /v1 requests at once; more get a 429
     max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
+    max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
+    activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
 
 
 @dataclass
@@ -55,6 +60,7 @@ class _Exchange:
     received: float = field(default_factory=time.monotonic)
     revision: str = NO_REVISION  # of the replica that answered
     code: int | None = None  # set where it differs from the response's status
+    held: float | None = None  # when it began waiting for a replica, if it had to
     last_chunk: float | None = None  # when the previous chunk of a stream came
 
 
@@ -95,8 +101,9 @@ class Router:
         self.source = source
         self.limits = limits
         self.balancer = LeastInFlight(source)
-        self.metrics = RouterMetrics(source, self.balancer)
+        self.metrics = RouterMetrics(source, self.balancer, held=lambda: self._held)
         self._active = 0  # /v1 requests being handled, against limits.max_in_flight
+        self._held = 0  # of those, waiting for a replica, against limits.max_held
         self._session: aiohttp.ClientSession | None = None
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -148,7 +155,14 @@ class Router:
     async def _send(self, request: web.Request, body: bytes,
                     exchange: _Exchange) -> web.StreamResponse:
         failed: list[Endpoint] = []
-        while len(failed) < ATTEMPTS and (endpoint := self.balancer.pick(failed)) is not None:
+        while len(failed) < ATTEMPTS:
+            endpoint = self.balancer.pick(failed)
+            if endpoint is None and failed:
+                break
+            if endpoint is None:  # none ready at all: scaled to zero, or still starting
+                if refused := await self._hold(exchange):
+                    return refused
+                continue
             if failed:
                 self.metrics.retries.labels(failed[-1].revision).inc()
             try:
@@ -156,12 +170,32 @@ class Router:
                     return await self._relay(request, endpoint, body, exchange)
             except _Retryable:
                 failed.append(endpoint)
-        # A hold-queue for scale from zero goes here: wait for a replica instead of a 503.
         exchange.revision = NO_REVISION
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
-        message = (f"no replica could take the request ({len(failed)} tried)" if failed
-                   else "no ready replica for this service yet")
-        return error_response(503, message, "service_unavailable", "no_ready_endpoint")
+        return error_response(503, f"no replica could take the request ({len(failed)} "
+                              "tried)", "service_unavailable", "no_ready_endpoint")
+
+    async def _hold(self, exchange: _Exchange) -> web.Response | None:
+        """Waits while no replica is ready; None once one is, else the error to answer.
+        A client that hangs up meanwhile cancels this wait, so it is never forwarded."""
+        if self._held >= self.limits.max_held:
+            return error_response(429, f"{self._held} requests are already waiting for a "
+                                  "replica to start; try again later", "rate_limit_error",
+                                  "too_many_held_requests")
+        self._held += 1
+        if exchange.held is None:  # else the replica it waited for left before it was picked
+            exchange.held = time.monotonic()
+        try:
+            async with asyncio.timeout(self.limits.activation_timeout):
+                while not self.source.ready().all:
+                    await self.source.changed()
+        except TimeoutError:
+            return error_response(503, f"no replica became ready within "
+                                  f"{self.limits.activation_timeout:g}s", "service_unavailable",
+                                  "activation_timeout")
+        finally:
+            self._held -= 1
+        return None
 
     async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,
                      exchange: _Exchange) -> web.StreamResponse:
@@ -186,6 +220,8 @@ class Router:
                                       "upstream_timeout")
             return error_response(502, f"replica {endpoint} failed before answering",
                                   "bad_gateway", "upstream_error")
+        if exchange.held is not None:  # its status line: the first byte after the wait
+            self.metrics.cold_started(time.monotonic() - exchange.held)
         async with upstream:
             response = web.StreamResponse(
                 status=upstream.status, reason=upstream.reason,
@@ -238,8 +274,8 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        """Ready as soon as it serves, engines or not: with none, a request still gets a
-        clear answer here (and, with scale from zero, will wait here for one)."""
+        """Ready as soon as it serves, engines or not: with none (scaled to zero), a request
+        waits here for one, so the router must stay in its Service meanwhile."""
         ready = self.source.ready()
         return web.json_response({
             "status": "ready", "endpoints": len(ready.all),

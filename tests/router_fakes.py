@@ -1,0 +1,240 @@
+"""Fakes for the router's tests: fake engines (small aiohttp apps on 127.0.0.1 standing in
+for engine pods, which would need the model to start), an endpoint source the test changes,
+a real router in front of them, and its metrics read back."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import json
+import re
+import socket
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.router.endpoints import Changes, Endpoint, EndpointSource, ReadyEndpoints, StaticEndpoints
+from kiln.router.main import serving
+from kiln.router.proxy import Limits, build_app
+
+
+def on_event_loop(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    @functools.wraps(test)
+    def run() -> None:
+        asyncio.run(test())
+    return run
+
+
+def sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+class FakeEngine:
+    """Stands in for an engine pod, served like the router (as `kiln serve` is, a client
+    hanging up cancels its handler). Scripts: answer; hold (answer once `release` is set);
+    stream (one SSE event, then the rest once `release` is set); paced (three SSE events,
+    one per item put in `steps`); endless (SSE events until the client goes away); break
+    (one SSE event, then drop the connection); hang_up (drop the connection unanswered)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.hits = 0
+        self.streams_finished = 0
+        self.clients_gone = 0
+        self.release = asyncio.Event()
+        self.steps: asyncio.Queue[None] = asyncio.Queue()
+        self.app = web.Application()
+        self.app.router.add_post("/v1/completions", self.completions)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.hits += 1
+        script = (await request.json()).get("fake", "answer")
+        try:
+            return await getattr(self, f"_{script}")(request)
+        except asyncio.CancelledError:  # the client hung up; a real engine aborts the request
+            self.clients_gone += 1
+            raise
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"engine": self.name})
+
+    async def _hold(self, request: web.Request) -> web.StreamResponse:
+        await self.release.wait()
+        return await self._answer(request)
+
+    async def _event_stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        return response
+
+    async def _first_event(self, request: web.Request) -> web.StreamResponse:
+        response = await self._event_stream(request)
+        await response.write(sse({"engine": self.name, "token": 0}))
+        return response
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        response = await self._first_event(request)
+        await self.release.wait()
+        for token in (1, 2):
+            await response.write(sse({"engine": self.name, "token": token}))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        self.streams_finished += 1
+        return response
+
+    async def _paced(self, request: web.Request) -> web.StreamResponse:
+        response = await self._event_stream(request)
+        for token in range(3):
+            await self.steps.get()
+            await response.write(sse({"engine": self.name, "token": token}))
+        await response.write_eof()
+        return response
+
+    async def _endless(self, request: web.Request) -> web.StreamResponse:
+        response = await self._first_event(request)
+        try:
+            for token in itertools.count(1):
+                await asyncio.sleep(0.01)
+                await response.write(sse({"engine": self.name, "token": token}))
+        except ConnectionResetError:  # a write after the client went away
+            self.clients_gone += 1
+        return response
+
+    async def _break(self, request: web.Request) -> web.StreamResponse:
+        response = await self._first_event(request)
+        request.transport.close()  # flushes the first event, never ends the chunked body
+        return response
+
+    async def _hang_up(self, request: web.Request) -> web.StreamResponse:
+        request.transport.close()
+        return web.Response()
+
+
+class DropsReusedConnections:
+    """A raw HTTP/1.1 engine: it answers the first request on a connection and keeps it
+    open, then closes it unanswered when another request comes on it. That is what the
+    router meets when an engine's idle timeout closes a pooled connection just as a request
+    goes out on it."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.dropped = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        body = b'{"engine": "dropper"}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.answered += 1
+        if await reader.read(1):  # the next request on this connection
+            self.dropped += 1
+        writer.close()
+
+
+class ChangingEndpoints:
+    """An EndpointSource the test changes, as EndpointSlice updates would, from any thread."""
+
+    def __init__(self, endpoints: Iterable[Endpoint]) -> None:
+        self._ready = ReadyEndpoints.of(endpoints)
+        self._changes = Changes()
+
+    def ready(self) -> ReadyEndpoints:
+        return self._ready
+
+    def set(self, ready: ReadyEndpoints) -> None:
+        self._ready = ready
+        self._changes.notify()
+
+    async def changed(self) -> None:
+        await self._changes.wait()
+
+    async def start(self) -> None:
+        self._changes.bind(asyncio.get_running_loop())
+
+    async def stop(self) -> None:
+        pass
+
+
+def refusing(count: int) -> list[Endpoint]:
+    """Endpoints nobody listens on: connecting to them is refused."""
+    ports = []
+    for _ in range(count):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    return [Endpoint("127.0.0.1", port) for port in ports]
+
+
+Samples = dict[tuple[str, frozenset], float]
+
+
+@dataclass
+class Service:
+    client: aiohttp.ClientSession  # talks to the router
+    engines: list[FakeEngine]
+    endpoints: list[Endpoint]  # the router's endpoint of each engine
+    source: EndpointSource
+
+    def hits(self) -> list[int]:
+        return [engine.hits for engine in self.engines]
+
+    async def complete(self, script: str = "answer") -> aiohttp.ClientResponse:
+        return await self.client.post("/v1/completions", json={"prompt": "hi", "fake": script})
+
+    async def metrics(self) -> Samples:
+        return parse_metrics(await (await self.client.get("/metrics")).text())
+
+
+def parse_metrics(text: str) -> Samples:
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def metric(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def has_series(samples: Samples, name: str, **labels: str) -> bool:
+    return (name, frozenset(labels.items())) in samples
+
+
+@asynccontextmanager
+async def service(engines: int, also: Sequence[Endpoint] = (), revisions: Sequence[str] = (),
+                  limits: Limits = Limits(),
+                  source: Callable[[list[Endpoint]], EndpointSource] = StaticEndpoints,
+                  ) -> AsyncIterator[Service]:
+    """A router over the endpoints `also` and `engines` fake engines (of `revisions`, one
+    each, if given)."""
+    fakes = [FakeEngine(f"engine-{i}") for i in range(engines)]
+    async with AsyncExitStack() as stack:
+        ports = [await stack.enter_async_context(serving(f.app, "127.0.0.1", 0)) for f in fakes]
+        mine = [Endpoint("127.0.0.1", port, revision)
+                for port, revision in zip(ports, revisions or [""] * engines)]
+        endpoints = source([*also, *mine])
+        router_port = await stack.enter_async_context(
+            serving(build_app(endpoints, limits), "127.0.0.1", 0))
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(f"http://127.0.0.1:{router_port}"))
+        stack.callback(lambda: [fake.release.set() for fake in fakes])  # unblock before cleanup
+        yield Service(session, fakes, mine, endpoints)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():  # bounded by the test timeout, not timed
+        await asyncio.sleep(0.01)
+
+
+async def until_held(router: aiohttp.ClientSession, count: int) -> None:
+    """Until the router says it holds `count` requests (waiting for a ready replica)."""
+    async def held() -> float:
+        page = await (await router.get("/metrics")).text()
+        return metric(parse_metrics(page), "kiln_router_held_requests")
+    while await held() != count:  # bounded by the test timeout, not timed
+        await asyncio.sleep(0.01)
