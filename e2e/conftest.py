@@ -9,18 +9,16 @@ and the router is reached through `kubectl port-forward`.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from e2e_support import Target
-from kiln.local.testing import KubectlError, eventually
+from e2e_support import CHAT, MODEL, PROMPT, Target
+from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -65,30 +63,24 @@ def namespace(target: Target) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def operator(target: Target, namespace: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """On the local cluster, `kiln operator` for this namespace, opting its pods into the runtime."""
+def operator(target: Target, namespace: str, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[OperatorProcess | None]:
+    """On the local cluster, `kiln operator` for this namespace, opting its pods into the runtime
+    (None elsewhere: the cluster's own operator does the work)."""
     if target.cluster is None:
-        yield  # the cluster's own operator does the work
+        yield None
         return
     from kiln.local import demo
     from kiln.local.kwok import EXTERNAL_READINESS
 
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    env = {**os.environ, "KUBECONFIG": str(demo.operator_kubeconfig(target.cluster))}
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "operator", "--interval", "5", "-n", namespace,
-                                 f"--pod-annotation={EXTERNAL_READINESS}=runtime"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    proc = OperatorProcess(demo.operator_kubeconfig(target.cluster), tmp_path_factory.mktemp("operator") / "operator.log",
+                           ("-n", namespace, f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
+    proc.start(interval=5)
     try:
-        yield
+        yield proc
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        print("---- operator log (tail) ----\n" + "\n".join(log.read_text().splitlines()[-40:]))
+        proc.stop()
+        print(proc.tail(40))
 
 
 def free_port() -> int:
@@ -120,3 +112,12 @@ def base_url(target: Target, namespace: str) -> Iterator[Callable[[str], str]]:
     for proc in forwards:
         proc.terminate()
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, str]:
+    """The engine's own greedy answers, in-process, same dtype as examples/smollm2.yaml."""
+    from kiln.engine import LLM, SamplingParams
+    llm = LLM(MODEL, dtype="float32", device="cpu", kv_cache_memory=256 << 20, max_model_len=2048)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    return {"completion": llm.generate(PROMPT, params)[0].text, "chat": llm.chat(CHAT, params)[0].text}

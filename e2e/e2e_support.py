@@ -9,6 +9,10 @@ from typing import Any
 from kiln.local import testing
 
 REPO = Path(__file__).resolve().parents[1]
+MODEL = "smollm2-135m"
+LOAD_TIMEOUT = 900  # engines load and warm up on a busy CPU
+PROMPT = "The three primary colors are"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @dataclass
@@ -17,6 +21,7 @@ class Target:
     cluster: Any  # kiln.local.cluster.Cluster, or None for another cluster
     kubectl_bin: str
 
-    def kubectl(self, *args: str, check: bool = True, timeout: float = 180) -> str:
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 180, input: str | None = None) -> str:
         """kubectl's stdout; a failure raises testing.KubectlError with kubectl's own message."""
-        return testing.kubectl(self.kubeconfig, *args, check=check, timeout=timeout, binary=self.kubectl_bin).stdout
+        return testing.kubectl(self.kubeconfig, *args, check=check, timeout=timeout, input=input,
+                               binary=self.kubectl_bin).stdout

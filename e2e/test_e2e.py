@@ -23,14 +23,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e_support import REPO, Target
+from e2e_support import CHAT, LOAD_TIMEOUT, MODEL, PROMPT, REPO, Target
 from kiln.local.testing import KubectlError, eventually
 
 NAME = "smollm2"
-MODEL = "smollm2-135m"
-LOAD_TIMEOUT = 900  # engines load and warm up on a busy CPU
-PROMPT = "The three primary colors are"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 LABEL = f"kiln.dev/inferenceservice={NAME}"
 
 pytestmark = pytest.mark.timeout(1800)
@@ -93,15 +89,6 @@ def serving(target: Target, namespace: str, operator: None, base_url) -> Callabl
                    ignore=(OSError, KubectlError))
         return url
     return serve
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The engine's own greedy answers, in-process, same dtype as examples/smollm2.yaml."""
-    from kiln.engine import LLM, SamplingParams
-    llm = LLM(MODEL, dtype="float32", device="cpu", kv_cache_memory=256 << 20, max_model_len=2048)
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    return {"completion": llm.generate(PROMPT, params)[0].text, "chat": llm.chat(CHAT, params)[0].text}
 
 
 def test_apply_becomes_ready_with_useful_columns(target: Target, namespace: str, serving) -> None:

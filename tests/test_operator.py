@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from kiln.local.testing import eventually, service_account_kubeconfig
+from kiln.local.testing import OperatorProcess, eventually, service_account_kubeconfig
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "inferenceservices"
@@ -35,50 +33,20 @@ def absent(read) -> bool:
     return False
 
 
-class OperatorProcess:
-    """`kiln operator` as a subprocess, with a kubeconfig holding only a ServiceAccount's token."""
-
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.kubeconfig, self.log = kubeconfig, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, *args: str, interval: float = 300) -> None:
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "KILN_ENGINE_IMAGE": "kiln/engine:test"}
-        with self.log.open("a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "operator", "--interval", str(interval),
-                                          *args], env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def restart(self, *args: str, interval: float = 300, sig: int = signal.SIGTERM) -> None:
-        self.stop(sig)
-        self.start(*args, interval=interval)
-
-    def text(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
-
-
 @pytest.fixture(scope="module")
 def operator(local_cluster, kiln_installed, tmp_path_factory):
     """The operator, cluster-wide, resyncing only every 300 s: whatever happens quicker than
     that was triggered by a watch event. Tests that need other flags restart it."""
     work = tmp_path_factory.mktemp("operator")
     proc = OperatorProcess(service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
-                                            work / "kubeconfig"), work / "operator.log")
+                                                      work / "kubeconfig"), work / "operator.log",
+                           env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
     proc.start()
     try:
         yield proc
     finally:
         proc.stop()
-        print("---- operator log (tail) ----\n" + "\n".join(proc.text().splitlines()[-60:]))
+        print(proc.tail())
 
 
 @pytest.fixture(scope="module")
@@ -455,8 +423,9 @@ def test_operator_serving_one_namespace_needs_a_rolebinding_there_only(local_clu
     assert kubectl("auth", "can-i", "list", "deployments", f"--as={who}", "-n", namespace,
                    check=False).stdout.strip() == "no"
     operator.stop()  # the cluster-wide one would serve the namespace too
-    scoped_operator = OperatorProcess(service_account_kubeconfig(local_cluster.api_client, "kiln-system", "scoped-operator",
-                                                       tmp_path / "kubeconfig"), tmp_path / "operator.log")
+    scoped_operator = OperatorProcess(
+        service_account_kubeconfig(local_cluster.api_client, "kiln-system", "scoped-operator", tmp_path / "kubeconfig"),
+        tmp_path / "operator.log", env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
     scoped_operator.start("--namespace", scoped)
     try:
         until(lambda: apis["core"].read_namespaced_service_account("default", scoped), "default SA")

@@ -5,11 +5,15 @@
 - service_account_kubeconfig(admin, namespace, account, path, ...): a kubeconfig holding only a
   ServiceAccount's token (TokenRequest), to run something with exactly the RBAC it is granted.
 - api_client(kubeconfig): a kubernetes ApiClient for any kubeconfig (admin's or a token one).
+- OperatorProcess(kubeconfig, log, args): `kiln operator` as a process to start, stop, kill and restart.
 """
 from __future__ import annotations
 
 import base64
+import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,3 +103,39 @@ def api_client(kubeconfig: Path | str) -> kubernetes.client.ApiClient:
     config = kubernetes.client.Configuration()
     kubernetes.config.load_kube_config(config_file=str(kubeconfig), client_configuration=config)
     return kubernetes.client.ApiClient(config)
+
+
+class OperatorProcess:
+    """`kiln operator` as a subprocess with its own kubeconfig (a ServiceAccount token's, so it
+    gets exactly the RBAC it is granted), its output appended to `log`."""
+
+    def __init__(self, kubeconfig: Path, log: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        self.kubeconfig, self.log, self.args, self.env = kubeconfig, log, args, env or {}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, *args: str, interval: float = 300) -> None:
+        """Start it with the constructor's arguments plus `args`."""
+        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig)}
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "operator", "--interval", str(interval),
+                                          *self.args, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self, *args: str, interval: float = 300, sig: int = signal.SIGTERM) -> None:
+        self.stop(sig)
+        self.start(*args, interval=interval)
+
+    def text(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def tail(self, lines: int = 60) -> str:
+        return "---- operator log (tail) ----\n" + "\n".join(self.text().splitlines()[-lines:])

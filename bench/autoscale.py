@@ -1,0 +1,188 @@
+"""Autoscaling on the local cluster: how fast new replicas serve after a load step, and a cold
+start from zero cut into its parts. The baseline the warm-pool work has to beat.
+
+Real parts: the local control plane, the operator (builtin autoscaler, 2 s tick), engines and
+routers as processes under the test pod runtime, SmolLM2-135M in float32 on this CPU. No peer
+runs beside it: KServe, KubeAI and llm-d cannot be installed here (no images, no registry), so
+this records Kiln's own figures only.
+
+Cold start phases are seen from outside by polling every 50 ms: the request is sent (and held
+by the router) -> the engine pod exists -> it is scheduled -> its process answers /health
+(started, imports done) -> kiln:model_load_seconds is set (weights loaded) -> /ready (warm-up
+done) -> the first byte reaches the client.
+
+    .venv/bin/python bench/autoscale.py          # writes bench/results/autoscale-<date>.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import openai
+import yaml
+
+from cpu_common import machine
+from kiln.local import cluster, demo
+from kiln.local.kwok import EXTERNAL_READINESS
+from kiln.local.testing import OperatorProcess, eventually, kubectl
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+POLL_S = 0.05
+
+
+def get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+def model_load_seconds(page: str | None) -> float:
+    """The engine's kiln:model_load_seconds (0 until the weights are in)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    if not page:
+        return 0.0
+    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples
+               if s.name == "kiln:model_load_seconds")
+
+
+class Service:
+    def __init__(self, kubeconfig: Path, namespace: str, name: str, autoscaling: dict) -> None:
+        self.kubeconfig, self.namespace, self.name = kubeconfig, namespace, name
+        body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
+        body["metadata"]["name"] = name
+        body["spec"]["autoscaling"] = {"mode": "builtin", "stableWindow": "10s", "panicWindow": "4s", **autoscaling}
+        kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+        self.url = demo.wait_until_serving(kubeconfig, name, namespace).removesuffix("/v1")
+
+    def get(self, *args: str) -> dict:
+        return json.loads(kubectl(self.kubeconfig, "get", "-n", self.namespace, "-o", "json", *args).stdout)
+
+    def engine_pods(self) -> list[dict]:
+        return self.get("pods", "-l", f"kiln.dev/inferenceservice={self.name},kiln.dev/component=engine")["items"]
+
+    def status(self) -> dict:
+        return self.get("isvc", self.name).get("status") or {}
+
+
+def cold_start(svc: Service) -> dict:
+    eventually(lambda: not svc.engine_pods() and svc.status().get("desiredReplicas") == 0, "scale to zero",
+               timeout=300, interval=1)
+    api = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+    t0 = time.monotonic()
+    marks: dict[str, float] = {}
+    first_byte = threading.Event()
+
+    def request() -> None:
+        stream = api.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=8, stream=True)
+        for _ in stream:
+            if not first_byte.is_set():
+                marks["first_byte"] = time.monotonic() - t0
+                first_byte.set()
+    sender = threading.Thread(target=request)
+    sender.start()
+    while not first_byte.is_set():
+        pods = svc.engine_pods()
+        pod = pods[0] if pods else None
+        ip = (pod or {}).get("status", {}).get("podIP")
+        checks = {"pod_created": pod is not None, "scheduled": bool(pod and pod["spec"].get("nodeName")),
+                  "process_up": bool(ip and get(f"http://{ip}:8000/health")),
+                  "weights_loaded": bool(ip and model_load_seconds(get(f"http://{ip}:8000/metrics"))),
+                  "ready": bool(ip and get(f"http://{ip}:8000/ready"))}
+        for mark, seen in checks.items():
+            if seen and mark not in marks:
+                marks[mark] = time.monotonic() - t0
+        time.sleep(POLL_S)
+    sender.join()
+    order = ["pod_created", "scheduled", "process_up", "weights_loaded", "ready", "first_byte"]
+    timeline = {m: round(marks[m], 2) for m in order if m in marks}
+    steps, before = {}, 0.0
+    for m, at in timeline.items():
+        steps[m] = round(at - before, 2)
+        before = at
+    return {"timeline_s": timeline, "phase_s": steps,
+            "status_lastColdStartSeconds": svc.status().get("autoscaling", {}).get("lastColdStartSeconds")}
+
+
+def load_step(svc: Service, clients: int) -> dict:
+    api = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    stop, failures = threading.Event(), []
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            try:
+                for _ in api.completions.create(model="smollm2-135m", prompt=f"Story {i}:", max_tokens=64,
+                                                stream=True):
+                    pass
+            except openai.APIError as exc:
+                failures.append(repr(exc))
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    marks: dict[str, float] = {}
+    try:
+        while "ready_3" not in marks and time.monotonic() - t0 < 900:
+            status = svc.status()
+            for n in (2, 3):
+                if status.get("desiredReplicas", 0) >= n and f"decided_{n}" not in marks:
+                    marks[f"decided_{n}"] = round(time.monotonic() - t0, 2)
+                if status.get("readyReplicas", 0) >= n and f"ready_{n}" not in marks:
+                    marks[f"ready_{n}"] = round(time.monotonic() - t0, 2)
+            time.sleep(0.25)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return {"clients": clients, "seconds_from_step": marks, "failed_requests": len(failures)}
+
+
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    c, _ = cluster.up(cluster.default_dir(), user=os.getpid())
+    demo.install(c.kubeconfig)
+    namespace = f"kiln-bench-{uuid.uuid4().hex[:6]}"
+    kubectl(c.kubeconfig, "create", "namespace", namespace)
+    eventually(lambda: kubectl(c.kubeconfig, "get", "sa", "default", "-n", namespace, check=False).returncode == 0,
+               "the namespace's ServiceAccount", timeout=60)
+    log = RESULTS / f".operator-{namespace}.log"
+    operator = OperatorProcess(demo.operator_kubeconfig(c), log, ("-n", namespace,
+                                                                 f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
+    operator.start(interval=5)
+    try:
+        step = load_step(Service(c.kubeconfig, namespace, "step", {"minReplicas": 1, "maxReplicas": 3,
+                                                                     "targetQueueDepth": 2, "scaleDownDelay": "30s"}),
+                         clients=8)
+        kubectl(c.kubeconfig, "delete", "isvc", "step", "-n", namespace)
+        cold = cold_start(Service(c.kubeconfig, namespace, "cold", {"minReplicas": 0, "maxReplicas": 1,
+                                                                     "scaleDownDelay": "10s"}))
+    finally:
+        operator.stop()
+        log.unlink(missing_ok=True)
+        kubectl(c.kubeconfig, "delete", "namespace", namespace, "--wait=false", check=False)
+        cluster.leave(c, os.getpid())
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine(), "load_step": step, "cold_start_from_zero": cold,
+              "note": "local cluster, CPU engines (SmolLM2-135M float32), test pod runtime; no peer can run here"}
+    print(json.dumps(result, indent=1))
+    print(f"load step to 3 replicas serving: {step['seconds_from_step'].get('ready_3')} s; "
+          f"cold start from zero to first byte: {cold['timeline_s'].get('first_byte')} s "
+          f"({', '.join(f'{k} {v}s' for k, v in cold['phase_s'].items())})")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"autoscale-{datetime.date.today():%Y%m%d}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The builtin autoscaler on the whole system: real engines and routers (the local cluster's test
+runtime), the operator scraping their /metrics. Windows are short so the suite stays fast.
+
+- a burst of concurrent long requests scales a min 1 / max 3 service to 3, not one request
+  fails, replicas never drop while the burst lasts (not even across an operator killed in the
+  middle of it), and it returns to 1 once the load stops;
+- a min 0 service goes to zero and stays there without traffic (no flapping); a request sent
+  then is held by the router and answered with the engine's greedy text.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import openai
+import pytest
+import yaml
+
+from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Target
+from kiln.local.testing import KubectlError, OperatorProcess, eventually
+
+pytestmark = pytest.mark.timeout(1800)
+WINDOWS = {"stableWindow": "10s", "panicWindow": "4s"}
+
+
+def apply(target: Target, namespace: str, name: str, autoscaling: dict) -> None:
+    body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
+    body["metadata"]["name"] = name
+    body["spec"]["autoscaling"] = {"mode": "builtin", **WINDOWS, **autoscaling}
+    target.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+
+
+def isvc(target: Target, namespace: str, name: str) -> dict:
+    return json.loads(target.kubectl("get", "isvc", name, "-n", namespace, "-o", "json"))
+
+
+def engine_replicas(target: Target, namespace: str, name: str) -> int:
+    """What the engine Deployments ask for (the autoscaler's decisions as applied)."""
+    found = json.loads(target.kubectl("get", "deployments", "-n", namespace, "-o", "json", "-l",
+                                      f"kiln.dev/inferenceservice={name},kiln.dev/component=engine"))
+    return sum(d["spec"].get("replicas", 1) for d in found["items"])
+
+
+def scaled_events(target: Target, namespace: str, name: str) -> list[str]:
+    found = json.loads(target.kubectl("get", "events", "-n", namespace, "-o", "json", "--field-selector",
+                                      f"involvedObject.name={name},reason=Scaled"))
+    return [e["message"] for e in found["items"]]
+
+
+def ready_replicas(target: Target, namespace: str, name: str) -> int:
+    return (isvc(target, namespace, name).get("status") or {}).get("readyReplicas", 0)
+
+
+def wait_ready(target: Target, namespace: str, name: str) -> None:
+    target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
+                   f"inferenceservice/{name}", timeout=LOAD_TIMEOUT + 30)
+
+
+class Load:
+    """Clients streaming long completions in a loop until stopped; every outcome is kept."""
+
+    def __init__(self, url: str, clients: int) -> None:
+        self.api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.done = 0
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                stream = self.api.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time",
+                                                     max_tokens=64, stream=True)
+                finish = [c.choices[0].finish_reason for c in stream][-1]
+                if finish not in ("length", "stop"):
+                    self.failures.append(f"finish_reason={finish}")
+                self.done += 1
+            except Exception as exc:  # noqa: BLE001 - any failure is what this test counts
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+class Watch:
+    """The engine Deployments' replicas, sampled until stopped."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read, self.seen, self.stop = read, [], threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.5):
+            try:
+                self.seen.append(self.read())
+            except KubectlError:
+                pass
+
+    def __enter__(self) -> Watch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_a_burst_scales_out_and_back_without_losing_a_request(target: Target, namespace: str,
+                                                               operator: OperatorProcess | None, base_url) -> None:
+    name = "burst"
+    apply(target, namespace, name, {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2,
+                                    "scaleDownDelay": "20s"})
+    wait_ready(target, namespace, name)
+    url = base_url(name)
+    with Watch(lambda: engine_replicas(target, namespace, name)) as watch, Load(url, clients=8) as load:
+        eventually(lambda: ready_replicas(target, namespace, name) >= 2, "a second replica serving",
+                   timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
+        if operator is not None:  # killed in the middle of the burst: no scale-down, no flapping
+            operator.restart(sig=signal.SIGKILL, interval=5)
+        eventually(lambda: ready_replicas(target, namespace, name) == 3, "3 replicas serving",
+                   timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
+        eventually(lambda: load.done >= 16, "requests served by the scaled-out service", timeout=300)
+    assert not load.failures, f"{len(load.failures)} requests failed: {load.failures[:3]}"
+    assert max(watch.seen) == 3 and watch.seen == sorted(watch.seen), f"replicas dropped mid-burst: {watch.seen}"
+    status = isvc(target, namespace, name)["status"]
+    assert status["autoscaling"]["load"] > 0 and status["desiredReplicas"] == 3
+    # The load is gone: back to minReplicas after the scale-down delay.
+    eventually(lambda: engine_replicas(target, namespace, name) == 1, "back to 1 replica", timeout=240,
+               ignore=(KubectlError,))
+    assert len(scaled_events(target, namespace, name)) >= 3  # 1->2, 2->3, 3->1 at least
+
+
+def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
+        target: Target, namespace: str, operator: OperatorProcess | None, base_url, reference) -> None:
+    name = "sleepy"
+    apply(target, namespace, name, {"minReplicas": 0, "maxReplicas": 2, "targetQueueDepth": 4,
+                                    "scaleDownDelay": "10s"})
+    wait_ready(target, namespace, name)
+    url = base_url(name)
+    eventually(lambda: engine_replicas(target, namespace, name) == 0, "scale to zero", timeout=180,
+               ignore=(KubectlError,))
+    obj = isvc(target, namespace, name)
+    ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
+    # No traffic for several stable windows: nothing moves (KubeAI #67 went 0->1->0 twelve times).
+    events = scaled_events(target, namespace, name)
+    time.sleep(25)
+    assert engine_replicas(target, namespace, name) == 0 and scaled_events(target, namespace, name) == events
+
+    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=LOAD_TIMEOUT)
+    completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert completion.choices[0].text == reference["completion"]  # held, then answered by a fresh replica
+    cold = eventually(lambda: (isvc(target, namespace, name)["status"].get("autoscaling") or {})
+                      .get("lastColdStartSeconds"), "the cold start in status", timeout=60, ignore=(KubectlError,))
+    assert cold > 0
