@@ -149,7 +149,8 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         "resources": container_resources(spec),
         # Loading weights and warming kernels can take minutes: the startup probe allows 30.
         "startupProbe": probe("/health", 5, 360),
-        "readinessProbe": probe("/ready", 5, 2),
+        # Probed often: a replica that turns ready releases the requests held at zero.
+        "readinessProbe": probe("/ready", 2, 3),
         "livenessProbe": probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "securityContext": HARDENED,
