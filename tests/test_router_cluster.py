@@ -3,14 +3,15 @@ local cluster, where the real API server writes the slices (kube-controller-mana
 pods that kwok runs and marks Ready."""
 from __future__ import annotations
 
+
 import asyncio
+import functools
 import json
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import aiohttp
 import pytest
 from kubernetes import client
 
+from kiln.local.kwok import EXTERNAL_READINESS  # kwok leaves such pods unready
+from kiln.local.testing import eventually
 from kiln.router.endpoints import Endpoint
 from kiln.router.endpointslices import EndpointSliceSource, ready_endpoints
 from kiln.router.main import serving
@@ -61,7 +64,7 @@ def test_ready_endpoints_follow_conditions_port_name_and_revision() -> None:
 
 
 # The local cluster from here on.
-EXTERNAL_READINESS = "kiln.dev/readiness"  # kwok leaves such pods unready (see kiln.local.kwok)
+
 SERVICE_LABEL = "kubernetes.io/service-name"  # Kubernetes sets it on each slice
 ISVC = "router-test"
 SELECTOR = f"kiln.dev/inferenceservice={ISVC},kiln.dev/component=engine"  # as the operator
@@ -75,11 +78,8 @@ def engine_pod(name: str, ready: bool, app: str = "router-test") -> dict:
                                      "ports": [{"name": "http", "containerPort": 8000}]}]}}
 
 
-def wait_until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + 120  # a bound to fail with a message, not a speed check
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.1)
+# A bound to fail with a message, not a speed check.
+wait_until = functools.partial(eventually, timeout=120, interval=0.1)
 
 
 def slice_endpoints(api_client: client.ApiClient, namespace: str, service: str
