@@ -339,6 +339,52 @@ def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, api
     assert condition(isvc(apis, ns, "hpa"), "ScalingReady")["reason"] == "Manual"
 
 
+KEDA_STAND_IN = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "scaledobjects.keda.sh"},
+    "spec": {"group": "keda.sh", "scope": "Namespaced",
+             "names": {"plural": "scaledobjects", "singular": "scaledobject", "kind": "ScaledObject"},
+             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "subresources": {"status": {}},
+                           "schema": {"openAPIV3Schema": {"type": "object",
+                                                          "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, kubectl):
+    """KEDA itself cannot run here (no images). A STAND-IN for its CRD (its name, group and kind,
+    an open schema) plays KEDA's API: the operator's object, its RBAC and its reading of the
+    ScaledObject's status are real; KEDA's own validation and scaling are not exercised."""
+    kubectl("apply", "-f", "-", input=json.dumps(KEDA_STAND_IN))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh")
+    operator.restart(interval=1)  # ScaledObjects are not watched: the resync picks up their status
+    try:
+        body = smollm2("keda")
+        body["spec"]["autoscaling"] = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "targetQueueDepth": 4,
+                                       "scaleDownDelay": "90s"}
+        apply(kubectl, ns, body)
+        read = lambda: apis["custom"].get_namespaced_custom_object("keda.sh", "v1alpha1", ns, "scaledobjects", "keda")  # noqa: E731
+        scaled = until(read, "the ScaledObject")
+        assert scaled["metadata"]["ownerReferences"][0]["name"] == "keda"
+        spec = scaled["spec"]
+        assert spec["scaleTargetRef"] == {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": "keda"}
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["cooldownPeriod"]) == (0, 3, 90)
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
+        assert f'namespace="{ns}"' in trigger["metadata"]["query"] and '="keda"' in trigger["metadata"]["query"]
+        # KEDA's verdict is passed on as ScalingReady.
+        apis["custom"].patch_namespaced_custom_object_status(
+            "keda.sh", "v1alpha1", ns, "scaledobjects", "keda", {"status": {"conditions": [
+                {"type": "Ready", "status": "False", "reason": "ScaledObjectCheckFailed",
+                 "message": "prometheus query failed"}]}})
+        cond = until(lambda: condition(isvc(apis, ns, "keda"), "ScalingReady").get("reason") == "ScaledObjectCheckFailed"
+                     and condition(isvc(apis, ns, "keda"), "ScalingReady"), "KEDA's verdict")
+        assert cond["status"] == "False" and "prometheus query failed" in cond["message"]
+        kubectl("patch", "isvc/keda", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
+        until(lambda: absent(read), "the ScaledObject deleted with the mode")
+    finally:
+        kubectl("delete", "crd", "scaledobjects.keda.sh", "--wait=true")
+        operator.restart()
+
+
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)
     body = smollm2("refused")
