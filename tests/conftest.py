@@ -66,6 +66,47 @@ def kiln_installed(kubectl) -> subprocess.CompletedProcess:
     return done
 
 
+# The operator's tests (test_operator*.py): `kiln operator` as a process with its own
+# ServiceAccount's token, a fresh namespace, and admin clients to check what it did.
+from operator_support import GROUP, PLURAL, VERSION, until  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def operator(local_cluster, kiln_installed, tmp_path_factory):
+    """The operator, cluster-wide, resyncing only every 300 s: whatever happens quicker than
+    that was triggered by a watch event. Tests that need other flags restart it."""
+    from kiln.local.testing import OperatorProcess, service_account_kubeconfig
+    work = tmp_path_factory.mktemp("operator")
+    proc = OperatorProcess(service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
+                                                      work / "kubeconfig"), work / "operator.log",
+                           env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
+    proc.start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        print(proc.tail())
+
+
+@pytest.fixture(scope="module")
+def apis(local_cluster):
+    import kubernetes
+    client = local_cluster.api_client
+    return {"custom": kubernetes.client.CustomObjectsApi(client), "apps": kubernetes.client.AppsV1Api(client),
+            "core": kubernetes.client.CoreV1Api(client), "policy": kubernetes.client.PolicyV1Api(client)}
+
+
+@pytest.fixture(scope="module")
+def ns(namespace, apis, operator):
+    # Pods need the namespace's default ServiceAccount, which the controller-manager makes.
+    until(lambda: apis["core"].read_namespaced_service_account("default", namespace), "default SA")
+    not_ready = [n.metadata.name for n in apis["core"].list_node().items
+                 if not any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
+    assert not not_ready, f"nodes {not_ready} are NotReady: kwok must keep their heartbeats (node leases)"
+    yield namespace
+    apis["custom"].delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+
+
 @pytest.fixture(scope="session")
 def custom_api(local_cluster: LocalCluster):
     import kubernetes

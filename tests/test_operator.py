@@ -3,121 +3,22 @@
 The operator runs as a local process authenticated with the kiln-operator ServiceAccount's
 token (TokenRequest), so the RBAC in manifests/ is what it gets. kwok plays the kubelets:
 pods bound to its GPU nodes turn Running and Ready. (The router and engines as real
-processes: e2e/.)"""
+processes: e2e/. Autoscaling modes: test_operator_scaling.py.)"""
 from __future__ import annotations
 
 import json
 import os
 import signal
 import time
-from pathlib import Path
-from typing import Any
 
 import kubernetes
-import pytest
 import yaml
-from kubernetes.client.rest import ApiException
 
-from kiln.local.testing import OperatorProcess, eventually, service_account_kubeconfig
+from kiln.local.testing import OperatorProcess, service_account_kubeconfig
+from operator_support import (GROUP, PLURAL, REPO, VERSION, absent, apply, condition, engine_deployments, engines,
+                              event_reasons, events, history, isvc, ready, smollm2, until)
 
-REPO = Path(__file__).resolve().parents[1]
-GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "inferenceservices"
 SA = "system:serviceaccount:kiln-system:kiln-operator"
-
-
-def absent(read) -> bool:
-    try:
-        read()
-    except ApiException as err:
-        return err.status == 404
-    return False
-
-
-@pytest.fixture(scope="module")
-def operator(local_cluster, kiln_installed, tmp_path_factory):
-    """The operator, cluster-wide, resyncing only every 300 s: whatever happens quicker than
-    that was triggered by a watch event. Tests that need other flags restart it."""
-    work = tmp_path_factory.mktemp("operator")
-    proc = OperatorProcess(service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
-                                                      work / "kubeconfig"), work / "operator.log",
-                           env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
-    proc.start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
-        print(proc.tail())
-
-
-@pytest.fixture(scope="module")
-def apis(local_cluster):
-    client = local_cluster.api_client
-    return {"custom": kubernetes.client.CustomObjectsApi(client), "apps": kubernetes.client.AppsV1Api(client),
-            "core": kubernetes.client.CoreV1Api(client), "policy": kubernetes.client.PolicyV1Api(client)}
-
-
-def until(check, what: str, timeout: float = 90.0) -> Any:
-    return eventually(check, what, timeout=timeout, ignore=(ApiException,))
-
-
-@pytest.fixture(scope="module")
-def ns(namespace, apis, operator):
-    # Pods need the namespace's default ServiceAccount, which the controller-manager makes.
-    until(lambda: apis["core"].read_namespaced_service_account("default", namespace), "default SA")
-    not_ready = [n.metadata.name for n in apis["core"].list_node().items
-                 if not any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])]
-    assert not not_ready, f"nodes {not_ready} are NotReady: kwok must keep their heartbeats (node leases)"
-    yield namespace
-    apis["custom"].delete_collection_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
-
-
-def smollm2(name: str = "smollm2", gpus: int = 0) -> dict[str, Any]:
-    """examples/smollm2.yaml, on CPU unless asked: the kwok nodes' 8 GPUs must last the module."""
-    body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
-    body["metadata"]["name"] = name
-    body["spec"]["resources"]["gpus"] = gpus
-    return body
-
-
-def isvc(apis, ns: str, name: str) -> dict[str, Any]:
-    return apis["custom"].get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-
-
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
-
-
-def ready(apis, ns: str, name: str) -> dict[str, Any] | None:
-    """The isvc once Ready is True for its current generation."""
-    obj = isvc(apis, ns, name)
-    status = obj.get("status") or {}
-    current = status.get("observedGeneration") == obj["metadata"]["generation"]
-    return obj if current and condition(obj, "Ready").get("status") == "True" else None
-
-
-def engines(name: str) -> str:
-    """Label selector of an InferenceService's engine pods (its router's pods are not engines)."""
-    return f"kiln.dev/inferenceservice={name},kiln.dev/component=engine"
-
-
-def engine_deployments(apis, ns: str, name: str) -> list:
-    return apis["apps"].list_namespaced_deployment(ns, label_selector=engines(name)).items
-
-
-def events(apis, ns: str, name: str) -> list:
-    """The Events about an InferenceService that the API server stored, oldest first (timestamps
-    have whole seconds; within one, etcd's ever-growing resourceVersion keeps the order)."""
-    found = apis["core"].list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
-    return sorted((e for e in found if e.involved_object.kind == "InferenceService"),
-                  key=lambda e: (e.first_timestamp, int(e.metadata.resource_version)))
-
-
-def event_reasons(apis, ns: str, name: str, type_: str | None = None) -> set[str]:
-    return {e.reason for e in events(apis, ns, name) if type_ in (None, e.type)}
-
-
-def apply(kubectl, ns: str, body: dict) -> None:
-    kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
 
 
 def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
@@ -244,11 +145,6 @@ def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kube
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
 
 
-def history(apis, ns: str, name: str) -> list[str]:
-    """'Type=Status reason' of each condition Event, oldest first."""
-    return [f"{e.message.split(':')[0]} {e.reason}" for e in events(apis, ns, name) if "=" in e.message.split(":")[0]]
-
-
 def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)  # a resync tick every second
     apply(kubectl, ns, smollm2("counted"))
@@ -287,104 +183,6 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
     assert ready_events[0].startswith("Ready=False") and ready_events[-1] == "Ready=True Serving", after
 
 
-def test_an_external_scaler_writes_the_scale_subresource_and_stays_the_one_writer(operator, apis, ns, kubectl):
-    body = smollm2("scaled")
-    body["spec"]["autoscaling"] = {"mode": "keda", "minReplicas": 1, "maxReplicas": 4}
-    apply(kubectl, ns, body)
-    until(lambda: ready(apis, ns, "scaled"), "scaled Ready")
-    # No KEDA in this cluster: said so, once, and replicas follow spec.replicas meanwhile.
-    cond = condition(isvc(apis, ns, "scaled"), "ScalingReady")
-    assert (cond["status"], cond["reason"]) == ("False", "KEDANotInstalled") and "scaledobjects.keda.sh" in cond["message"]
-    until(lambda: "KEDANotInstalled" in event_reasons(apis, ns, "scaled", "Warning"), "a Warning Event")
-    (dep,) = engine_deployments(apis, ns, "scaled")
-    name = dep.metadata.name
-    # An HPA or KEDA (here: a field manager of its own) writes the InferenceService's /scale ...
-    apis["custom"].patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, "scaled",
-                                                        {"spec": {"replicas": 3}}, field_manager="test-hpa")
-    until(lambda: (ready(apis, ns, "scaled") or {}).get("status", {}).get("readyReplicas") == 3, "3 ready")
-    # ... its value survives reconciles (spec changes that start no rollout), and a hand edit of
-    # the Deployment, a second writer, is put back.
-    kubectl("scale", f"deployment/{name}", "-n", ns, "--replicas=1")
-    for size in (1, 2):
-        kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"warmPool": {"size": size}}}))
-        until(lambda: ready(apis, ns, "scaled"), "the change observed")
-    until(lambda: apis["apps"].read_namespaced_deployment(name, ns).spec.replicas == 3, "the HPA's 3 put back")
-    obj = isvc(apis, ns, "scaled")
-    assert obj["spec"]["replicas"] == 3 and obj["status"]["desiredReplicas"] == 3
-    owners = {f.get("manager") for f in obj["metadata"]["managedFields"]
-              if "f:replicas" in (f.get("fieldsV1") or {}).get("f:spec", {})}
-    assert owners == {"test-hpa"}, owners  # the operator never writes spec
-
-
-def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, apis, ns, kubectl):
-    body = smollm2("hpa")
-    body["spec"]["autoscaling"] = {"mode": "hpa", "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2,
-                                   "scaleDownDelay": "2m"}
-    apply(kubectl, ns, body)
-    hpas = kubernetes.client.AutoscalingV2Api(apis["core"].api_client)
-    hpa = until(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("hpa", ns), "the HPA")
-    ref = hpa.spec.scale_target_ref
-    assert (ref.api_version, ref.kind, ref.name) == (f"{GROUP}/{VERSION}", "InferenceService", "hpa")
-    (metric,) = hpa.spec.metrics
-    assert (metric.pods.metric.name, metric.pods.target.average_value) == ("kiln:num_requests_waiting", "2")
-    assert hpa.spec.behavior.scale_down.stabilization_window_seconds == 120
-    # The real HPA controller reads the InferenceService's /scale and asks for the metric; with no
-    # custom metrics API in this cluster it says so, and the InferenceService passes that on.
-    cond = until(lambda: condition(isvc(apis, ns, "hpa"), "ScalingReady").get("reason") == "FailedGetPodsMetric"
-                 and condition(isvc(apis, ns, "hpa"), "ScalingReady"), "the HPA's verdict", timeout=120)
-    assert cond["status"] == "False" and "kiln:num_requests_waiting" in cond["message"], cond
-    # Another mode: the HPA goes (one writer of spec.replicas at a time).
-    kubectl("patch", "isvc/hpa", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
-    until(lambda: absent(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("hpa", ns)), "the HPA deleted")
-    assert condition(isvc(apis, ns, "hpa"), "ScalingReady")["reason"] == "Manual"
-
-
-KEDA_STAND_IN = {
-    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-    "metadata": {"name": "scaledobjects.keda.sh"},
-    "spec": {"group": "keda.sh", "scope": "Namespaced",
-             "names": {"plural": "scaledobjects", "singular": "scaledobject", "kind": "ScaledObject"},
-             "versions": [{"name": "v1alpha1", "served": True, "storage": True, "subresources": {"status": {}},
-                           "schema": {"openAPIV3Schema": {"type": "object",
-                                                          "x-kubernetes-preserve-unknown-fields": True}}}]}}
-
-
-def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, kubectl):
-    """KEDA itself cannot run here (no images). A STAND-IN for its CRD (its name, group and kind,
-    an open schema) plays KEDA's API: the operator's object, its RBAC and its reading of the
-    ScaledObject's status are real; KEDA's own validation and scaling are not exercised."""
-    kubectl("apply", "-f", "-", input=json.dumps(KEDA_STAND_IN))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/scaledobjects.keda.sh")
-    operator.restart(interval=1)  # ScaledObjects are not watched: the resync picks up their status
-    try:
-        body = smollm2("keda")
-        body["spec"]["autoscaling"] = {"mode": "keda", "minReplicas": 0, "maxReplicas": 3, "targetQueueDepth": 4,
-                                       "scaleDownDelay": "90s"}
-        apply(kubectl, ns, body)
-        read = lambda: apis["custom"].get_namespaced_custom_object("keda.sh", "v1alpha1", ns, "scaledobjects", "keda")  # noqa: E731
-        scaled = until(read, "the ScaledObject")
-        assert scaled["metadata"]["ownerReferences"][0]["name"] == "keda"
-        spec = scaled["spec"]
-        assert spec["scaleTargetRef"] == {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": "keda"}
-        assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["cooldownPeriod"]) == (0, 3, 90)
-        (trigger,) = spec["triggers"]
-        assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
-        assert f'namespace="{ns}"' in trigger["metadata"]["query"] and '="keda"' in trigger["metadata"]["query"]
-        # KEDA's verdict is passed on as ScalingReady.
-        apis["custom"].patch_namespaced_custom_object_status(
-            "keda.sh", "v1alpha1", ns, "scaledobjects", "keda", {"status": {"conditions": [
-                {"type": "Ready", "status": "False", "reason": "ScaledObjectCheckFailed",
-                 "message": "prometheus query failed"}]}})
-        cond = until(lambda: condition(isvc(apis, ns, "keda"), "ScalingReady").get("reason") == "ScaledObjectCheckFailed"
-                     and condition(isvc(apis, ns, "keda"), "ScalingReady"), "KEDA's verdict")
-        assert cond["status"] == "False" and "prometheus query failed" in cond["message"]
-        kubectl("patch", "isvc/keda", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
-        until(lambda: absent(read), "the ScaledObject deleted with the mode")
-    finally:
-        kubectl("delete", "crd", "scaledobjects.keda.sh", "--wait=true")
-        operator.restart()
-
-
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)
     body = smollm2("refused")
@@ -400,17 +198,6 @@ def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, a
             "-p", '[{"op":"remove","path":"/spec/resources/nodeSelector"}]')
     until(lambda: ready(apis, ns, "refused"), "refused Ready once fixed")
     operator.restart()
-
-
-def test_nodes_out_of_gpus_say_insufficient_capacity(operator, apis, ns, kubectl):
-    body = smollm2("greedy", gpus=4)
-    body["spec"]["replicas"] = 3  # 12 GPUs; the two kwok nodes have 4 each
-    apply(kubectl, ns, body)
-    cond = until(lambda: condition(isvc(apis, ns, "greedy"), "ScalingReady").get("reason") == "InsufficientCapacity"
-                 and condition(isvc(apis, ns, "greedy"), "ScalingReady"), "ScalingReady=False InsufficientCapacity")
-    assert cond["status"] == "False" and "nvidia.com/gpu" in cond["message"]
-    until(lambda: "InsufficientCapacity" in event_reasons(apis, ns, "greedy", "Warning"), "a Warning Event")
-    kubectl("delete", "isvc/greedy", "-n", ns)
 
 
 def test_killed_operator_converges_and_repairs_drift(operator, apis, ns, kubectl):
