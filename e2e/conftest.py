@@ -73,7 +73,8 @@ def operator(target: Target, namespace: str, tmp_path_factory: pytest.TempPathFa
     from kiln.local import demo
     from kiln.local.kwok import EXTERNAL_READINESS
 
-    proc = OperatorProcess(demo.operator_kubeconfig(target.cluster), tmp_path_factory.mktemp("operator") / "operator.log",
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    proc = OperatorProcess(demo.operator_kubeconfig(target.cluster), log,
                            ("-n", namespace, f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
     proc.start(interval=5)
     try:

@@ -180,7 +180,8 @@ def test_deleting_the_service_removes_everything(target: Target, namespace: str,
     url = serving()
     uids = [p["metadata"]["uid"] for p in engine_pods(target, namespace)]
     target.kubectl("delete", "-n", namespace, f"inferenceservice/{NAME}", "--timeout=120s")
-    kinds = "deployments,replicasets,pods,services,endpointslices,poddisruptionbudgets,serviceaccounts,roles,rolebindings"
+    kinds = ("deployments,replicasets,pods,services,endpointslices,poddisruptionbudgets,serviceaccounts,rolebindings,"
+             "horizontalpodautoscalers")
 
     def leftovers() -> str:
         return target.kubectl("get", kinds, "-n", namespace, "-l", LABEL, "-o", "name").strip()

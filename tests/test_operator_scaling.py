@@ -19,7 +19,8 @@ def test_an_external_scaler_writes_the_scale_subresource_and_stays_the_one_write
     until(lambda: ready(apis, ns, "scaled"), "scaled Ready")
     # No KEDA in this cluster: said so, once, and replicas follow spec.replicas meanwhile.
     cond = condition(isvc(apis, ns, "scaled"), "ScalingReady")
-    assert (cond["status"], cond["reason"]) == ("False", "KEDANotInstalled") and "scaledobjects.keda.sh" in cond["message"]
+    assert (cond["status"], cond["reason"]) == ("False", "KEDANotInstalled")
+    assert "scaledobjects.keda.sh" in cond["message"]
     until(lambda: "KEDANotInstalled" in event_reasons(apis, ns, "scaled", "Warning"), "a Warning Event")
     (dep,) = engine_deployments(apis, ns, "scaled")
     name = dep.metadata.name

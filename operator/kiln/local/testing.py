@@ -109,7 +109,8 @@ class OperatorProcess:
     """`kiln operator` as a subprocess with its own kubeconfig (a ServiceAccount token's, so it
     gets exactly the RBAC it is granted), its output appended to `log`."""
 
-    def __init__(self, kubeconfig: Path, log: Path, args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(self, kubeconfig: Path, log: Path, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.kubeconfig, self.log, self.args, self.env = kubeconfig, log, args, env or {}
         self.proc: subprocess.Popen | None = None
 

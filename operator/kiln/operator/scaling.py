@@ -75,7 +75,9 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
               "lastScaleTime": iso(new.last_scale)}
-    last_cold = cold_start if cold_start is not None else (previous.get("autoscaling") or {}).get("lastColdStartSeconds")
+    last_cold = cold_start
+    if last_cold is None:
+        last_cold = (previous.get("autoscaling") or {}).get("lastColdStartSeconds")
     if last_cold is not None:
         status["lastColdStartSeconds"] = round(last_cold, 2)
     cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
