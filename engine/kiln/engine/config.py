@@ -12,6 +12,8 @@ from kiln.engine.kernels.backend import resolve_backend_name
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
+# Weight-only quantization at load (kiln.engine.quantization); "int4" is AWQ-scaled, "int4-rtn" plain.
+QUANTIZATION_METHODS = ("none", "int8", "int4", "int4-rtn", "fp8")
 
 
 class ModelLoadError(ValueError):
@@ -31,6 +33,7 @@ class Config:
     attention_backend: str = "auto"
     device: str = "auto"
     seed: int = 0
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -50,6 +53,9 @@ class Config:
                 torch.device(self.device)
             except RuntimeError as e:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"unknown quantization method {self.quantization!r}; "
+                             f"choose one of {', '.join(QUANTIZATION_METHODS)}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

@@ -152,4 +152,8 @@ def load_model(config: Config) -> LoadedModel:
         model = LlamaForCausalLM(model_config, max_positions=max_len,
                                  attention_backend=config.resolved_attention_backend)
     model.load_weights(weights, source=source)
+    if config.quantization != "none":
+        # Before the KV cache is allocated (ModelRunner): the float weights are freed first.
+        from kiln.engine.quantization import quantize_model
+        quantize_model(model, config.quantization, tokenizer=tokenizer)
     return LoadedModel(model.eval(), tokenizer, model_config)

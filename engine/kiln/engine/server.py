@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.config import QUANTIZATION_METHODS
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
 from kiln.engine.openai_serving import OpenAIServing
@@ -173,7 +174,8 @@ async def serve(args: argparse.Namespace) -> int:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        attention_backend=args.attention_backend, device=args.device, seed=args.seed)
+                        attention_backend=args.attention_backend, device=args.device, seed=args.seed,
+                        quantization=args.quantization)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
@@ -221,6 +223,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_METHODS),
+                        help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for the engine; more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,

@@ -1,0 +1,88 @@
+"""Activation-aware scaling for int4 (AWQ, Lin et al. 2023), the scale search only (no weight
+clipping search): per input channel s = mean|x|^alpha, alpha searched on a grid to minimise the
+layer's output error after int4 round-to-nearest of W diag(s), with inputs x / s.
+
+Inputs are captured in one float forward of the unquantized model over the calibration text
+shipped with the package (data/calibration.txt), so every layer sees its float inputs.
+"""
+from __future__ import annotations
+
+from importlib import resources
+
+import torch
+from torch import nn
+
+from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.quantization import fake_quantize_int4, int4_group_size, quantizable_linears
+
+ALPHA_GRID = tuple(i / 10 for i in range(11))  # 0 = plain RTN, so the search never does worse on its data
+CALIBRATION_TOKENS = 512
+# The preceding RMSNorm whose weight can absorb 1/s; other inputs keep s as a multiplier.
+NORM_BEFORE = {"self_attn.qkv_proj": "input_layernorm", "mlp.gate_up_proj": "post_attention_layernorm"}
+
+
+# data/calibration.txt: Jane Austen, Pride and Prejudice (1813), the opening of chapter 1 -- public
+# domain (Project Gutenberg eBook #1342). Prose only; nothing is downloaded at run time.
+def calibration_text() -> str:
+    return resources.files("kiln.engine").joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def calibration_token_ids(tokenizer, max_tokens: int = CALIBRATION_TOKENS) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("int4 (AWQ) needs a tokenizer or calibration token ids for its calibration pass")
+    return tokenizer.encode(calibration_text())[:max_tokens]
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Each quantizable Linear's input rows [T, K] (float32) for one prefill of token_ids."""
+    captured: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, module in quantizable_linears(model):
+        def hook(_module, args, name=name):
+            captured[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+        hooks.append(module.register_forward_pre_hook(hook))
+    device = next(model.parameters()).device
+    set_context(prefill_context([len(token_ids)], device))
+    try:
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        model(ids, torch.arange(len(token_ids), device=device))
+    finally:
+        reset_context()
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+@torch.no_grad()
+def search_scale(w: torch.Tensor, x: torch.Tensor, group_size: int,
+                 grid: tuple[float, ...] = ALPHA_GRID) -> tuple[torch.Tensor, float, float]:
+    """Best per-input-channel scale s for W [N, K] on inputs x [T, K]: (s, alpha, output MSE)."""
+    w, x = w.float(), x.float()
+    ref = x @ w.T
+    x_mean = x.abs().mean(0).clamp(min=1e-6)
+    best: tuple[torch.Tensor, float, float] | None = None
+    for alpha in grid:
+        s = x_mean.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 (AWQ's normalisation)
+        err = ((x / s) @ fake_quantize_int4(w * s, group_size).T - ref).pow(2).mean().item()
+        if best is None or err < best[2]:
+            best = (s, alpha, err)
+    assert best is not None
+    return best
+
+
+def awq_scales(model: nn.Module, token_ids: list[int], group_size: int | None = None
+               ) -> dict[str, tuple[torch.Tensor, str | None]]:
+    """Linear name -> (s, the norm to fold 1/s into, or None to keep s on the activation)."""
+    inputs = capture_inputs(model, token_ids)
+    result = {}
+    for name, module in quantizable_linears(model):
+        x = inputs.pop(name)
+        s, _, _ = search_scale(module.weight, x, group_size or int4_group_size(module.weight.shape[1]))
+        norm = None
+        for suffix, norm_name in NORM_BEFORE.items():
+            if name.endswith(suffix):
+                norm = name[: -len(suffix)] + norm_name
+        result[name] = (s, norm)
+    return result
