@@ -276,7 +276,7 @@ class Quantizer:
         out: dict[str, torch.Tensor] = {}
         if self.method == "none":
             return out
-        weights = {name: m.weight.detach().float() for name, m in quantizable_linears(self.model)}
+        awq: dict[str, torch.Tensor] = {}  # per-input-channel s (W' = W diag(s)) where AWQ applies
         act_scales: dict[str, torch.Tensor] = {}
         if self.method == "int4":
             from kiln.engine.awq import awq_scales
@@ -285,14 +285,16 @@ class Quantizer:
                 from kiln.engine.awq import calibration_token_ids
                 ids = calibration_token_ids(self.tokenizer)
             for name, (s, norm) in awq_scales(self.model, ids, self.group_size).items():
-                weights[name] = weights[name] * s  # W' = W diag(s); the input becomes x / s
+                awq[name] = s  # W' = W diag(s); the input becomes x / s
                 if norm is not None:
                     norm_w = self.model.get_submodule(norm).weight
                     out[f"{norm}.weight"] = (norm_w.float() / s).to(norm_w.dtype)
                 else:
                     act_scales[name] = 1.0 / s
         for name, module in quantizable_linears(self.model):
-            w = weights[name]
+            w = module.weight.detach().float()  # one float32 copy at a time
+            if name in awq:
+                w = w * awq[name]
             if self.method == "int8":
                 out[f"{name}.qweight"], out[f"{name}.scales"] = quantize_int8(w)
             elif self.method in ("int4", "int4-rtn"):
@@ -314,7 +316,10 @@ class Quantizer:
             if f"{name}.qweight" not in state_dict:
                 continue
             dev, dtype = module.weight.device, module.weight.dtype
-            get = lambda key: None if f"{name}.{key}" not in state_dict else state_dict[f"{name}.{key}"].to(dev)  # noqa: E731
+
+            def get(key: str, name: str = name, dev: torch.device = dev) -> torch.Tensor | None:
+                tensor = state_dict.get(f"{name}.{key}")
+                return None if tensor is None else tensor.to(dev)
             common = dict(bias=get("bias"), act_scale=get("act_scale"), dtype=dtype)
             if self.method == "int8":
                 new = Int8Linear(get("qweight"), get("scales"), **common)
