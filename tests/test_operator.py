@@ -134,12 +134,12 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):
     body = smollm2("later")
     body["spec"]["warmPool"] = {"size": 1}
-    body["spec"]["engine"]["quantization"] = "int4"
+    body["spec"]["engine"]["speculative"] = {"method": "ngram"}
     apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "later"), "later Ready")
     spec_cond = condition(obj, "SpecImplemented")
     assert (spec_cond["status"], spec_cond["reason"]) == ("False", "NotImplemented")
-    for field in ("warmPool", "engine.quantization=int4"):
+    for field in ("warmPool", "engine.speculative"):
         assert field in spec_cond["message"]
     until(lambda: "NotImplemented" in event_reasons(apis, ns, "later", "Warning"), "a Warning Event")
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout

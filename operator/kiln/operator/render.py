@@ -106,6 +106,10 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
         args += ["--max-model-len", str(engine.maxModelLen)]
     if not engine.kvCache.prefixCaching:
         args.append("--no-prefix-caching")
+    if engine.quantization != "none":
+        args += ["--quantization", engine.quantization]
+    if engine.kvCache.dtype != "auto":
+        args += ["--kv-cache-dtype", engine.kvCache.dtype]
     return args
 
 

@@ -26,9 +26,6 @@ def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     if spec.engine.tensorParallelSize > 1:
         found.append(f"engine.tensorParallelSize={spec.engine.tensorParallelSize} (each replica "
                      f"runs one unsharded engine on its GPUs)")
-    if spec.engine.quantization != "none":
-        found.append(f"engine.quantization={spec.engine.quantization} (engines serve unquantized "
-                     f"weights)")
     return found
 
 
