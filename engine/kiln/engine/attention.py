@@ -14,15 +14,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.engine.context import get_context
+from kiln.engine.kv_quant import check_scales, dequantize_kv, quantize_kv
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
-    """Write k, v [N,Hkv,D] into caches [blocks,block_size,Hkv,D] at slot_mapping [N]; slot -1 skips."""
+                  slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> None:
+    """Write k, v [N,Hkv,D] into caches [blocks,block_size,Hkv,D] at slot_mapping [N]; slot -1 skips.
+    An int8/fp8 cache also gets each (token, head)'s scale in k_scales/v_scales [blocks,block_size,Hkv]."""
+    check_scales(k_cache, k_scales, v_scales)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    for cache, new in ((k_cache, k), (v_cache, v)):
+    writes = [(k_cache, k), (v_cache, v)]
+    if k_scales is not None:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
+        writes = [(k_cache, k), (v_cache, v), (k_scales, k_scale), (v_scales, v_scale)]
+    for cache, new in writes:
         rows = _rows(cache)
         rows.index_copy_(0, slot_mapping, new.to(cache.dtype).flatten(1).view(rows.dtype))
 
@@ -65,9 +73,11 @@ def _rows(cache: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64) if rows.shape[1] * rows.element_size() % 8 == 0 else rows
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """K (or V) at slots [B, S] -> [B, S, Hkv, D]."""
-    return _rows(cache).index_select(0, slots.flatten()).view(cache.dtype).view(*slots.shape, *cache.shape[2:])
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """K (or V) at slots [B, S] -> [B, S, Hkv, D], dequantized to `dtype` when the cache has scales."""
+    def rows_at(t: torch.Tensor) -> torch.Tensor:
+        return _rows(t).index_select(0, slots.flatten()).view(t.dtype).view(*slots.shape, *t.shape[2:])
+    return rows_at(cache) if scales is None else dequantize_kv(rows_at(cache), rows_at(scales), dtype)
 
 
 @dataclass
@@ -103,34 +113,43 @@ def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, blo
 
 
 def run_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedPlan,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Decodes as one batched SDPA with a length mask; sequences with several query tokens one
     SDPA each, so a long prefill never pads a batch of decodes."""
+    def keys(slots: torch.Tensor) -> torch.Tensor:
+        return _gather(k_cache, slots, k_scales, q.dtype)
+
+    def values(slots: torch.Tensor) -> torch.Tensor:
+        return _gather(v_cache, slots, v_scales, q.dtype)
+
     decoded = None
     if plan.decode_rows.numel():
         slots = plan.decode_slots
-        decoded = _attend(q.index_select(0, plan.decode_rows)[:, None], _gather(k_cache, slots),
-                          _gather(v_cache, slots), scale, plan.decode_mask, False)[:, 0]
+        decoded = _attend(q.index_select(0, plan.decode_rows)[:, None], keys(slots), values(slots), scale,
+                          plan.decode_mask, False)[:, 0]
         if plan.all_decode:
             return decoded
     out = torch.empty_like(q)
     if decoded is not None:
         out[plan.decode_rows] = decoded
     for lo, hi, slots, mask in plan.multi:
-        out[lo:hi] = _attend(q[None, lo:hi], _gather(k_cache, slots), _gather(v_cache, slots), scale, mask,
-                             mask is None)[0]
+        out[lo:hi] = _attend(q[None, lo:hi], keys(slots), values(slots), scale, mask, mask is None)[0]
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+                    scale: float, max_seqlen_q: int, max_seqlen_k: int, *, k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [N,Hq,D] over the paged cache -> [N,Hq,D]. Query token i of
-    sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position."""
+    sequence b sits at position seq_lens[b] - q_len_b + i and attends to keys 0..that position.
+    An int8/fp8 cache is read with its scales (see store_kvcache)."""
+    check_scales(k_cache, k_scales, v_scales)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     plan = plan_paged_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
-    return run_paged_attention(q, k_cache, v_cache, plan, scale)
+    return run_paged_attention(q, k_cache, v_cache, plan, scale, k_scales, v_scales)
 
 
 @dataclass(frozen=True)
@@ -152,7 +171,8 @@ def get_backend(name: str) -> AttentionBackend:
 
 class Attention(nn.Module):
     """Stores this step's K/V in the layer's cache, then attends over the cache.
-    k_cache/v_cache are assigned by the model runner; empty means no cache (one-shot prefill)."""
+    k_cache/v_cache are assigned by the model runner; empty means no cache (one-shot prefill).
+    k_scales/v_scales too, for an int8/fp8 cache; None for a float one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  backend: AttentionBackend) -> None:
@@ -161,12 +181,17 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         has_cache = self.k_cache.numel() > 0
         if has_cache:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scales,
+                                       self.v_scales)
+        # A plain prefill attends to its own exact K/V, even over an int8/fp8 cache: only later
+        # steps read the quantized copies back (as in vLLM).
         if self.backend.name == "torch" and ctx.no_cached_prefix or not has_cache:
             if not ctx.no_cached_prefix:
                 raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
@@ -176,6 +201,7 @@ class Attention(nn.Module):
             if plan is None:
                 plan = ctx.derived["paged_plan"] = plan_paged_attention(
                     ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, self.k_cache.shape[1])
-            return run_paged_attention(q, self.k_cache, self.v_cache, plan, self.scale)
+            return run_paged_attention(q, self.k_cache, self.v_cache, plan, self.scale, self.k_scales, self.v_scales)
         return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                                            ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k)
+                                            ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                            k_scales=self.k_scales, v_scales=self.v_scales)

@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, float16, bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache budget in bytes")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int4-rtn", "fp8"],
                         help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
 
@@ -41,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         from kiln.engine.config import Config  # torch from here on
 
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
+                        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                        kv_cache_dtype=args.kv_cache_dtype)
         from kiln.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)

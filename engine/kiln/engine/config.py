@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from kiln.engine.kernels.backend import resolve_backend_name
+from kiln.engine.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -34,6 +35,7 @@ class Config:
     device: str = "auto"
     seed: int = 0
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "int8" / "fp8" halve the KV cache (kv_quant.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -56,6 +58,8 @@ class Config:
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"unknown quantization method {self.quantization!r}; "
                              f"choose one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
@@ -74,6 +78,12 @@ class Config:
     def resolved_attention_backend(self) -> str:
         # "auto" -> triton on CUDA, torch elsewhere; a clear error for triton without CUDA.
         return resolve_backend_name(self.attention_backend, self.torch_device)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        # A clear error where fp8 cannot run (no float8 in torch, or Triton on a pre-Ada GPU).
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device,
+                                      self.resolved_attention_backend)
 
 
 @dataclass

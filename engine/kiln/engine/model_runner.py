@@ -9,6 +9,7 @@ import torch
 from kiln.engine.attention import Attention
 from kiln.engine.config import Config, ModelConfig
 from kiln.engine.context import Context, reset_context, set_context
+from kiln.engine.kv_quant import SCALE_DTYPE, is_quantized, kv_bytes_per_token_head
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
@@ -16,9 +17,9 @@ from kiln.engine.sequence import Sequence
 
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    per_token = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim
-    return per_token * block_size * dtype.itemsize
+    """Bytes one block takes across all layers, K and V, scales of an int8/fp8 cache included."""
+    heads = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
+    return heads * block_size * kv_bytes_per_token_head(model_config.head_dim, dtype)
 
 
 class ModelRunner:
@@ -30,8 +31,10 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache(config, model_config)
 
     def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
-        """One tensor for the whole pool, sized from the memory budget; each layer gets a view."""
-        block_bytes = kv_block_bytes(model_config, config.block_size, config.torch_dtype)
+        """One tensor for the whole pool, sized from the memory budget; each layer gets a view.
+        An int8/fp8 cache has a second tensor of scales, one per (slot, KV head)."""
+        cache_dtype = config.kv_cache_torch_dtype
+        block_bytes = kv_block_bytes(model_config, config.block_size, cache_dtype)
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -41,9 +44,13 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         shape = (2, len(layers), num_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
         # Left uninitialised: attention never reads a slot past a sequence's length.
-        self.kv_cache = torch.empty(shape, dtype=config.torch_dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
+        self.kv_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) \
+            if is_quantized(cache_dtype) else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
         return num_blocks
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.config import QUANTIZATION_METHODS
+from kiln.engine.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
 from kiln.engine.openai_serving import OpenAIServing
@@ -165,7 +165,9 @@ def _warm_up(core: LLMEngine) -> None:
 
 def _describe_cache(core: LLMEngine) -> str:
     blocks, size = core.runner.num_blocks, core.config.block_size
-    return f"{blocks} blocks x {size} = {blocks * size} tokens from a {core.config.kv_cache_memory / 2**20:.0f} MiB budget"
+    dtype = str(core.runner.kv_cache.dtype).removeprefix("torch.")
+    return (f"{blocks} blocks x {size} = {blocks * size} tokens ({dtype}) from a "
+            f"{core.config.kv_cache_memory / 2**20:.0f} MiB budget")
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -175,7 +177,7 @@ async def serve(args: argparse.Namespace) -> int:
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
-                        quantization=args.quantization)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
@@ -220,6 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
     parser.add_argument("--block-size", type=_positive(int), default=16)
     parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache budget, e.g. 4Gi")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)

@@ -23,26 +23,39 @@ from kiln.engine.kernels import kv_store, norm_rope, paged_attention, quant_gemm
 
 Job = tuple[object, dict[str, str], dict[str, object], int]  # kernel, arg types, constexprs, warps
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# KV cache element types: the model's own, or quantized (kiln.engine.kv_quant) with fp16 scales.
+QUANTIZED_CACHES = {"i8": torch.int8, "fp8e4nv": torch.float8_e4m3fn}
 
 
-def attention_jobs(dtype: torch.dtype, group: int, head_dim: int) -> Iterator[Job]:
+def attention_jobs(dtype: torch.dtype, group: int, head_dim: int, cache: str | None = None) -> Iterator[Job]:
     t = TYPES[dtype]
+    c = cache or t
     for max_seqlen_q, split in ((1, False), (1, True), (512, False)):
         tiles = paged_attention.tile_config(max_seqlen_q, group, head_dim)
         part = "*fp32" if split else f"*{t}"
         yield (paged_attention._paged_attention_kernel,
-               dict(q_ptr=f"*{t}", k_cache_ptr=f"*{t}", v_cache_ptr=f"*{t}", out_ptr=part, lse_ptr=part,
+               dict(q_ptr=f"*{t}", k_cache_ptr=f"*{c}", v_cache_ptr=f"*{c}", k_scale_ptr="*fp16",
+                    v_scale_ptr="*fp16", out_ptr=part, lse_ptr=part,
                     cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32", scale_log2="fp32"),
-               dict(tiles, KV_BLOCK_SIZE=16, SPLIT=split, DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+               dict(tiles, KV_BLOCK_SIZE=16, SPLIT=split, DOT_PREC=paged_attention.dot_precision(dtype),
+                    QUANT=cache is not None), 4)
+
+
+def store_jobs(dtype: torch.dtype, kv_heads: int, head_dim: int) -> Iterator[Job]:
+    t, p2 = TYPES[dtype], triton.next_power_of_2
+    shape = dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=p2(kv_heads), BLOCK_D=p2(head_dim))
+    for cache, cache_dtype in [(t, dtype), *QUANTIZED_CACHES.items()]:
+        yield (kv_store._store_kvcache_kernel,
+               dict(k_ptr=f"*{t}", v_ptr=f"*{t}", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}",
+                    k_scale_ptr="*fp16", v_scale_ptr="*fp16", slot_ptr="*i64"),
+               dict(shape, **kv_store.quant_constexprs(cache_dtype)), 4)
 
 
 def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int) -> Iterator[Job]:
     t, p2 = TYPES[dtype], triton.next_power_of_2
     yield (paged_attention._merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{t}"),
            dict(HEAD_DIM=head_dim, BLOCK_D=p2(head_dim), SPLITS_PAD=16), 4)
-    yield (kv_store._store_kvcache_kernel,
-           dict(k_ptr=f"*{t}", v_ptr=f"*{t}", k_cache_ptr=f"*{t}", v_cache_ptr=f"*{t}", slot_ptr="*i64"),
-           dict(NUM_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=p2(kv_heads), BLOCK_D=p2(head_dim)), 4)
+    yield from store_jobs(dtype, kv_heads, head_dim)
     for residual in (True, False):
         yield (norm_rope._rms_norm_kernel,
                dict(x_ptr=f"*{t}", res_ptr=f"*{t}", w_ptr=f"*{t}", out_ptr=f"*{t}", res_out_ptr=f"*{t}", eps="fp32"),
@@ -61,8 +74,11 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
 
 
 def jobs(everything: bool) -> Iterator[Job]:
-    """Llama-3-8B-like shapes in bf16; --all adds fp16/fp32, GQA 1/3/8 and head dims 64/80."""
+    """Llama-3-8B-like shapes in bf16, with int8 and fp8 KV caches too; --all adds fp16/fp32,
+    GQA 1/3/8 and head dims 64/80."""
     yield from attention_jobs(torch.bfloat16, 4, 128)
+    for cache in QUANTIZED_CACHES:
+        yield from attention_jobs(torch.bfloat16, 4, 128, cache)
     yield from other_jobs(torch.bfloat16, 4096, 32, 8, 128)
     if everything:
         for dtype in (torch.float16, torch.float32):

@@ -12,12 +12,17 @@ Softmax is online in fp32 (exp2 domain).
 Long decode contexts leave too few programs to fill the GPU, so a split-KV variant cuts
 the context into partitions, writes one normalised partial output and its log-sum-exp
 per partition, and a reduce kernel merges them.
+
+An int8/fp8 cache (kiln.engine.kv_quant) is dequantized as each K/V tile is loaded: its
+values times their (token, head) scales, in q's dtype, so the dots run as for a float cache.
 """
 import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kiln.engine.kv_quant import check_scales, dequantize_kv, is_quantized
 
 
 @triton.jit
@@ -38,18 +43,19 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, qblock, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
     num_seqs, scale_log2, partition_size,
     stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_sb, stride_ss, stride_sh,
     stride_on, stride_oh, stride_os,
     stride_ln, stride_lh,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
 ):
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,6 +103,12 @@ def _paged_attention_kernel(
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            scale_offs = block * stride_sb + in_block * stride_ss + kv_head * stride_sh
+            k_scale = tl.load(k_scale_ptr + scale_offs, mask=n_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr + scale_offs, mask=n_ok, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -179,13 +191,21 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_seqlen_q: int, max_seqlen_k: int, *,
+                    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                     num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [N,Hq,D] over the paged cache; returns out [N,Hq,D] in q's dtype.
 
+    k_scales/v_scales [blocks,block_size,Hkv]: the scales of an int8/fp8 cache (None for a float one).
     num_splits: KV partitions (None = heuristic; 1 = no split). max_seqlen_k only sizes the
     partitions: under CUDA graphs pass the largest context the graph will see.
     """
     _check_layout(q, k_cache, v_cache)
+    check_scales(k_cache, k_scales, v_scales)
+    quantized = is_quantized(k_cache.dtype)
+    if quantized and k_scales.stride() != v_scales.stride():
+        raise ValueError("paged_attention needs k_scales and v_scales laid out alike")
+    # A float cache passes itself as the (unused) scales.
+    k_scales, v_scales = (k_scales, v_scales) if quantized else (k_cache, v_cache)
     n, num_heads, head_dim = q.shape
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -208,14 +228,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         stride_os = stride_ln = stride_lh = 0
     grid = (n // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, target, lse, cu_seqlens_q, seq_lens, block_tables,
+        q, k_cache, v_cache, k_scales, v_scales, target, lse, cu_seqlens_q, seq_lens, block_tables,
         num_seqs, scale * 1.4426950408889634, partition,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
         target.stride(0), target.stride(1), stride_os, stride_ln, stride_lh,
         block_tables.stride(0),
-        **tiles, KV_BLOCK_SIZE=kv_block_size, SPLIT=split, DOT_PREC=dot_precision(q.dtype),
+        **tiles, KV_BLOCK_SIZE=kv_block_size, SPLIT=split, DOT_PREC=dot_precision(q.dtype), QUANT=quantized,
     )
     if split:
         _merge_splits_kernel[(n, num_heads)](
@@ -230,9 +251,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                        scale: float, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
-    """Pure-torch reference: gather each sequence's keys and run dense causal softmax in fp32."""
+                        scale: float, max_seqlen_q: int, max_seqlen_k: int, *, k_scales: torch.Tensor | None = None,
+                        v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch reference: gather each sequence's keys and run dense causal softmax in fp32
+    (an int8/fp8 cache dequantized to fp32 first)."""
     _check_layout(q, k_cache, v_cache)
+    check_scales(k_cache, k_scales, v_scales)
+    if k_scales is not None:
+        k_cache = dequantize_kv(k_cache, k_scales, torch.float32)
+        v_cache = dequantize_kv(v_cache, v_scales, torch.float32)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
