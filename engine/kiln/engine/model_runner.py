@@ -49,8 +49,9 @@ class ModelRunner:
             if is_quantized(cache_dtype) else None
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if self.kv_scales is not None:
-                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
+            # Always set: a float pool must clear the scales an earlier quantized pool left on the layer.
+            layer.k_scales, layer.v_scales = (None, None) if self.kv_scales is None else \
+                (self.kv_scales[0, i], self.kv_scales[1, i])
         return num_blocks
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, Context, list[int]]:
