@@ -17,14 +17,13 @@ from test_kernels import DEVICE, DTYPES, MIXED, NAN, assert_close, paged_batch, 
 
 from kiln.engine import kv_quant  # noqa: E402
 from kiln.engine.config import Config  # noqa: E402
-from kiln.engine.context import Context, reset_context, set_context  # noqa: E402
 from kiln.engine.kernels import get_backend  # noqa: E402
 from kiln.engine.kernels.kv_store import store_kvcache, store_kvcache_ref  # noqa: E402
 from kiln.engine.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kiln.engine.kv_quant import SCALE_DTYPE, dequantize_kv, quantize_kv  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-CACHE_DTYPES = [torch.int8, FP8]
+CACHE_DTYPES = [pytest.param(torch.int8, id="int8"), pytest.param(FP8, id="fp8")]
 # Attention over a quantized cache vs over the float cache, relative to the output's largest value
 # (measured: int8 ~0.006, fp8 ~0.033 on the mixed batch).
 VS_FULL_PRECISION = {torch.int8: 2e-2, FP8: 8e-2}
@@ -147,3 +146,87 @@ def test_kv_cache_dtype_flag(module: str) -> None:
     assert parser.parse_args(base + ["--kv-cache-dtype", "int8"]).kv_cache_dtype == "int8"
     with pytest.raises(argparse.ArgumentError, match="invalid choice: 'int3'"):
         parser.parse_args(base + ["--kv-cache-dtype", "int3"])
+
+
+# --- the real SmolLM2-135M -------------------------------------------------------------------
+
+NEW_TOKENS = 32
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M in float32, loaded once. make_llm(**config) builds an LLM over these weights
+    (the KV pool depends only on the config); each one rebinds the attention layers to its own
+    pool, so only the latest one built may run."""
+    from kiln.engine import LLM, llm_engine
+    from kiln.engine.loader import load_model
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: see test_engine_generate.py
+    loaded = load_model(Config(dtype="float32", device=DEVICE))
+
+    def make_llm(**config) -> LLM:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(llm_engine, "load_model", lambda _: loaded)
+            return LLM(**{"dtype": "float32", "device": DEVICE, **config})
+
+    yield loaded, make_llm
+    torch.set_num_threads(before)
+
+
+def test_quantized_cache_holds_about_twice_the_blocks(smollm2) -> None:
+    """Blocks that a 1 GiB budget holds, read off the pools the engine allocates. Per token and
+    KV head SmolLM2 (head_dim 64) stores 64 values: 128 bytes in bf16, 256 in fp32, and 64 + a
+    2-byte scale = 66 in int8/fp8, so 128 / 66 = 1.94x bf16's blocks and 3.88x fp32's."""
+    from kiln.engine.model_runner import kv_block_bytes
+    _, make_llm = smollm2
+    blocks = {}
+    for dtype, kv in (("bfloat16", "auto"), ("float32", "auto"), ("float32", "int8"), ("float32", "fp8"),
+                      ("bfloat16", "int8")):
+        engine = make_llm(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=GiB).engine
+        runner = engine.runner
+        allocated = runner.kv_cache.nbytes + (runner.kv_scales.nbytes if runner.kv_scales is not None else 0)
+        block_bytes = kv_block_bytes(engine.model_config, engine.config.block_size, runner.kv_cache.dtype)
+        assert allocated == runner.num_blocks * block_bytes and GiB - block_bytes < allocated <= GiB
+        assert engine.block_manager.num_blocks == runner.num_blocks
+        blocks[dtype if kv == "auto" else f"{kv}/{dtype}"] = runner.num_blocks
+    print(f"\nKV blocks of 16 tokens per GiB: {blocks}")
+    assert blocks["int8/float32"] == blocks["fp8/float32"] == blocks["int8/bfloat16"]  # the model dtype is moot
+    assert 1.9 < blocks["int8/float32"] / blocks["bfloat16"] < 2
+    assert 3.8 < blocks["int8/float32"] / blocks["float32"] < 4
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(smollm2) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, greedy continuations) of the engine with a float32 KV cache."""
+    from test_engine_generate import PROMPTS
+
+    from kiln.engine import SamplingParams
+    llm = smollm2[1](max_model_len=512)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return prompts, [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("kv_cache_dtype,floor", [("int8", 0.97), ("fp8", 0.9)])
+def test_greedy_agreement_with_float_cache(smollm2, greedy_reference, kv_cache_dtype: str, floor: float) -> None:
+    """Teacher-forced: fed the float-cache run's tokens, the quantized-cache engine's greedy pick
+    at each position matches the float-cache pick. Free-running (each engine its own tokens), the
+    share of tokens before the first divergence is reported."""
+    from kiln.engine import SamplingParams
+    from kiln.engine.evaluate import Scorer, greedy_agreement
+    prompts, reference = greedy_reference
+    llm = smollm2[1](max_model_len=512, kv_cache_dtype=kv_cache_dtype)
+    assert llm.engine.runner.kv_cache.dtype == {"int8": torch.int8, "fp8": FP8}[kv_cache_dtype]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    free = [o.token_ids for o in llm.generate(prompts, params)]
+    same_prefix = [next((i for i, (a, b) in enumerate(zip(r, f)) if a != b), len(r)) for r, f in zip(reference, free)]
+    # Through the engine's own KV pool, in chunks, so every position reads K/V back from the cache.
+    scorer = Scorer(llm.engine.runner.model, llm.engine.runner, llm.engine.config.block_size, through_cache=True)
+    logits = scorer.logits([p + r for p, r in zip(prompts, reference)])
+    picks = [lg[len(p) - 1:len(p) - 1 + len(r)].argmax(-1).tolist() for lg, p, r in zip(logits, prompts, reference)]
+    agreement = greedy_agreement(reference, picks)
+    print(f"\n{kv_cache_dtype} KV cache: teacher-forced greedy agreement {agreement:.4f} over "
+          f"{sum(map(len, reference))} tokens; free-running, tokens before the first divergence "
+          f"{sum(same_prefix)}/{sum(map(len, reference))} {same_prefix}")
+    assert agreement >= floor

@@ -2,7 +2,7 @@
 
 Symmetric quantization of each head's D values: scale = amax / QMAX, q = x / scale, x ~ q * scale.
 A 16-bit cache spends 2 bytes an element; a quantized one spends 1 plus 2 bytes of scale per D
-elements, so for D = 64 a block holds 128 / 66 = 1.94x the tokens (1.97x for D = 128).
+elements, so for D = 64 a memory budget holds 128 / 66 = 1.94x the tokens (1.97x for D = 128).
 The scale is float16 rather than float32 for those bytes; its 11-bit mantissa is plenty, because
 values are divided by the float16-rounded scale, so dequantizing multiplies by exactly what was stored.
 
