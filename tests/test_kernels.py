@@ -253,11 +253,11 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(folder)
 
 
-def greedy_tokens(model: str, backend: str) -> tuple[list[list[int]], int]:
+def greedy_tokens(model: str, backend: str, **config: object) -> tuple[list[list[int]], int]:
     from kiln.engine import LLM, SamplingParams
     # A 32-token budget chunks the 45-token prompt and mixes prefill chunks with decodes.
     llm = LLM(model, dtype="float32", device=DEVICE, attention_backend=backend, block_size=16,
-              max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 20)
+              max_num_batched_tokens=32, max_model_len=128, kv_cache_memory=1 << 20, **config)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, 128, (n,), generator=gen).tolist() for n in (45, 20, 7)]

@@ -2,8 +2,9 @@
 
 The store and attention kernels (Triton under the interpreter, as in test_kernels.py) and the
 torch path against a torch reference that quantizes the same way (tight), and against attention
-over the float cache (loose). On the real SmolLM2-135M: greedy agreement with a float cache,
-teacher-forced, and the blocks a 1 GiB budget holds. Bad input.
+over the float cache (loose). The whole engine on a tiny Llama: Triton and torch pick the same
+tokens. On the real SmolLM2-135M: greedy agreement with a float cache, teacher-forced, and the
+blocks a 1 GiB budget holds. Bad input.
 """
 import os
 
@@ -13,7 +14,8 @@ import argparse  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from test_kernels import DEVICE, DTYPES, MIXED, NAN, assert_close, paged_batch, poisoned  # noqa: E402
+from test_kernels import DEVICE, DTYPES, MIXED, NAN, assert_close, greedy_tokens, paged_batch, poisoned  # noqa: E402
+from test_kernels import tiny_llama  # noqa: E402, F401 (a fixture, requested by name)
 
 from kiln.engine import kv_quant  # noqa: E402
 from kiln.engine.config import Config  # noqa: E402
@@ -230,3 +232,13 @@ def test_greedy_agreement_with_float_cache(smollm2, greedy_reference, kv_cache_d
           f"{sum(map(len, reference))} tokens; free-running, tokens before the first divergence "
           f"{sum(same_prefix)}/{sum(map(len, reference))} {same_prefix}")
     assert agreement >= floor
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_engine_triton_matches_torch_over_quantized_cache(tiny_llama: str, kv_cache_dtype: str) -> None:
+    """The whole engine (chunked prefill, prefix hit, decodes) on a quantized cache: the Triton
+    kernels and the torch path pick the same greedy tokens."""
+    torch_tokens, torch_cached = greedy_tokens(tiny_llama, "torch", kv_cache_dtype=kv_cache_dtype)
+    triton_tokens, triton_cached = greedy_tokens(tiny_llama, "triton", kv_cache_dtype=kv_cache_dtype)
+    assert torch_cached == triton_cached == 32
+    assert triton_tokens == torch_tokens
