@@ -148,6 +148,22 @@ def smollm2_fp32(smollm2_path: Path):
     return load_model(Config(model=str(smollm2_path), dtype="float32", device="cpu"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dequantized(smollm2_path: Path):
+    """SmolLM2 in float32 on the CPU with every GGUF weight dequantized (no packed Q4_1
+    projections): the float model quantized variants are computed from. Shared: never change it."""
+    from kiln.engine.config import Config
+    from kiln.engine.loader import load_model
+    return load_model(Config(model=str(smollm2_path), dtype="float32", device="cpu", gguf_dequantize=True))
+
+
+@pytest.fixture(scope="session")
+def variant_cache(tmp_path_factory) -> Path:
+    """A quantized-variant cache shared by the session, so each variant of SmolLM2 (AWQ's above
+    all) is computed once however many tests use it."""
+    return tmp_path_factory.mktemp("variants")
+
+
 TINY_HF_CONFIGS = {
     # llama3 rope scaling, untied head, GQA 4:2
     "llama": ("LlamaForCausalLM", dict(

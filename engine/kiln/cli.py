@@ -10,6 +10,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kiln.engine.cli", "generate text offline with the engine"),
     "serve": ("kiln.engine.server", "run the OpenAI-compatible server"),
+    "quantize": ("kiln.engine.quantize_cli", "write a quantized variant of a model as a servable folder"),
+    "eval": ("kiln.engine.evaluate", "compare a quantized variant against the unquantized model"),
     "router": ("kiln.router.main", "run the per-service router"),
     "operator": ("kiln.operator.main", "run the Kubernetes operator"),
     "crds": ("kiln.operator.crds", "write the CRD YAML generated from the models"),

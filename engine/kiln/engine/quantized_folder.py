@@ -1,0 +1,109 @@
+"""Quantized model folders, written by `kiln quantize` and served with `--model DIR`.
+
+A folder is a Hugging Face-style model folder that Kiln's loader reads:
+  config.json            the model's config (read_hf_config reads it back)
+  tokenizer.json, tokenizer_config.json   the fast tokenizer, bos/eos tokens and chat template
+  model.safetensors      the float tensors (embeddings, norms, lm_head) under their HF names, and
+                         each quantized projection under Kiln's fused name (`...qkv_proj.qweight`,
+                         `.scales`, `.zeros`, `.act_scale`, `.bias`: Quantizer's state dict)
+  kiln_quantization.json method, int4 group sizes, the source weights' sha256, format version;
+                         written last, so a folder without it is not (yet) a variant
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.quantization import Quantizer, check_method, quantizable_linears
+from kiln.engine.tokenizer import Tokenizer
+from kiln.engine.variants import FORMAT_VERSION, atomic_write
+
+MARKER = "kiln_quantization.json"
+WEIGHTS = "model.safetensors"
+
+
+def read_marker(folder: Path) -> dict[str, Any] | None:
+    """The folder's kiln_quantization.json, or None when it is not a quantized folder."""
+    path = folder / MARKER
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: unreadable: {e}") from None
+    if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
+        raise ModelLoadError(f"{path}: not a format-version-{FORMAT_VERSION} Kiln quantized folder")
+    try:
+        check_method(marker.get("method"))
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    return marker
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """cfg as a Hugging Face config.json (the inverse of loader.read_hf_config)."""
+    qwen2 = cfg.attention_bias and not cfg.o_proj_bias  # Qwen2: q/k/v biases only
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        **({} if qwen2 else {"attention_bias": cfg.attention_bias}),
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+                           method: str, state: dict[str, torch.Tensor], source_sha256: str) -> None:
+    """Write model's variant (state, from Quantizer) as a folder `--model out` serves."""
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = next(model.parameters()).dtype
+    atomic_write(out / "config.json", json.dumps(hf_config(model_config, dtype), indent=2).encode())
+    tokenizer.tokenizer.save(str(out / "tokenizer.json"))
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tokenizer.chat_template,
+                  "bos_token": tokenizer.token_text(tokenizer.bos_token_id), "eos_token": tokenizer.token_text(eos)}
+    atomic_write(out / "tokenizer_config.json", json.dumps(tok_config, indent=2).encode())
+    linears = dict(quantizable_linears(model))
+    tensors = {name: p.detach() for name, p in model.named_parameters() if name.rpartition(".")[0] not in linears}
+    tensors.update(state)  # the quantized projections, and AWQ's rescaled norms over the float ones
+    atomic_write(out / WEIGHTS, safetensors.torch.save({k: v.cpu().contiguous() for k, v in tensors.items()}))
+    group_sizes = sorted({int(linears[k.removesuffix(".scales")].weight.shape[1] // v.shape[1])
+                          for k, v in state.items() if k.endswith(".scales") and v.dim() == 2})
+    marker = {"format_version": FORMAT_VERSION, "method": method, "group_sizes": group_sizes or None,
+              "source_sha256": source_sha256}
+    atomic_write(out / MARKER, json.dumps(marker, indent=2).encode())
+
+
+def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], marker: dict[str, Any],
+                          requested: str, source: str) -> None:
+    """Fill model from a quantized folder's tensors: QuantLinears built from the stored codes
+    (no quantization at load), float tensors copied. requested is Config.quantization."""
+    method = marker["method"]
+    if requested not in ("none", method):
+        raise ModelLoadError(f"{source} holds a {method} variant; quantization {requested!r} disagrees "
+                             f"(leave it out or ask for {method!r})")
+    linears = dict(quantizable_linears(model))
+    floats = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
+    missing = [f"{n}.qweight" for n in linears if f"{n}.qweight" not in state] + [n for n in floats if n not in state]
+    if missing:
+        raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, param in floats.items():
+        if state[name].shape != param.shape:
+            raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)}, "
+                                 f"the model expects {tuple(param.shape)}")
+    for name, linear in linears.items():
+        if state[f"{name}.qweight"].shape[0] != linear.weight.shape[0]:
+            raise ModelLoadError(f"{source}: tensor {name}.qweight has {state[f'{name}.qweight'].shape[0]} rows, "
+                                 f"the model expects {linear.weight.shape[0]}")
+    Quantizer(model, method).convert_for_runtime(state)

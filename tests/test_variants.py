@@ -1,0 +1,151 @@
+"""Quantized variants on the real SmolLM2-135M: the on-disk variant cache (kiln.engine.variants)
+and `kiln quantize` folders (kiln.engine.quantized_folder) served with --model DIR."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main as kiln
+from kiln.engine import quantize_cli, variants
+from kiln.engine.config import QUANTIZATION_METHODS, Config, ModelLoadError
+from kiln.engine.evaluate import Scorer, attach_pool
+from kiln.engine.llm_engine import LLM
+from kiln.engine.loader import load_model
+from kiln.engine.quantization import QuantLinear
+from kiln.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):"]
+GREEDY_TOKENS = 8
+
+
+def quant_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b for m_name, m in model.named_modules() if isinstance(m, QuantLinear)
+            for name, b in m.named_buffers(prefix=m_name)}
+
+
+def test_second_load_reads_the_cache_instead_of_calibrating(smollm2_dequantized, smollm2_path, variant_cache,
+                                                            caplog) -> None:
+    config = Config(model=str(smollm2_path), dtype="float32", device="cpu", quantization="int4",
+                    quantization_cache=str(variant_cache))
+    first = copy.deepcopy(smollm2_dequantized.model)
+    # computed here or by another test of the session: AWQ's calibration is the slow part
+    variants.apply_quantization(first, config, smollm2_dequantized.tokenizer, smollm2_path)
+    computed = variants.COMPUTED["int4"]
+    with caplog.at_level(logging.INFO, logger="kiln.engine"):
+        second = load_model(config).model
+    assert variants.COMPUTED["int4"] == computed, "the second load calibrated AWQ again"
+    assert "loaded cached int4 variant from" in caplog.text
+    expected, loaded = quant_buffers(first), quant_buffers(second)
+    assert expected.keys() == loaded.keys() and len(expected) == 4 * 30 * 3  # qweight, scales, zeros
+    assert all(torch.equal(expected[k], loaded[k]) for k in expected)
+
+
+def corrupt_tensors(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate_tensors(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+
+def garble_manifest(path: Path) -> None:
+    path.with_suffix(".json").write_text('{"format_version": 1, "meth')
+
+
+@pytest.mark.parametrize("damage", [corrupt_tensors, truncate_tensors, garble_manifest])
+def test_damaged_cache_is_detected_and_rebuilt(smollm2_dequantized, smollm2_path, tmp_path, caplog, damage) -> None:
+    model, tokenizer = smollm2_dequantized.model, smollm2_dequantized.tokenizer
+    fresh = variants.quantized_state_dict(model, "fp8", tokenizer, smollm2_path, tmp_path)
+    [cached] = tmp_path.glob("*.safetensors")
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left behind"
+    damage(cached)
+    computed = variants.COMPUTED["fp8"]
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        rebuilt = variants.quantized_state_dict(model, "fp8", tokenizer, smollm2_path, tmp_path)
+    assert "recomputing it" in caplog.text and str(tmp_path) in caplog.text
+    assert variants.COMPUTED["fp8"] == computed + 1
+    assert fresh.keys() == rebuilt.keys() and all(torch.equal(fresh[k].float(), rebuilt[k].float()) for k in fresh)
+    # the rewritten files verify: a third call reads them
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kiln.engine"):
+        variants.quantized_state_dict(model, "fp8", tokenizer, smollm2_path, tmp_path)
+    assert variants.COMPUTED["fp8"] == computed + 1 and "loaded cached fp8 variant" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_cache_directory_setting(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+    assert variants.cache_dir(Config()) == tmp_path / "variants"
+    assert variants.cache_dir(Config(quantization_cache="off")) is None
+    assert variants.cache_dir(Config(quantization_cache=str(tmp_path / "x"))) == tmp_path / "x"
+    with pytest.raises(ValueError, match="quantization_cache must be a directory or 'off'"):
+        Config(quantization_cache="")
+    assert set(quantize_cli.METHODS) == set(QUANTIZATION_METHODS) - {"none"}
+    from kiln.engine import cli, evaluate, server
+    for module, extra in ((server, []), (cli, ["--prompt", "x"]), (evaluate, [])):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        assert parser.parse_args(["--quantization-cache", "/v", *extra]).quantization_cache == "/v"
+
+
+def engine_greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4-rtn"])
+def test_quantized_folder_round_trip(smollm2_dequantized, smollm2_path, variant_cache, tmp_path, method) -> None:
+    out = tmp_path / "variant"
+    assert kiln(["quantize", "--model", "smollm2-135m", "--method", method, "--out", str(out),
+                 "--quantization-cache", str(variant_cache)]) == 0
+    marker = json.loads((out / "kiln_quantization.json").read_text())
+    assert marker["method"] == method and marker["format_version"] == variants.FORMAT_VERSION
+    assert marker["source_sha256"] == variants.weights_sha256(smollm2_path)
+    assert marker["group_sizes"] == ([64, 128] if method == "int4-rtn" else None)  # K = 576 and 1536
+
+    # the on-the-fly variant (same cache: no second quantization) against the folder through the engine
+    config = Config(model=str(smollm2_path), dtype="float32", device="cpu", quantization=method,
+                    quantization_cache=str(variant_cache))
+    on_the_fly = copy.deepcopy(smollm2_dequantized.model)
+    variants.apply_quantization(on_the_fly, config, smollm2_dequantized.tokenizer, smollm2_path)
+    prompts = [smollm2_dequantized.tokenizer.encode(p) for p in PROMPTS]
+    pool = attach_pool(on_the_fly, smollm2_dequantized.model_config, config, len(prompts), 64)
+    expected = Scorer(on_the_fly, pool).greedy(prompts, GREEDY_TOKENS)
+    computed = dict(variants.COMPUTED)
+    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24, max_model_len=256)
+    assert dict(variants.COMPUTED) == computed, "loading the folder quantized again"
+    assert sum(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules()) == 4 * 30
+    assert engine_greedy(llm) == expected
+    chat = [{"role": "user", "content": "Hi"}]
+    assert llm.tokenizer.apply_chat_template(chat) == smollm2_dequantized.tokenizer.apply_chat_template(chat)
+    assert llm.tokenizer.eos_token_ids == smollm2_dequantized.tokenizer.eos_token_ids
+
+    assert load_model(replace(config, model=str(out))).model is not None  # the same method is fine
+    other = "fp8"
+    with pytest.raises(ModelLoadError, match=f"holds a {method} variant; quantization 'fp8' disagrees"):
+        load_model(replace(config, model=str(out), quantization=other))
+    assert kiln(["quantize", "--model", str(out), "--method", method, "--out", str(tmp_path / "again")]) == 2
+
+
+def test_quantize_refuses_bad_input(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        kiln(["quantize", "--method", "int3", "--out", str(tmp_path / "a")])
+    assert exit_.value.code == 2 and "invalid choice: 'int3'" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    assert kiln(["quantize", "--method", "int8", "--out", str(busy)]) == 2
+    assert "kiln quantize: error: --out" in capsys.readouterr().err and (busy / "notes.txt").read_text() == "mine"
+    assert kiln(["quantize", "--model", str(tmp_path / "missing"), "--method", "int8", "--out",
+                 str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kiln quantize: error: model") and "not found" in err
