@@ -205,9 +205,10 @@ def test_config_rejects_bad_values(kwargs: dict, message: str) -> None:
         Config(**kwargs)
 
 
-def write_gguf_like_llama_cpp(folder: Path, path: Path) -> Path:
+def write_gguf_like_llama_cpp(folder: Path, path: Path, types: dict[str, Q] | None = None) -> Path:
     """Convert a tiny HF Llama folder to GGUF as convert_hf_to_gguf does: renamed tensors, q/k rows
-    permuted, llama3 rope scaling as a rope_freqs divisor tensor, a byte-level BPE vocabulary."""
+    permuted, llama3 rope scaling as a rope_freqs divisor tensor, a byte-level BPE vocabulary.
+    types: GGUF tensor name -> quantized type to store it as (default float32)."""
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -260,7 +261,9 @@ def write_gguf_like_llama_cpp(folder: Path, path: Path) -> Path:
             tensor = llama_cpp_permute(tensor, heads)
         elif part == "self_attn.k_proj":
             tensor = llama_cpp_permute(tensor, kv_heads)
-        writer.add_tensor(gguf_name, tensor.float().numpy())
+        qtype = (types or {}).get(gguf_name)
+        array = tensor.float().numpy()
+        writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype) if qtype else array, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

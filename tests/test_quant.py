@@ -205,8 +205,8 @@ def test_smollm2_int8_greedy_matches_float(smollm2_path, smollm2_fp32) -> None:
         assert out.token_ids == ids[-8:], (prompt, out.text)
 
 
-def test_smollm2_int4_awq_beats_rtn_and_stays_packed(smollm2_fp32) -> None:
-    model, tokenizer = smollm2_fp32.model, smollm2_fp32.tokenizer
+def test_smollm2_int4_awq_beats_rtn_and_stays_packed(smollm2_dequantized) -> None:
+    model, tokenizer = smollm2_dequantized.model, smollm2_dequantized.tokenizer
     ids = tokenizer.encode(EVAL_TEXT)
     float_bytes = resident_weight_bytes(model, linears_only=True)
     ppl = {"float32": perplexity(model, ids)}

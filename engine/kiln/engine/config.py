@@ -35,6 +35,9 @@ class Config:
     device: str = "auto"
     seed: int = 0
     quantization: str = "none"
+    # With quantization "none", a GGUF's Q8_0/Q4_0/Q4_1 projections are served packed, as stored;
+    # True dequantizes them on load instead (the model dtype's float weights, as before).
+    gguf_dequantize: bool = False
     kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "int8" / "fp8" halve the KV cache (kv_quant.py)
     # Where quantized variants are cached (kiln.engine.variants): None = $KILN_CACHE/variants
     # (~/.cache/kiln/variants), "off" = never cached, else a directory.

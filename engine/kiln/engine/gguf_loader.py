@@ -1,16 +1,21 @@
 """GGUF files: model config from metadata, tensors dequantized and renamed to the Hugging Face
-layout (undoing llama.cpp's Q/K row permutation), and the tokenizer from tokenizer.ggml.*."""
+layout (undoing llama.cpp's Q/K row permutation), and the tokenizer from tokenizer.ggml.*.
+
+With keep_quantized, decoder projections stored as Q8_0, Q4_0 or Q4_1 are not dequantized: they
+become QuantLinear modules holding the file's own blocks (kiln.engine.gguf_quant)."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import gguf
 import numpy as np
 import torch
+from torch import nn
 
 from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.gguf_quant import PACKED_TYPES, PackedWeight, read_packed
 from kiln.engine.tokenizer import Tokenizer, build_gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -28,6 +33,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Kiln's decoder projections (llama.py) and the GGUF weights each is built from, in shard order.
+_PROJECTIONS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+                "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+# One kept-quantized projection: its GGUF weights in shard order, each with the head count to
+# undo llama.cpp's q/k row permutation by (None: rows as stored).
+PackedPlan = list[tuple[gguf.ReaderTensor, int | None]]
+
+
+class GGUFModel(NamedTuple):
+    config: ModelConfig
+    tokenizer: Tokenizer
+    weights: Iterator[tuple[str, torch.Tensor]]  # HF-named float tensors, the packed ones left out
+    packed: dict[str, PackedPlan]  # projection module name -> its GGUF weights; see install_packed
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -129,30 +148,72 @@ def read_model_config(meta: dict[str, Any], reader: gguf.GGUFReader, source: str
         raise ModelLoadError(f"{source}: GGUF metadata lacks {e.args[0]!r}") from None
 
 
-def iter_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str, source: str
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs, dequantized one at a time so peak memory stays one tensor."""
+def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
+    # convert_hf_to_gguf permutes q/k for the llama architecture only.
+    return {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if arch == "llama" else {}
+
+
+def plan_packed(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> dict[str, PackedPlan]:
+    """The decoder projections whose GGUF weights all share one of PACKED_TYPES. A fused module
+    whose parts differ in type (q Q4_1, v Q8_0, say) is left to dequantize."""
+    by_name = {t.name: t for t in reader.tensors}
+    heads = _qk_heads(cfg, arch)
+    plans = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, parts in _PROJECTIONS.items():
+            tensors = [by_name.get(f"blk.{layer}.{part}.weight") for part in parts]
+            if None in tensors:
+                continue  # load_weights names what is missing
+            kinds = {t.tensor_type.name for t in tensors}
+            if len(kinds) == 1 and kinds.pop() in PACKED_TYPES:
+                plans[f"model.layers.{layer}.{module}"] = [(t, heads.get(p)) for t, p in zip(tensors, parts)]
+    return plans
+
+
+def install_packed(model: nn.Module, plans: dict[str, PackedPlan], source: str) -> None:
+    """Swap each planned Linear for a QuantLinear built from its GGUF blocks, on the Linear's device
+    and in its dtype. The Linear's (still empty) bias moves over, for load_weights to fill."""
+    for name, plan in plans.items():
+        linear = model.get_submodule(name)
+        parts = []
+        for tensor, heads in plan:
+            try:
+                packed = read_packed(tensor)
+            except ValueError as e:
+                raise ModelLoadError(f"{source}: {e} (corrupt or truncated?)") from None
+            parts.append(packed if heads is None else packed.map_rows(lambda t, h=heads: unpermute_qk(t, h)))
+        quant = PackedWeight.cat(parts).to_linear(linear.bias, linear.weight.dtype, linear.weight.device)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, quant)
+
+
+def iter_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str, source: str,
+                 skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs, dequantized one at a time so peak memory stays one tensor;
+    the GGUF tensors named in skip (kept quantized) are left out."""
+    heads = _qk_heads(cfg, arch)
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":
-            continue  # already in cfg.rope_scaling
+        if tensor.name == "rope_freqs.weight" or tensor.name in skip:
+            continue  # rope_freqs is already in cfg.rope_scaling
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{source}: unexpected tensor {tensor.name!r}")
         weight = dequantize(tensor, source)
-        # convert_hf_to_gguf permutes q/k for the llama architecture only.
-        if arch == "llama" and ".q_proj." in name:
-            weight = unpermute_qk(weight, cfg.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            weight = unpermute_qk(weight, cfg.num_key_value_heads)
+        kind = tensor.name.split(".")[-2]  # attn_q, attn_k ... (q/k biases are permuted too)
+        if tensor.name.startswith("blk.") and kind in heads:
+            weight = unpermute_qk(weight, heads[kind])
         yield name, weight
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]]]:
-    """Config, tokenizer and a lazy weight iterator for one GGUF file."""
+def load_gguf(path: Path, keep_quantized: bool = False) -> GGUFModel:
+    """Config, tokenizer, a lazy weight iterator and (keep_quantized) the projections to serve packed."""
     source = str(path)
     reader = open_gguf(path)
     meta = read_metadata(reader)
     cfg = read_model_config(meta, reader, source)
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
                           meta.get("tokenizer.chat_template"))
-    return cfg, tokenizer, iter_weights(reader, cfg, meta["general.architecture"], source)
+    arch = meta["general.architecture"]
+    plans = plan_packed(reader, cfg, arch) if keep_quantized else {}
+    skip = frozenset(tensor.name for plan in plans.values() for tensor, _ in plan)
+    return GGUFModel(cfg, tokenizer, iter_weights(reader, cfg, arch, source, skip), plans)

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
-from kiln.engine.gguf_loader import load_gguf
+from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.quantized_folder import load_quantized_folder, read_marker
 from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
@@ -139,6 +139,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(config: Config) -> LoadedModel:
     """Read the model's files, build the model on config's device and dtype, fill its weights."""
     path = resolve_model_path(config.model)
+    packed = {}
     if path.is_dir():
         model_config = read_hf_config(path)
         tokenizer = load_hf_tokenizer(path, model_config.eos_token_ids, model_config.bos_token_id)
@@ -146,13 +147,16 @@ def load_model(config: Config) -> LoadedModel:
             model_config.eos_token_ids = tokenizer.eos_token_ids
         weights, source = iter_safetensors(path), str(path)
     else:
-        model_config, tokenizer, weights = load_gguf(path)
+        # quantization "none" serves what the file holds: Q8_0/Q4_0/Q4_1 projections stay packed.
+        keep = config.quantization == "none" and not config.gguf_dequantize
+        model_config, tokenizer, weights, packed = load_gguf(path, keep_quantized=keep)
         source = str(path)
     max_len = resolve_max_model_len(config, model_config)
     # Parameters are created in the target dtype/device directly, never as a float32 copy first.
     with torch.device(config.torch_device), default_dtype(config.torch_dtype):
         model = LlamaForCausalLM(model_config, max_positions=max_len,
                                  attention_backend=config.resolved_attention_backend)
+    install_packed(model, packed, source)  # before load_weights, which fills their biases
     marker = read_marker(path) if path.is_dir() else None
     if marker is not None:  # written by `kiln quantize`: QuantLinears straight from the stored codes
         load_quantized_folder(model, dict(weights), marker, config.quantization, source)

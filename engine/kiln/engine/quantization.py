@@ -5,9 +5,12 @@ packs them for the device's matmul. Embeddings and the lm_head (tied or not) sta
 
 Formats (W ~ dequantize(...), row n = output channel, column k = input channel):
   int8      symmetric per output channel: W = q * s[n], q int8 in -127..127, s = absmax / 127.
+            Group-wise scales s[n, k // G] are accepted too (GGUF's Q8_0, kiln.engine.gguf_quant).
   int4-rtn  group-wise along K (group 128, or the largest power of two >= 32 dividing K),
             asymmetric, round to nearest: W = (q - z) * s per (row, group), q and z in 0..15.
             Stored as quant_gemm's W4A16 layout (two codes a byte, even k in the low nibble).
+            The int4 modules also take z = 8 implicitly (zeros=None, GGUF's Q4_0) or a float
+            offset instead of z: W = q * s + m (mins, GGUF's Q4_1).
   int4      the int4-rtn format after AWQ-style activation-aware scaling (kiln.engine.awq).
   fp8       float8_e4m3fn with a per-output-channel scale: W = e4m3 * s[n], s = absmax / 448.
 
@@ -54,7 +57,11 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales.float()[:, None]
+    """Per-channel scales [N], or group-wise scales [N, K // G]."""
+    if scales.dim() == 1:
+        return q.float() * scales.float()[:, None]
+    n, groups = scales.shape
+    return q.float().view(n, groups, -1).mul_(scales.float()[..., None]).view(n, -1)  # in place: one float copy
 
 
 def int4_group_size(in_features: int) -> int:
@@ -93,10 +100,16 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None
     return pack_int4(codes), scales, zeros.to(torch.uint8)
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    mins: torch.Tensor | None = None) -> torch.Tensor:
+    """(q - z) * s with integer zeros z [N, K // G] (None: z = 8), or q * s + m with float mins m."""
     n, groups = scales.shape
     q = unpack_int4(packed).float().reshape(n, groups, -1)
-    return ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(n, -1)
+    s = scales.float()[..., None]
+    # In place, so a call makes one float copy: CPU float32 matmuls dequantize on every call.
+    if mins is not None:
+        return q.mul_(s).add_(mins.float()[..., None]).reshape(n, -1)
+    return q.sub_(8.0 if zeros is None else zeros.float()[..., None]).mul_(s).reshape(n, -1)
 
 
 def fake_quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -153,36 +166,53 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
+    """Scales per output channel [N], or group-wise [N, K // G]. On the CPU the group-wise form
+    dequantizes (in float32, then the model dtype) and multiplies: torch's int8 ops take per-channel
+    scales only, and per-group matmuls (bmm over the groups) measured slower than that.
+    scale_dtype: the dtype scales are kept in (default: the model's); GGUF keeps its exact float16."""
+
     method = "int8"
 
     def __init__(self, qweight, scales, bias=None, act_scale=None, dtype=torch.float32,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, *, scale_dtype: torch.dtype | None = None) -> None:
         super().__init__(qweight.shape[1], qweight.shape[0], bias, act_scale, dtype)
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.to(dtype).contiguous())
-        self.kernel = kernel or ("triton_w8a16" if qweight.is_cuda else "weight_int8pack_mm")
+        self.register_buffer("scales", scales.to(scale_dtype or dtype).contiguous())
+        self.group_size = qweight.shape[1] // scales.shape[1] if scales.dim() == 2 else None
+        if kernel is not None:
+            self.kernel = kernel
+        elif qweight.is_cuda:
+            self.kernel = "triton_w8a16"
+        else:
+            self.kernel = "dequantize" if self.group_size else "weight_int8pack_mm"
 
     def _mm(self, x):
         x = x.to(self.dtype)
         if self.kernel == "triton_w8a16":
             from kiln.engine.kernels.quant_gemm import w8a16_gemm
             return w8a16_gemm(x, self.qweight, self.scales)
-        if self.kernel == "weight_int8pack_mm" and (x.dtype != torch.float32 or x.shape[0] <= FP32_PACKED_MAX_ROWS):
-            return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
-        return F.linear(x, self.qweight.to(x.dtype)) * self.scales  # per-row scale factors out of the K sum
+        if self.kernel == "dequantize":
+            return F.linear(x, self.dequantized_weight().to(x.dtype))
+        if x.dtype != torch.float32 or x.shape[0] <= FP32_PACKED_MAX_ROWS:
+            return torch._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales.to(x.dtype))
+        # per-row scale factors out of the K sum
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
 
     def dequantized_weight(self):
         return dequantize_int8(self.qweight, self.scales)
 
 
 class Int4Linear(QuantLinear):
-    """CPU: tinygemm's int4pack layout, dequantized as (q - 8) * s + zero_f with zero_f = (8 - z) * s,
-    so the canonical (q - z) * s carries over exactly. CUDA: quant_gemm's layout as is."""
+    """Offsets per (row, group): integer zeros (W = (q - z) * s), zeros=None (z = 8), or float
+    mins (W = q * s + m). CPU: tinygemm's int4pack layout, dequantized as (q - 8) * s + zero_f with
+    zero_f = (8 - z) * s or m + 8 * s, so the canonical forms carry over (exactly up to the rounding
+    of zero_f in the model dtype). CUDA: quant_gemm's layout as is. scale_dtype: as for Int8Linear."""
 
     method = "int4"
 
     def __init__(self, packed, scales, zeros, bias=None, act_scale=None, dtype=torch.float32,
-                 kernel: str | None = None) -> None:
+                 kernel: str | None = None, *, mins: torch.Tensor | None = None,
+                 scale_dtype: torch.dtype | None = None) -> None:
         n, k = packed.shape[0], packed.shape[1] * 2
         super().__init__(k, n, bias, act_scale, dtype)
         self.group_size = k // scales.shape[1]
@@ -197,13 +227,18 @@ class Int4Linear(QuantLinear):
         if self.kernel == "weight_int4pack_mm_for_cpu":
             codes = unpack_int4(packed).to(torch.int32)
             self.register_buffer("qweight", torch._convert_weight_to_int4pack_for_cpu(codes, 2))
-            zero_f = (8 - zeros.float()) * scales.float()
+            s = scales.float()
+            if mins is not None:
+                zero_f = mins.float() + 8 * s
+            else:
+                zero_f = (8 - zeros.float()) * s if zeros is not None else torch.zeros_like(s)
             self.register_buffer("scales_and_zeros",
-                                 torch.stack([scales.float(), zero_f], -1).transpose(0, 1).contiguous().to(dtype))
+                                 torch.stack([s, zero_f], -1).transpose(0, 1).contiguous().to(dtype))
         else:
             self.register_buffer("qweight", packed.contiguous())
-            self.register_buffer("scales", scales.to(dtype).contiguous())
-            self.register_buffer("zeros", zeros.contiguous())
+            self.register_buffer("scales", scales.to(scale_dtype or dtype).contiguous())
+            self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+            self.register_buffer("mins", None if mins is None else mins.to(scale_dtype or dtype).contiguous())
 
     def _mm(self, x):
         x = x.to(self.dtype)
@@ -212,12 +247,12 @@ class Int4Linear(QuantLinear):
                                                      self.scales_and_zeros)
         if self.kernel == "triton_w4a16":
             from kiln.engine.kernels.quant_gemm import w4a16_gemm
-            return w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.group_size)
+            return w4a16_gemm(x, self.qweight, self.scales, self.zeros, self.group_size, mins=self.mins)
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
     def dequantized_weight(self):
         if self.kernel != "weight_int4pack_mm_for_cpu":
-            return dequantize_int4(self.qweight, self.scales, self.zeros)
+            return dequantize_int4(self.qweight, self.scales, self.zeros, self.mins)
         # Recover the weight through the op itself: the identity matrix times W^T.
         eye = torch.eye(self.in_features, dtype=self.dtype, device=self.qweight.device)
         return torch._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scales_and_zeros).T.float()

@@ -64,13 +64,15 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
            dict(pos_ptr="*i64", q_ptr=f"*{t}", k_ptr=f"*{t}", cache_ptr="*fp32", q_out_ptr=f"*{t}", k_out_ptr=f"*{t}"),
            dict(NUM_Q_HEADS=heads, NUM_K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_QH=p2(heads),
                 BLOCK_KH=p2(kv_heads), BLOCK_HALF=p2(head_dim // 2), BLOCK_D=p2(head_dim)), 4)
-    for int4, zeros, group in ((False, False, 0), (True, True, 128), (True, False, 32)):
+    # int8 per channel, int4 asymmetric and symmetric; GGUF's Q8_0 and Q4_1 with their fp16 scales/mins.
+    for int4, offsets, group, s in ((False, None, 0, t), (True, "zeros", 128, t), (True, None, 32, t),
+                                    (False, None, 32, "fp16"), (True, "mins", 32, "fp16")):
         for m in (1, 64):
             yield (quant_gemm._dequant_gemm_kernel,
-                   dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{t}",
-                        z_ptr="*u8" if zeros else f"*{t}", y_ptr=f"*{t}"),
-                   dict(quant_gemm.tile_config(m, group, int4), INT4=int4, HAS_ZEROS=zeros,
-                        DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+                   dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{s}",
+                        z_ptr="*u8" if offsets == "zeros" else f"*{s}", y_ptr=f"*{t}"),
+                   dict(quant_gemm.tile_config(m, group), INT4=int4, HAS_ZEROS=offsets == "zeros",
+                        HAS_MINS=offsets == "mins", DOT_PREC=paged_attention.dot_precision(dtype)), 4)
 
 
 def jobs(everything: bool) -> Iterator[Job]:

@@ -1,13 +1,16 @@
 """Weight-only quantized GEMM: y = x @ dequant(W).T with 16-bit activations.
 
-W8A16: int8 weights [N, K], symmetric, one scale per output channel (row): W ~ q * s[n].
+W8A16: int8 weights [N, K], symmetric, one scale per output channel (row): W ~ q * s[n],
+or one per (row, group of 32/64/128 along K): W ~ q * s[n, k // G] (GGUF's Q8_0).
 W4A16: 4-bit weights, group-wise along K (group 32/64/128), two per byte: byte [n, k // 2]
 holds k even in its low nibble and k odd in its high nibble. W ~ (q - z) * s with one
 scale per (row, group) and either
   - asymmetric: an integer zero point z in 0..15 per (row, group) (stored as uint8), or
-  - symmetric: zeros=None, implicit z = 8, s = absmax / 7 (codes 1..15; 0 is unused).
-Scales keep the weight's dtype. Kernels dequantize tiles in registers, so the 4-/8-bit
-weight is all that crosses memory; the references dequantize whole matrices in torch.
+  - symmetric: zeros=None, implicit z = 8, s = absmax / 7 (codes 1..15; 0 is unused),
+or W ~ q * s + m with a float min m per (row, group) (mins=, GGUF's Q4_1).
+Scales keep the weight's dtype (or any float dtype: kernels read them as fp32). Kernels
+dequantize tiles in registers, so the 4-/8-bit weight is all that crosses memory; the
+references dequantize whole matrices in torch.
 """
 import torch
 import triton
@@ -28,7 +31,10 @@ def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_w8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return qweight.float() * scales.float()[:, None]
+    """Per-channel scales [N] or group-wise scales [N, K // G]."""
+    n = qweight.shape[0]
+    return (qweight.float().view(n, scales.shape[-1] if scales.dim() == 2 else 1, -1)
+            * scales.float().view(n, -1, 1)).view(n, -1)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -61,8 +67,10 @@ def quantize_w4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False
 
 
 def dequantize_w4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                  group_size: int) -> torch.Tensor:
+                  group_size: int, mins: torch.Tensor | None = None) -> torch.Tensor:
     q = unpack_int4(qweight).float().view(qweight.shape[0], -1, group_size)
+    if mins is not None:
+        return (q * scales.float()[..., None] + mins.float()[..., None]).view(qweight.shape[0], -1)
     z = 8.0 if zeros is None else zeros.float()[..., None]
     return ((q - z) * scales.float()[..., None]).view(qweight.shape[0], -1)
 
@@ -79,9 +87,11 @@ def _check_w4_shape(n: int, k: int, group_size: int) -> None:
 def _dequant_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
-    INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, GROUP: tl.constexpr,
+    INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    # GROUP = 0: int8 with per-channel scales. Else BLOCK_K divides GROUP, so each K tile shares
+    # one (row, group) scale. z_ptr holds integer zeros (HAS_ZEROS) or float mins (HAS_MINS).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,36 +107,41 @@ def _dequant_gemm_kernel(
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         if INT4:
-            # BLOCK_K divides GROUP, so the whole tile shares one (row, group) scale and zero.
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :] // 2, mask=w_mask, other=0)
             codes = (packed.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
-            group = k0 // GROUP
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + rows_w * stride_zn + group, mask=n_ok, other=0).to(tl.int32)
+            if HAS_MINS:
+                w = codes.to(x.dtype)  # q * s + m: the mins multiply the tile's row sums of x below
+            elif HAS_ZEROS:
+                zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.int32)
+                w = (codes - zero[:, None]).to(x.dtype)  # |q - z| <= 15: exact in 16-bit floats
             else:
-                zero = tl.full([BLOCK_N], 8, tl.int32)
-            w = (codes - zero[:, None]).to(x.dtype)  # |q - z| <= 15: exact in 16-bit floats
-            part = tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
-            scale = tl.load(s_ptr + rows_w * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)
-            acc += part * scale[None, :]
+                w = (codes - 8).to(x.dtype)
         else:
-            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0)
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PREC)
-    if not INT4:  # one scale per output channel factors out of the K sum
+            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0).to(x.dtype)
+        part = tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        if GROUP:
+            scale = tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+            part *= scale[None, :]
+        if HAS_MINS:
+            mins = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+            part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mins[None, :]
+        acc += part
+    if not GROUP:  # one scale per output channel factors out of the K sum
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tile_config(m: int, group_size: int, int4: bool) -> dict[str, int]:
-    """Small-M (decode) GEMMs take 16-row tiles, the tensor-core minimum; int4 K tiles stay
-    inside one quantization group."""
+def tile_config(m: int, group_size: int) -> dict[str, int]:
+    """Small-M (decode) GEMMs take 16-row tiles, the tensor-core minimum; K tiles stay inside one
+    quantization group (group_size 0: int8 with per-channel scales)."""
     return dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
-                BLOCK_K=min(64, group_size) if int4 else 64)
+                BLOCK_K=min(64, group_size) if group_size else 64)
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            n: int, group_size: int, int4: bool, out: torch.Tensor | None) -> torch.Tensor:
+            mins: torch.Tensor | None, n: int, group_size: int, int4: bool, out: torch.Tensor | None
+            ) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -135,13 +150,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    tiles = tile_config(m, group_size, int4)
+    tiles = tile_config(m, group_size)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
-    z = zeros if zeros is not None else scales  # placeholder pointer, unread without zeros
+    z = next((t for t in (zeros, mins) if t is not None), scales)  # scales: a placeholder, unread
     _dequant_gemm_kernel[grid](
         x2, qweight, scales, z, y, m, n, k,
         x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), y.stride(0),
-        INT4=int4, HAS_ZEROS=zeros is not None, **tiles, DOT_PREC=dot_precision(x.dtype),
+        INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, **tiles, DOT_PREC=dot_precision(x.dtype),
     )
     return y.view(*x.shape[:-1], n)
 
@@ -151,18 +166,23 @@ def _check_x(x: torch.Tensor, k: int, name: str) -> None:
         raise ValueError(f"{name}: x must be float [..., {k}]; got {x.dtype} {tuple(x.shape)}")
 
 
-def _check_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> None:
-    if qweight.dtype != torch.int8 or qweight.dim() != 2 or scales.shape != (qweight.shape[0],):
-        raise ValueError(f"w8a16: want qweight int8 [N, K] and scales [N]; got {qweight.dtype} "
-                         f"{tuple(qweight.shape)}, scales {tuple(scales.shape)}")
-    _check_x(x, qweight.shape[1], "w8a16")
+def _check_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> int:
+    """The group size (0: per-channel scales)."""
+    n, k = qweight.shape if qweight.dim() == 2 else (0, 0)
+    group = k // scales.shape[1] if scales.dim() == 2 and scales.shape[1] else 0
+    per_channel = scales.shape == (n,)
+    if qweight.dtype != torch.int8 or not (per_channel or (group in GROUP_SIZES and scales.shape == (n, k // group))):
+        raise ValueError(f"w8a16: want qweight int8 [N, K] and scales [N] or [N, K // G] (G in {GROUP_SIZES}); "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}, scales {tuple(scales.shape)}")
+    _check_x(x, k, "w8a16")
+    return group
 
 
 def w8a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (qweight [N, K] int8 * scales [N]).T -> [..., N] in x's dtype."""
-    _check_w8(x, qweight, scales)
-    return _launch(x, qweight.contiguous(), scales.contiguous(), None, qweight.shape[0], 0, False, out)
+    """x [..., K] @ dequantize_w8(qweight [N, K] int8, scales [N] or [N, K // G]).T -> [..., N] in x's dtype."""
+    group = _check_w8(x, qweight, scales)
+    return _launch(x, qweight.contiguous(), scales.contiguous(), None, None, qweight.shape[0], group, False, out)
 
 
 def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -171,7 +191,7 @@ def w8a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
 
 
 def _check_w4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-              group_size: int) -> None:
+              group_size: int, mins: torch.Tensor | None) -> None:
     if qweight.dtype != torch.uint8 or qweight.dim() != 2:
         raise ValueError(f"w4a16: qweight must be packed uint8 [N, K // 2]; got {qweight.dtype} {tuple(qweight.shape)}")
     n, k = qweight.shape[0], 2 * qweight.shape[1]
@@ -179,18 +199,23 @@ def _check_w4(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if scales.shape != (n, k // group_size) or (zeros is not None and zeros.shape != scales.shape):
         raise ValueError(f"w4a16: scales/zeros must be [{n}, {k // group_size}]; got {tuple(scales.shape)}, "
                          f"{None if zeros is None else tuple(zeros.shape)}")
+    if mins is not None and (zeros is not None or mins.shape != scales.shape):
+        raise ValueError(f"w4a16: mins replace zeros and must be [{n}, {k // group_size}]; "
+                         f"got zeros {zeros is not None}, mins {tuple(mins.shape)}")
     _check_x(x, k, "w4a16")
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-               group_size: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequantize_w4(qweight, scales, zeros, group_size).T -> [..., N] in x's dtype."""
-    _check_w4(x, qweight, scales, zeros, group_size)
-    zeros = zeros.contiguous() if zeros is not None else None
-    return _launch(x, qweight.contiguous(), scales.contiguous(), zeros, qweight.shape[0], group_size, True, out)
+               group_size: int, *, mins: torch.Tensor | None = None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [..., K] @ dequantize_w4(qweight, scales, zeros, group_size, mins).T -> [..., N] in x's dtype."""
+    _check_w4(x, qweight, scales, zeros, group_size, mins)
+    zeros, mins = (t.contiguous() if t is not None else None for t in (zeros, mins))
+    return _launch(x, qweight.contiguous(), scales.contiguous(), zeros, mins, qweight.shape[0], group_size, True,
+                   out)
 
 
 def w4a16_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                   group_size: int) -> torch.Tensor:
-    _check_w4(x, qweight, scales, zeros, group_size)
-    return (x.float() @ dequantize_w4(qweight, scales, zeros, group_size).T).to(x.dtype)
+                   group_size: int, *, mins: torch.Tensor | None = None) -> torch.Tensor:
+    _check_w4(x, qweight, scales, zeros, group_size, mins)
+    return (x.float() @ dequantize_w4(qweight, scales, zeros, group_size, mins).T).to(x.dtype)
