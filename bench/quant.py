@@ -16,7 +16,8 @@ gguf-* variant's own file; a fresh server per measurement (-np 1 for batch 1, -n
 Q8_0/Q4_0/F32 are made by llama-quantize from a BF16 GGUF of the Q4_1 weights (bench/bf16_gguf.py).
 
     .venv/bin/python bench/quant.py                                 # everything -> bench/results/quant-<date>.json
-    .venv/bin/python bench/quant.py --variants int8,int4 --no-peer  # "none" is always run: ratios need it
+    .venv/bin/python bench/quant.py --variants int8,int4 --no-peer  # "none" is added: the ratios need it
+    .venv/bin/python bench/quant.py --variants gguf-q8_0 --no-baseline --output-tokens 32   # a quick peer check
 """
 from __future__ import annotations
 
@@ -262,7 +263,7 @@ def print_table(record: dict) -> None:
             f"{'c' + str(c) + ' tok/s':>9} {'K/L':>5}")
     print(head)
     print("-" * len(head))
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    fmt = lambda v, spec: format("-", f">{spec.split('.')[0]}") if v is None else format(v, spec)  # noqa: E731
     for variant, row in record["kiln"].items():
         if "error" in row:
             print(f"{variant:<10} error: {row['error']}")
@@ -282,6 +283,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--no-peer", action="store_true", help="skip llama-server (llama-quantize is still used)")
+    p.add_argument("--no-baseline", action="store_true", help="do not add the unquantized model (no x unq ratios)")
     p.add_argument("--dtype", default="auto",
                    help="Kiln's activation dtype; auto: bfloat16 with AVX-512 BF16, else float32")
     p.add_argument("--output-tokens", type=int, default=128)
@@ -294,7 +296,8 @@ def main() -> None:
                    default=BENCH / "results" / f"quant-{datetime.date.today().strftime('%Y%m%d')}.json")
     p.add_argument("--notes", default="", help="free text recorded with the results")
     args = p.parse_args()
-    variants = ["none"] + [v for v in args.variants.split(",") if v and v != "none"]
+    variants = [v for v in args.variants.split(",") if v and v != "none"]
+    variants = variants if args.no_baseline else ["none", *variants]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -353,7 +356,7 @@ def main() -> None:
         record["ratios"] = {v: figures(record, v) for v in record["kiln"]}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")  # after every variant: partial runs count
-    base = record["kiln"]["none"]
+    base = record["kiln"].get("none", {})
     if "batch1" in base:
         gbps = base["weight_bytes"] * base["batch1"]["decode_tokens_per_s"] / 1e9
         print(f"unquantized batch 1 reads {gbps:.1f} GB/s of weights; measured read bandwidth "
