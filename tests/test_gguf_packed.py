@@ -45,11 +45,12 @@ def test_synthetic_blocks_dequantize_exactly(tmp_path: Path, kind: str) -> None:
     assert torch.equal(dequantize(tensor, "t"), ref)
 
 
-@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_k.weight", "blk.29.ffn_down.weight"])
-def test_smollm2_tensors_dequantize_exactly(smollm2_path: Path, name: str) -> None:
-    tensor = next(t for t in open_gguf(smollm2_path).tensors if t.name == name)
-    assert tensor.tensor_type.name == ("Q8_0" if name == "token_embd.weight" else "Q4_1")
-    assert torch.equal(read_packed(tensor).dequantize(), dequantize(tensor, str(smollm2_path)))
+def test_smollm2_tensors_dequantize_exactly(smollm2_path: Path) -> None:
+    tensors = {t.name: t for t in open_gguf(smollm2_path).tensors}
+    for name in ("token_embd.weight", "blk.0.attn_k.weight", "blk.29.ffn_down.weight"):
+        tensor = tensors[name]
+        assert tensor.tensor_type.name == ("Q8_0" if name == "token_embd.weight" else "Q4_1")
+        assert torch.equal(read_packed(tensor).dequantize(), dequantize(tensor, str(smollm2_path))), name
 
 
 def test_row_permutation_and_fusion_are_exact(tmp_path: Path) -> None:
@@ -164,3 +165,15 @@ def test_smollm2_q4_1_served_packed_matches_dequantized_greedy(smollm2_path: Pat
     assert tokens[False] == tokens[True]
     assert all(len(t) == 24 for t in tokens[False])
     assert 4.5 <= bits[False] <= 5.05 and bits[True] == 32
+
+
+def test_serve_and_generate_take_gguf_dequantize() -> None:
+    import argparse
+
+    from kiln.engine import cli, server
+    for module in (server, cli):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        extra = ["--prompt", "x"] if module is cli else []
+        assert parser.parse_args(["--gguf-dequantize", *extra]).gguf_dequantize is True
+        assert parser.parse_args(extra).gguf_dequantize is False

@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
     parser.add_argument("--quantization-cache", default=None, metavar="DIR",
                         help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
+    parser.add_argument("--gguf-dequantize", action="store_true",
+                        help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load (default: served packed)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                        quantization_cache=args.quantization_cache,
+                        quantization_cache=args.quantization_cache, gguf_dequantize=args.gguf_dequantize,
                         kv_cache_dtype=args.kv_cache_dtype)
         from kiln.engine.llm_engine import LLMEngine
 

@@ -178,7 +178,7 @@ async def serve(args: argparse.Namespace) -> int:
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
@@ -232,6 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
     parser.add_argument("--quantization-cache", default=None, metavar="DIR",
                         help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
+    parser.add_argument("--gguf-dequantize", action="store_true",
+                        help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load (default: served packed)")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for the engine; more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
