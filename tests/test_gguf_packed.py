@@ -100,7 +100,8 @@ def test_triton_kernels_on_gguf_formats(tmp_path: Path, dtype: torch.dtype, kind
         mins = None if packed.mins is None else packed.mins.to(device)
         quant_gemm.w4a16_gemm(x, q, s, None, 32, mins=mins, out=out)
         ref = quant_gemm.w4a16_gemm_ref(x, q, s, None, 32, mins=mins)
-    torch.testing.assert_close(ref.float().cpu(), (x.float() @ packed.dequantize().to(device).T).to(dtype).float().cpu())
+    expected = (x.float() @ packed.dequantize().to(device).T).to(dtype)
+    torch.testing.assert_close(ref.float().cpu(), expected.float().cpu())
     assert not out.isnan().any()
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err <= (1e-3 if dtype == torch.float32 else 1e-2)
@@ -124,7 +125,7 @@ def test_tiny_llama_mixed_types_load_packed(tmp_path: Path, tiny_llama_dir: Path
                       f"blk.{layer}.ffn_up.weight": Q.Q8_0, f"blk.{layer}.ffn_down.weight": Q.Q4_0})
     types.update({f"blk.1.attn_{p}.weight": Q.Q4_1 for p in "qkv"})
     path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.gguf", types)
-    packed = load_model(Config(model=str(path), dtype="float32", device="cpu"))
+    packed = load_model(Config(model=str(path), dtype="float32", device="cpu", gguf_dequantize=False))
     plain = load_model(Config(model=str(path), dtype="float32", device="cpu", gguf_dequantize=True))
     layers = packed.model.model.layers
     assert not isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
@@ -176,4 +177,14 @@ def test_serve_and_generate_take_gguf_dequantize() -> None:
         module.add_arguments(parser)
         extra = ["--prompt", "x"] if module is cli else []
         assert parser.parse_args(["--gguf-dequantize", *extra]).gguf_dequantize is True
-        assert parser.parse_args(extra).gguf_dequantize is False
+        assert parser.parse_args(["--no-gguf-dequantize", *extra]).gguf_dequantize is False
+        assert parser.parse_args(extra).gguf_dequantize is None
+
+
+def test_gguf_packed_by_default_where_a_packed_matmul_exists() -> None:
+    from kiln.engine.config import Config
+    assert Config(dtype="bfloat16", device="cpu").keeps_gguf_packed
+    assert not Config(dtype="float32", device="cpu").keeps_gguf_packed  # dequantize-per-matmul is ~8x slower
+    assert Config(dtype="float32", device="cpu", gguf_dequantize=False).keeps_gguf_packed
+    assert not Config(dtype="bfloat16", device="cpu", gguf_dequantize=True).keeps_gguf_packed
+    assert not Config(dtype="bfloat16", device="cpu", quantization="int8").keeps_gguf_packed

@@ -35,9 +35,11 @@ class Config:
     device: str = "auto"
     seed: int = 0
     quantization: str = "none"
-    # With quantization "none", a GGUF's Q8_0/Q4_0/Q4_1 projections are served packed, as stored;
-    # True dequantizes them on load instead (the model dtype's float weights, as before).
-    gguf_dequantize: bool = False
+    # With quantization "none", whether a GGUF's Q8_0/Q4_0/Q4_1 projections are dequantized on load
+    # (True) or served packed, as stored (False). None: packed where a packed matmul exists (CUDA,
+    # bfloat16/float16 on the CPU); float32 on the CPU dequantizes, since dequantizing per matmul
+    # there made decode ~8x slower.
+    gguf_dequantize: bool | None = None
     kv_cache_dtype: str = "auto"  # "auto" = the model's dtype; "int8" / "fp8" halve the KV cache (kv_quant.py)
     # Where quantized variants are cached (kiln.engine.variants): None = $KILN_CACHE/variants
     # (~/.cache/kiln/variants), "off" = never cached, else a directory.
@@ -71,6 +73,14 @@ class Config:
             raise ValueError(f"quantization_cache must be a directory or 'off', got {self.quantization_cache!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def keeps_gguf_packed(self) -> bool:
+        if self.quantization != "none" or self.gguf_dequantize:
+            return False
+        if self.gguf_dequantize is False:
+            return True
+        return self.torch_device.type == "cuda" or self.torch_dtype != torch.float32
 
     @property
     def torch_device(self) -> torch.device:

@@ -147,9 +147,7 @@ def load_model(config: Config) -> LoadedModel:
             model_config.eos_token_ids = tokenizer.eos_token_ids
         weights, source = iter_safetensors(path), str(path)
     else:
-        # quantization "none" serves what the file holds: Q8_0/Q4_0/Q4_1 projections stay packed.
-        keep = config.quantization == "none" and not config.gguf_dequantize
-        model_config, tokenizer, weights, packed = load_gguf(path, keep_quantized=keep)
+        model_config, tokenizer, weights, packed = load_gguf(path, keep_quantized=config.keeps_gguf_packed)
         source = str(path)
     max_len = resolve_max_model_len(config, model_config)
     # Parameters are created in the target dtype/device directly, never as a float32 copy first.

@@ -232,8 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
     parser.add_argument("--quantization-cache", default=None, metavar="DIR",
                         help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
-    parser.add_argument("--gguf-dequantize", action="store_true",
-                        help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load (default: served packed)")
+    parser.add_argument("--gguf-dequantize", action=argparse.BooleanOptionalAction, default=None,
+                        help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load, or (--no-...) serve them packed; "
+                             "default: packed except float32 on the CPU")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for the engine; more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
