@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from kiln.engine.awq import calibration_text, search_scale
-from kiln.engine.config import Config
-from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.config import KV_CACHE_DTYPES, Config
 from kiln.engine.loader import load_model
 from kiln.engine.quantization import (
     QUANTIZATION_METHODS, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8, dequantize_int4,
     dequantize_int8, fake_quantize_int4, int4_group_size, quantize_fp8, quantize_int4, quantize_int8,
     quantize_model, resident_weight_bytes)
+from test_model import forward_prefill
 
 # Lewis Carroll, Alice's Adventures in Wonderland (1865), chapter 1: public domain (Project Gutenberg #11).
 EVAL_TEXT = (
@@ -154,7 +154,7 @@ def test_load_model_quantizes_tiny_llama(tiny_llama_dir, method: str) -> None:
                                              for m in swapped)
     assert quant.model.lm_head.weight.dtype == torch.float32  # lm_head and embeddings stay float
     ids = [[3, 17, 42, 5, 9, 60, 11]]
-    ref, out = logits(fp.model, ids), logits(quant.model, ids)
+    ref, out = forward_prefill(fp.model, ids), forward_prefill(quant.model, ids)
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()) < {"int8": 0.02, "fp8": 0.1}.get(method, 0.3)
 
@@ -169,21 +169,14 @@ def test_serve_and_generate_take_the_flag() -> None:
         assert parser.parse_args(extra).quantization == "none"
         with pytest.raises(SystemExit):
             parser.parse_args(["--quantization", "int3", *extra])
-
-
-def logits(model, prompts: list[list[int]]) -> torch.Tensor:
-    set_context(prefill_context([len(p) for p in prompts]))
-    try:
-        ids = torch.tensor([t for p in prompts for t in p])
-        positions = torch.cat([torch.arange(len(p)) for p in prompts])
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, positions))
-    finally:
-        reset_context()
+    # The CLI spells the choices out (no torch import); they must stay the engine's.
+    actions = {a.dest: a for a in parser._actions}
+    assert tuple(actions["quantization"].choices) == QUANTIZATION_METHODS
+    assert tuple(actions["kv_cache_dtype"].choices) == KV_CACHE_DTYPES
 
 
 def perplexity(model, ids: list[int]) -> float:
-    return torch.nn.functional.cross_entropy(logits(model, [ids])[:-1], torch.tensor(ids[1:])).exp().item()
+    return torch.nn.functional.cross_entropy(forward_prefill(model, [ids])[:-1], torch.tensor(ids[1:])).exp().item()
 
 
 def test_calibration_text_ships_with_the_package() -> None:
@@ -201,7 +194,7 @@ def test_smollm2_int8_greedy_matches_float(smollm2_path, smollm2_fp32) -> None:
     for prompt, out in zip(prompts, outs):
         ids = smollm2_fp32.tokenizer.encode(prompt)
         for _ in range(8):  # the float model's greedy continuation, recomputed without a cache
-            ids.append(int(logits(smollm2_fp32.model, [ids])[-1].argmax()))
+            ids.append(int(forward_prefill(smollm2_fp32.model, [ids])[-1].argmax()))
         assert out.token_ids == ids[-8:], (prompt, out.text)
 
 

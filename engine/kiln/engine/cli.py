@@ -22,6 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, float16, bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache budget in bytes")
+    add_quantization_arguments(parser)
+
+
+def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    """The weight and KV-cache formats, shared by `kiln generate` and `kiln serve` (choices spelled
+    out: importing kiln.engine.config would import torch before the arguments are checked)."""
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                         help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int4-rtn", "fp8"],

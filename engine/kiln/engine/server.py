@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from kiln.engine.cli import add_quantization_arguments
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
 from kiln.engine.openai_serving import OpenAIServing
@@ -223,18 +223,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
     parser.add_argument("--block-size", type=_positive(int), default=16)
     parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache budget, e.g. 4Gi")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
+    add_quantization_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_METHODS),
-                        help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
-    parser.add_argument("--quantization-cache", default=None, metavar="DIR",
-                        help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
-    parser.add_argument("--gguf-dequantize", action=argparse.BooleanOptionalAction, default=None,
-                        help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load, or (--no-...) serve them packed; "
-                             "default: packed except float32 on the CPU")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for the engine; more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
