@@ -27,6 +27,7 @@ Runtime matmuls:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -268,6 +269,10 @@ class Fp8Linear(QuantLinear):
         scaled_mm = (weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9)
                      and dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
         self.kernel = "scaled_mm" if scaled_mm else "dequantize"
+        if weight.is_cuda and not scaled_mm:
+            # warnings, not logging: said once per process, not once per layer
+            warnings.warn("fp8 on this GPU/dtype has no float8 matmul (needs sm89+, bfloat16, dimensions "
+                          "divisible by 16): fp8 weights are dequantized per matmul instead", RuntimeWarning)
 
     def _mm(self, x):
         x = x.to(self.dtype)
