@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kiln.router.endpoints import Changes, Endpoint, EndpointSource, ReadyEndpoints, StaticEndpoints
 from kiln.router.main import serving
 from kiln.router.proxy import Limits, build_app
+from kiln.router.traffic import TrafficSource
 
 
 def on_event_loop(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -209,17 +210,18 @@ def has_series(samples: Samples, name: str, **labels: str) -> bool:
 async def service(engines: int, also: Sequence[Endpoint] = (), revisions: Sequence[str] = (),
                   limits: Limits = Limits(),
                   source: Callable[[list[Endpoint]], EndpointSource] = StaticEndpoints,
+                  traffic: TrafficSource | None = None, fake: type[FakeEngine] = FakeEngine,
                   ) -> AsyncIterator[Service]:
     """A router over the endpoints `also` and `engines` fake engines (of `revisions`, one
-    each, if given)."""
-    fakes = [FakeEngine(f"engine-{i}") for i in range(engines)]
+    each, if given), splitting by `traffic` if given."""
+    fakes = [fake(f"engine-{i}") for i in range(engines)]
     async with AsyncExitStack() as stack:
         ports = [await stack.enter_async_context(serving(f.app, "127.0.0.1", 0)) for f in fakes]
         mine = [Endpoint("127.0.0.1", port, revision)
                 for port, revision in zip(ports, revisions or [""] * engines)]
         endpoints = source([*also, *mine])
         router_port = await stack.enter_async_context(
-            serving(build_app(endpoints, limits), "127.0.0.1", 0))
+            serving(build_app(endpoints, limits, traffic), "127.0.0.1", 0))
         session = await stack.enter_async_context(
             aiohttp.ClientSession(f"http://127.0.0.1:{router_port}"))
         stack.callback(lambda: [fake.release.set() for fake in fakes])  # unblock before cleanup

@@ -16,8 +16,11 @@ class LeastInFlight:
         self._in_flight: Counter[Endpoint] = Counter()
         self._turn = 0
 
-    def pick(self, exclude: Collection[Endpoint] = ()) -> Endpoint | None:
-        candidates = [e for e in self._source.ready().all if e not in exclude]
+    def pick(self, exclude: Collection[Endpoint] = (), revision: str | None = None) -> Endpoint | None:
+        """The least busy ready endpoint, of `revision` if given."""
+        ready = self._source.ready()
+        pool = ready.all if revision is None else ready.by_revision.get(revision, ())
+        candidates = [e for e in pool if e not in exclude]
         if not candidates:
             return None
         start = self._turn % len(candidates)

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Iterable
 
-from kubernetes import client, watch
+from kubernetes import client
 
 from kiln.router.endpoints import Changes, Endpoint, ReadyEndpoints
+from kiln.router.watching import ListWatch
 
 log = logging.getLogger("kiln.router")
 
 REVISION_LABEL = "kiln.dev/revision"  # set by the operator on each revision's Service
-RETRY_SECONDS = 2.0  # after an API error; the last known replicas keep serving meanwhile
 
 
 def ready_endpoints(slices: Iterable[client.V1EndpointSlice], port_name: str) -> ReadyEndpoints:
@@ -39,23 +38,19 @@ def ready_endpoints(slices: Iterable[client.V1EndpointSlice], port_name: str) ->
 
 
 class EndpointSliceSource:
-    """Lists the selected slices, then watches them; a thread does the blocking client
-    calls, swaps in a new ReadyEndpoints that request handlers read without locks, and
-    wakes the requests waiting for one through Changes."""
+    """Follows the selected slices (a ListWatch thread), swaps in a new ReadyEndpoints that
+    request handlers read without locks, and wakes the requests waiting for one through
+    Changes."""
 
     def __init__(self, api_client: client.ApiClient, namespace: str, selector: str,
                  port_name: str = "http", resync_seconds: int = 60) -> None:
-        self._api = client.DiscoveryV1Api(api_client)
-        self._namespace = namespace
         self._selector = selector
         self._port_name = port_name
-        self._resync_seconds = resync_seconds
-        self._slices: dict[str, client.V1EndpointSlice] = {}
         self._ready = ReadyEndpoints()
         self._changes = Changes()
-        self._first_look = threading.Event()  # the first list answered, or failed
-        self._stopping = threading.Event()
-        self._watch = watch.Watch()
+        self._follower = ListWatch(client.DiscoveryV1Api(api_client).list_namespaced_endpoint_slice,
+                                   f"EndpointSlices {selector} in {namespace}", self._publish,
+                                   resync_seconds, namespace=namespace, label_selector=selector)
 
     def ready(self) -> ReadyEndpoints:
         return self._ready
@@ -65,51 +60,15 @@ class EndpointSliceSource:
 
     async def start(self) -> None:
         self._changes.bind(asyncio.get_running_loop())
-        threading.Thread(target=self._follow, name=f"endpointslices[{self._selector}]",
-                         daemon=True).start()
+        self._follower.start()
         # So that a restarted router does not turn requests away before it has looked.
-        await asyncio.to_thread(self._first_look.wait)
+        await asyncio.to_thread(self._follower.first_look.wait)
 
     async def stop(self) -> None:
-        # Watch.stop() shuts the watch's socket, so the thread leaves at once; it is a
-        # daemon and only touches this object, so nobody needs to wait for it.
-        self._stopping.set()
-        self._watch.stop()
+        self._follower.stop()
 
-    def _follow(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                self._list_then_watch()
-            except Exception as exc:  # noqa: BLE001 - any API trouble: retry, keep serving
-                self._first_look.set()
-                if self._stopping.is_set():
-                    return  # stop() cut the watch short
-                log.warning("EndpointSlices %s in %s: %s; retrying in %.0fs", self._selector,
-                            self._namespace, exc, RETRY_SECONDS)
-                self._stopping.wait(RETRY_SECONDS)
-
-    def _list_then_watch(self) -> None:
-        listed = self._api.list_namespaced_endpoint_slice(
-            self._namespace, label_selector=self._selector, _request_timeout=30)
-        self._slices = {s.metadata.name: s for s in listed.items}
-        self._publish()
-        self._first_look.set()
-        # The watch ends after resync_seconds; the loop in _follow lists afresh.
-        for event in self._watch.stream(
-                self._api.list_namespaced_endpoint_slice, self._namespace,
-                label_selector=self._selector, resource_version=listed.metadata.resource_version,
-                timeout_seconds=self._resync_seconds, _request_timeout=self._resync_seconds + 10):
-            if self._stopping.is_set():
-                return
-            name = event["object"].metadata.name
-            if event["type"] == "DELETED":
-                self._slices.pop(name, None)
-            else:
-                self._slices[name] = event["object"]
-            self._publish()
-
-    def _publish(self) -> None:
-        ready = ready_endpoints(self._slices.values(), self._port_name)
+    def _publish(self, slices: list[client.V1EndpointSlice]) -> None:
+        ready = ready_endpoints(slices, self._port_name)
         if ready == self._ready:
             return
         log.info("ready replicas of %s: %s", self._selector, "; ".join(

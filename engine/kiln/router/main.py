@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kiln.router.endpoints import EndpointSource, StaticEndpoints, parse_endpoints
 from kiln.router.proxy import Limits, build_app
+from kiln.router.traffic import InferenceServiceTraffic, TrafficSource
 
 log = logging.getLogger("kiln.router")
 
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
                         help="namespace of the EndpointSlices (default: $POD_NAMESPACE or "
                              "'default')")
+    parser.add_argument("--inference-service", metavar="NAME",
+                        help="with --selector: follow this InferenceService's status for the "
+                             "rollout's revision weights and quality-gate mirroring")
     parser.add_argument("--port-name", default="http",
                         help="name of the Service port the engines listen on ('' if unnamed)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, "
@@ -80,11 +84,14 @@ def _limits(args: argparse.Namespace) -> Limits:
                   args.max_body_bytes, args.max_held, args.activation_timeout)
 
 
-def _endpoint_source(args: argparse.Namespace) -> EndpointSource:
-    """Raises ValueError with a message for the user."""
+def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | None]:
+    """Where the replicas are, and the rollout's split if followed. Raises ValueError with a
+    message for the user."""
     if args.endpoints is not None:
+        if args.inference_service is not None:
+            raise ValueError("--inference-service needs --selector (a cluster), not --endpoints")
         try:
-            return StaticEndpoints(parse_endpoints(args.endpoints))
+            return StaticEndpoints(parse_endpoints(args.endpoints)), None
         except ValueError as exc:
             raise ValueError(f"--endpoints: {exc}") from None
     if not args.selector.strip():
@@ -104,8 +111,10 @@ def _endpoint_source(args: argparse.Namespace) -> EndpointSource:
                                     client_configuration=configuration)
     except Exception as exc:  # noqa: BLE001 - ConfigException, missing or broken files
         raise ValueError(f"cannot load Kubernetes config: {exc}") from None
-    return EndpointSliceSource(client.ApiClient(configuration), args.namespace, args.selector,
-                               args.port_name)
+    api = client.ApiClient(configuration)
+    traffic = None if args.inference_service is None else \
+        InferenceServiceTraffic(api, args.namespace, args.inference_service)
+    return EndpointSliceSource(api, args.namespace, args.selector, args.port_name), traffic
 
 
 @asynccontextmanager
@@ -141,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = _limits(args)
-        source = _endpoint_source(args)
+        source, traffic = _sources(args)
     except ValueError as exc:
         print(f"kiln router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(_serve_until_stopped(build_app(source, limits), args.host, args.port))
+    asyncio.run(_serve_until_stopped(build_app(source, limits, traffic), args.host, args.port))
     return 0

@@ -64,6 +64,17 @@ class RouterMetrics:
             "kiln_router_last_cold_start_seconds", "The latest cold start's "
             "held-to-first-byte seconds; 0 until there is one (the operator copies it into "
             "the InferenceService's status)", registry=self.registry)
+        # The quality gate (mirror.py), labelled by the revision that scored the stable
+        # revision's greedy tokens: the canary, or stable itself (the noise floor).
+        self.mirror_tokens = Counter(
+            "kiln_router_mirror_tokens", "Mirrored greedy tokens of the stable revision scored "
+            "by this revision", ["revision"], registry=self.registry)
+        self.mirror_agreed = Counter(
+            "kiln_router_mirror_agreed", "Of those, positions where this revision's argmax was "
+            "the stable revision's token", ["revision"], registry=self.registry)
+        self.mirrored = Counter(
+            "kiln_router_mirrored_requests", "Requests mirrored for the quality gate, by outcome "
+            "(scored, skipped, failed)", ["outcome"], registry=self.registry)
         self.registry.register(_LiveGauges(source, balancer))
 
     def answered(self, revision: str, code: int, seconds: float) -> None:

@@ -25,6 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.metrics import NO_REVISION, RouterMetrics
+from kiln.router.mirror import Mirroring
+from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 
 log = logging.getLogger("kiln.router")
 
@@ -97,11 +99,14 @@ async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
 
 
 class Router:
-    def __init__(self, source: EndpointSource, limits: Limits) -> None:
+    def __init__(self, source: EndpointSource, limits: Limits, traffic: TrafficSource) -> None:
         self.source = source
         self.limits = limits
+        self.traffic = traffic
         self.balancer = LeastInFlight(source)
         self.metrics = RouterMetrics(source, self.balancer, held=lambda: self._held)
+        self.weighted = WeightedChoice()
+        self.mirroring = Mirroring(self.balancer, self.metrics, lambda: self._session)
         self._active = 0  # /v1 requests being handled, against limits.max_in_flight
         self._held = 0  # of those, waiting for a replica, against limits.max_held
         self._session: aiohttp.ClientSession | None = None
@@ -117,9 +122,12 @@ class Router:
             trace_configs=[tracing],
             auto_decompress=False)  # pass bytes through untouched
         await self.source.start()
+        await self.traffic.start()
         try:
             yield
         finally:
+            await self.mirroring.stop()
+            await self.traffic.stop()
             await self.source.stop()
             await self._session.close()
 
@@ -148,6 +156,8 @@ class Router:
                 return error_response(413, f"the request body is over the router's limit of "
                                       f"{self.limits.max_body_bytes} bytes",
                                       "invalid_request_error", "request_too_large")
+            if request.method == "POST":
+                self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
         finally:
             self._active -= 1
@@ -156,7 +166,7 @@ class Router:
                     exchange: _Exchange) -> web.StreamResponse:
         failed: list[Endpoint] = []
         while len(failed) < ATTEMPTS:
-            endpoint = self.balancer.pick(failed)
+            endpoint = self.balancer.pick(failed, self._revision(failed))
             if endpoint is None and failed:
                 break
             if endpoint is None:  # none ready at all: scaled to zero, or still starting
@@ -174,6 +184,16 @@ class Router:
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
         return error_response(503, f"no replica could take the request ({len(failed)} "
                               "tried)", "service_unavailable", "no_ready_endpoint")
+
+    def _revision(self, failed: list[Endpoint]) -> str | None:
+        """The revision this request goes to, by the rollout's weights among revisions with a
+        ready replica left to try; None: any (no split, or no weighted revision can take it)."""
+        weights = self.traffic.current().weights
+        if weights is None:
+            return None
+        ready = self.source.ready().by_revision
+        return self.weighted.choose({revision: weight for revision, weight in weights.items()
+                                     if any(e not in failed for e in ready.get(revision, ()))})
 
     async def _hold(self, exchange: _Exchange) -> web.Response | None:
         """Waits while no replica is ready; None once one is, else the error to answer.
@@ -286,8 +306,10 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(source: EndpointSource, limits: Limits = Limits()) -> web.Application:
-    router = Router(source, limits)
+def build_app(source: EndpointSource, limits: Limits = Limits(),
+              traffic: TrafficSource | None = None) -> web.Application:
+    """`traffic`: the rollout's split (None: no split, every ready replica alike)."""
+    router = Router(source, limits, traffic or StaticTraffic())
     app = web.Application(client_max_size=limits.max_body_bytes)
     app.cleanup_ctx.append(router.lifecycle)
     app.router.add_get("/health", router.health)

@@ -2,12 +2,14 @@
 spec and of what was observed. No API calls here; plan.py turns the difference between this
 and the cluster into actions.
 
-Revisions are a list with roles. Today: the `stable` revision the spec describes, and `old`
-ones (earlier specs) kept until the stable one serves at full strength. Canary and standby
-roles slot in here later; each revision is a Deployment plus a headless Service whose
-EndpointSlices give the router a per-revision view."""
+Revisions are a list with roles: the `stable` one, a `canary` while a rollout runs (the step
+machine in rollout.py says which revision is which, as a `Split`), and `old` ones (earlier
+specs) kept until the stable one serves at full strength. Without a rollout the stable
+revision is the one the spec describes. Each revision is a Deployment plus a headless Service
+whose EndpointSlices give the router a per-revision view."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,7 @@ from .observed import Observed, deployment_counts, replicas_of
 from .render import (Owner, render_deployment, render_pdb, render_revision_service, render_router,
                      render_router_account, render_service, revision_name)
 
-STABLE, OLD = "stable", "old"
+STABLE, CANARY, OLD = "stable", "canary", "old"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,16 @@ class Revision:
     service: dict[str, Any]
     # What the operator writes to the Deployment's spec.replicas; None: left as it is (old revisions).
     replicas: int | None
+    weight: int | None = None  # percent of requests, when the spec has a rollout; None: no split
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which revisions serve while the spec has a rollout, from the step machine."""
+    stable: str
+    canary: str | None = None
+    weight: int = 0  # the canary's percent of requests
+    full_size: bool = False  # the canary gets the stable revision's replicas (just before promotion)
 
 
 @dataclass(frozen=True)
@@ -72,13 +84,15 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
 
 def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
             pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None,
-            scalers: list[dict[str, Any]] | None = None) -> Desired:
+            scalers: list[dict[str, Any]] | None = None, split: Split | None = None) -> Desired:
     """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in);
     `autoscaled`: the builtin autoscaler's decision, when it decides; `scalers`: the HPA or
-    KEDA ScaledObject that scales the InferenceService, when one does."""
-    name = revision_name(owner.name, spec)
+    KEDA ScaledObject that scales the InferenceService, when one does; `split`: the rollout's
+    stable and canary revisions (None: the spec's revision is stable and replaces the others)."""
+    target = revision_name(owner.name, spec)
+    name = split.stable if split else target
     current = observed.engine(name)
-    olds = [d for d in observed.engines() if d["metadata"]["name"] != name]
+    olds = [d for d in observed.engines() if d["metadata"]["name"] not in (name, split and split.canary)]
     if replicas_writer(spec) == "spec":
         replicas = desired_replicas(spec)
     elif autoscaled is not None:
@@ -86,12 +100,20 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     else:  # no decision yet: keep what runs, or start with the capacity the service has now
         replicas = replicas_of(current) if current else max((replicas_of(d) for d in olds),
                                                               default=desired_replicas(spec))
-    stable = Revision(name, STABLE, render_deployment(owner, spec, image, pod_annotations),
-                      render_revision_service(owner, name), replicas)
-    # Old revisions keep serving until the stable one is at full strength (no canary yet).
-    keep = [] if fully_ready(current, replicas) else olds
-    revisions = [stable] + [Revision(d["metadata"]["name"], OLD, None,
-                                     render_revision_service(owner, d["metadata"]["name"]), None)
-                            for d in keep]
+    weighted = split is not None
+    canary_weight = split.weight if split and split.canary else 0
+    # A stable revision the spec no longer describes (a rollout runs) is left as it is, but scaled.
+    deployment = render_deployment(owner, spec, image, pod_annotations) if name == target else None
+    revisions = [Revision(name, STABLE, deployment, render_revision_service(owner, name), replicas,
+                          100 - canary_weight if weighted else None)]
+    if split and split.canary:
+        size = replicas if split.full_size else max(1, math.ceil(replicas * split.weight / 100))
+        revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
+                                  render_revision_service(owner, split.canary), size, canary_weight))
+    # Old revisions keep serving until the stable one is at full strength; during a rollout
+    # (a dropped canary) they go at once.
+    keep = [] if fully_ready(current, replicas) or (split and split.canary) else olds
+    revisions += [Revision(d["metadata"]["name"], OLD, None, render_revision_service(owner, d["metadata"]["name"]),
+                           None, 0 if weighted else None) for d in keep]
     return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations),
                                render_service(owner), render_pdb(owner), *(scalers or [])])

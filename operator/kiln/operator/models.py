@@ -133,13 +133,24 @@ class RolloutStep(Spec):
 
 
 class Quality(Spec):
-    sampleRate: Ratio = 0.05
-    minGreedyAgreement: Ratio = 0.9
+    """The quality gate: the router mirrors a share of requests, has the stable revision answer
+    them greedily and the canary score those tokens (teacher-forced greedy agreement)."""
+    sampleRate: Ratio = Field(0.05, description="Share of requests mirrored for the quality gate.")
+    minGreedyAgreement: Ratio = Field(0.9, description=(
+        "Canary agreement with stable's greedy tokens, as a share of the noise floor (stable scoring "
+        "its own tokens on another replica)."))
+    minTokens: int = Field(64, ge=1, le=1_000_000, description=(
+        "Mirrored tokens an interval needs before agreement counts; fewer: inconclusive."))
+    floorSampleRate: Ratio = Field(0.25, description=(
+        "Share of mirrored requests also scored by a stable replica, for the noise floor."))
 
 
 class Analysis(Spec):
     interval: Duration = "1m"
-    failureLimit: int = Field(2, ge=0, le=100)
+    failureLimit: int = Field(2, ge=0, le=100, description=(
+        "Failed checks that roll the canary back (0 and 1 both: the first)."))
+    minRequests: int = Field(10, ge=1, le=1_000_000, description=(
+        "Canary requests an interval needs before it is judged; fewer: inconclusive."))
     maxErrorRate: Ratio = 0.01
     maxTimeToFirstTokenP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
     maxInterTokenLatencyP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
@@ -147,11 +158,16 @@ class Analysis(Spec):
 
 
 class Rollout(Spec):
-    """Canary steps for a new revision (not implemented yet: revisions replace each other)."""
+    """Canary steps for a new revision: each step sends `weight` percent of requests to it for
+    `pause` (no pause: hold until the kiln.dev/resume-rollout annotation changes), analysed
+    against the stable revision every interval; then promotion, or a rollback on failures."""
     steps: list[RolloutStep] = Field(min_length=1, max_length=20, json_schema_extra=rules(cel(
         "self.map(s, s.weight).isSorted() && self.all(a, self.exists_one(b, b.weight == a.weight))",
         "rollout.steps weights must be strictly increasing")))
     analysis: Analysis = Field(default_factory=Analysis, json_schema_extra={"default": {}})
+    progressDeadline: Duration = Field("10m", description=(
+        "How long the canary may take to become ready (and stay without a ready replica) before "
+        "it is rolled back."))
 
 
 class InferenceServiceSpec(Spec):
@@ -183,6 +199,49 @@ class RevisionStatus(BaseModel):
     quantization: str
     replicas: int = 0
     ready: int = 0
+    weight: int | None = Field(None, description=(
+        "Percent of requests the router sends here during a rollout; absent: no split."))
+
+
+class AnalysisStatus(BaseModel):
+    """The last interval's figures, canary against stable, as the routers measured them."""
+    time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    verdict: Literal["Pass", "Fail", "Inconclusive"] | None = None
+    canaryRequests: int | None = None
+    stableRequests: int | None = None
+    errorRate: float | None = None
+    ttftP95Ratio: float | None = None
+    itlP95Ratio: float | None = None
+    greedyAgreement: float | None = None
+    agreementTokens: int | None = None
+    noiseFloor: float | None = None
+    noiseFloorTokens: int | None = None
+    failed: list[str] = Field(default_factory=list)
+
+
+class MirrorStatus(BaseModel):
+    """What the routers mirror for the quality gate (they read it here, never in spec)."""
+    sampleRate: float
+    floorSampleRate: float
+
+
+class RolloutStatus(BaseModel):
+    """The rollout's state: all an operator restart needs to resume the same step."""
+    phase: Literal["Progressing", "Paused", "Promoted", "RolledBack"]
+    stable: str
+    canary: str | None = None
+    step: int = Field(0, description="1-based step in progress; 0: waiting for the canary to be ready; "
+                                     "len(steps)+1: scaling the canary up before promotion.")
+    stepStartedAt: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    passedChecks: int = 0
+    failedChecks: int = 0
+    rolledBack: str | None = Field(None, description="A revision rolled back; not retried while the spec "
+                                                     "still asks for it, unless kiln.dev/retry-rollout changes.")
+    retryToken: str | None = None
+    resumeToken: str | None = None
+    mirror: MirrorStatus | None = None
+    analysis: AnalysisStatus | None = None
+    message: str = ""
 
 
 class AutoscalingStatus(BaseModel):
@@ -207,5 +266,6 @@ class InferenceServiceStatus(BaseModel):
     selector: str | None = Field(None, description="Label selector of the engine pods (for /scale).")
     revisions: list[RevisionStatus] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
+    rollout: RolloutStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

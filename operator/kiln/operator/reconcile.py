@@ -17,12 +17,14 @@ import pydantic
 from kubernetes.client.rest import ApiException
 
 from .autoscaler import Sample, seconds
+from .canary import Baseline, roll, split
 from .desired import desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
 from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual
+from .rollout import dump
 from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
 
@@ -102,6 +104,8 @@ class Settings:
     samples: dict[tuple[str, str], list[Sample]] = field(default_factory=dict)
     # The resourceVersion of our own last status write per object, so it wakes no pass.
     own_writes: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Where each rollout's current analysis interval began (memory of this process only).
+    baselines: dict[tuple[str, str], Baseline] = field(default_factory=dict)
 
 
 def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
@@ -167,9 +171,9 @@ def post_event(api: Api, body: Mapping[str, Any], type_: str, reason: str, messa
 
 
 def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, previous: dict[str, Any],
-              settings: Settings, keda_installed: bool) -> Scaling:
-    """Who scales, and what it says: for the builtin autoscaler, scrape one sample and decide."""
-    stable = revision_name(owner.name, spec)
+              settings: Settings, keda_installed: bool, stable: str) -> Scaling:
+    """Who scales the `stable` revision, and what it says: for the builtin autoscaler, scrape
+    one sample and decide."""
     mode = "none" if spec.autoscaling is None else spec.autoscaling.mode
     if mode != "builtin":
         settings.samples.pop((owner.namespace, owner.name), None)
@@ -213,9 +217,13 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
         return settings.interval
     keda = api.installed(KEDA_CRD)
     observed = observe(api, owner, keda)
-    scaling = autoscale(spec, observed, owner, previous, settings, keda)
+    rollout = roll(owner, spec, observed, meta.get("annotations") or {}, previous, settings.baselines, time.time())
+    serving = split(spec, rollout)
+    stable = serving.stable if serving else revision_name(name, spec)
+    scaling = autoscale(spec, observed, owner, previous, settings, keda, stable)
     want = desired(owner, spec, observed, settings.image, settings.pod_annotations, scaling.replicas,
-                   scaling.objects)
+                   scaling.objects, serving)
+    rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
     for action in plan(want, observed):
         log.info("%s/%s: %s", namespace, name, action)
@@ -226,7 +234,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
                 raise
             rejected.append(f"{action}: {err.reason}: {api_message(err)}")
             continue
-        if action.kind == "Deployment" and action.verb == CREATE and action.name == want.stable.name:
+        if action.kind == "Deployment" and action.verb == CREATE and action.name in rendered:
             post_event(api, body, "Normal", "RevisionCreated", f"created revision {action.name}")
         if action.kind == "Deployment" and action.verb == DELETE:  # only revisions are ever deleted
             post_event(api, body, "Normal", "RevisionRetired", f"deleted old revision {action.name}")
@@ -235,11 +243,15 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
                        f"{action.replicas} replica(s): {scaling.condition['message']}")
     status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
                        url=service_url(owner), selector=selector_string(name), now=now(),
-                       scaling=scaling.condition, autoscaling=scaling.status)
+                       scaling=scaling.condition, autoscaling=scaling.status,
+                       rollout=dump(rollout.state, spec.rollout) if rollout else None)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses
         status = invalid(status, generation, "Rejected", "; ".join(rejected), now())
     report(api, body, previous, status, settings)
-    return AUTOSCALE_TICK_S if replicas_writer(spec) == "builtin" else settings.interval
+    for event in rollout.events if rollout else []:
+        post_event(api, body, event.type, event.reason, event.message)
+    busy = replicas_writer(spec) == "builtin" or (rollout is not None and rollout.state.active)
+    return AUTOSCALE_TICK_S if busy else settings.interval
 
 
 def api_message(err: ApiException) -> str:

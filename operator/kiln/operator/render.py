@@ -242,7 +242,8 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
     container = {
         "name": "router",
         "image": image,  # the engine image carries the whole `kiln` CLI
-        "command": ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT)],
+        "command": ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT),
+                    "--inference-service", owner.name],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
@@ -263,7 +264,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
             "revisionHistoryLimit": 2,
             "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": {
                 "serviceAccountName": name,
-                "automountServiceAccountToken": True,  # to watch EndpointSlices
+                "automountServiceAccountToken": True,  # to watch EndpointSlices and its InferenceService
                 "enableServiceLinks": False,
                 "containers": [container],
                 "securityContext": POD_SECURITY,

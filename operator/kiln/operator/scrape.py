@@ -26,16 +26,31 @@ class Scrape:
     cold_start: float | None  # the routers' latest request-held-to-first-byte, if any
 
 
-def read_metrics(url: str, timeout: float = TIMEOUT_S) -> dict[str, float] | None:
-    """Each metric family at `url` summed over its samples; None when the page cannot be had
-    or parsed."""
+def read_samples(url: str, timeout: float = TIMEOUT_S) -> list[tuple[str, dict[str, str], float]] | None:
+    """Every sample at `url` as (name, labels, value); None when the page cannot be had or parsed."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read(1 << 20).decode()
-        return {f.name: sum(s.value for s in f.samples) for f in text_string_to_metric_families(text)}
+        return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
     except Exception as err:  # noqa: BLE001 - timeouts, refusals, garbage: all mean "no number"
         log.debug("scraping %s failed: %s", url, err)
         return None
+
+
+def totals(samples: list[tuple[str, dict[str, str], float]] | None) -> dict[str, float] | None:
+    """Each sample name's values summed over their labels."""
+    if samples is None:
+        return None
+    sums: dict[str, float] = {}
+    for name, _, value in samples:
+        sums[name] = sums.get(name, 0.0) + value
+    return sums
+
+
+def read_all(urls: list[str]) -> list[list[tuple[str, dict[str, str], float]] | None]:
+    """read_samples of each URL, at once."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
+        return list(pool.map(read_samples, urls))
 
 
 def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
@@ -43,8 +58,7 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     router answered (its held requests are the load at zero) or engines run and none answered.
     Engines that did not answer count at the average of those that did, never at zero."""
     urls = engines + routers
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        pages = list(pool.map(read_metrics, urls))
+    pages = [totals(samples) for samples in read_all(urls)]
     loads = [sum(p[n] for n in ENGINE_LOAD) for p in pages[:len(engines)]
              if p is not None and all(n in p for n in ENGINE_LOAD)]
     held = [p[ROUTER_HELD] for p in pages[len(engines):] if p is not None and ROUTER_HELD in p]

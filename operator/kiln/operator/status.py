@@ -11,7 +11,11 @@ from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
 WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
-                   "MetricsUnavailable", "KEDANotInstalled"}
+                   "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
+# status.rollout.phase -> the CanaryReady condition (status, reason); its changes are the
+# rollout's Events (a rollback is a Warning, naming the failed check and its figures).
+CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Promoted": (True, "Promoted"),
+          "RolledBack": (False, "RolledBack")}
 
 
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
@@ -19,8 +23,6 @@ def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     found = []
     if spec.warmPool is not None and spec.warmPool.size > 0:
         found.append("warmPool (no standby replicas)")
-    if spec.rollout is not None:
-        found.append("rollout (a new revision replaces the old one once all its replicas are ready)")
     if spec.engine.speculative is not None:
         found.append("engine.speculative (engines decode without it)")
     if spec.engine.tensorParallelSize > 1:
@@ -88,6 +90,13 @@ def spec_condition(spec: InferenceServiceSpec) -> dict[str, Any]:
                      "accepted but not implemented yet: " + "; ".join(missing))
 
 
+def canary_condition(rollout: dict[str, Any]) -> dict[str, Any]:
+    ok, reason = CANARY[rollout["phase"]]
+    if rollout["phase"] == "RolledBack" and not rollout.get("rolledBack"):
+        ok, reason = False, "Aborted"  # the spec went back to the stable revision: nothing failed
+    return condition("CanaryReady", ok, reason, rollout.get("message", ""))
+
+
 def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], generation: int,
           now: str) -> list[dict[str, Any]]:
     """Add observedGeneration, and keep lastTransitionTime while a condition's status holds."""
@@ -103,10 +112,11 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
 
 def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, observed: Observed,
               previous: dict[str, Any], url: str, selector: str, now: str,
-              scaling: dict[str, Any] | None = None, autoscaling: dict[str, Any] | None = None) -> dict[str, Any]:
+              scaling: dict[str, Any] | None = None, autoscaling: dict[str, Any] | None = None,
+              rollout: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole status of an InferenceService, from its spec, what this pass wants and what
     it observed; `scaling` is the ScalingReady condition, `autoscaling` the builtin
-    autoscaler's block."""
+    autoscaler's block, `rollout` the rollout's state (status.rollout)."""
     stable = desired.stable
     current = observed.engine(stable.name)
     target = stable.replicas or 0
@@ -116,6 +126,8 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
     conditions = [ready_condition(workload, model, route), workload, model, route, spec_condition(spec)]
     if scaling is not None:
         conditions.append(scaling)
+    if rollout is not None:
+        conditions.append(canary_condition(rollout))
     revisions = []
     for revision in desired.revisions:
         found = observed.engine(revision.name)
@@ -123,7 +135,8 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
         annotations = (found or revision.deployment or {}).get("metadata", {}).get("annotations") or {}
         revisions.append({"name": revision.name, "role": revision.role,
                           "quantization": annotations.get(ANNOTATION_QUANTIZATION, "none"),
-                          "replicas": replicas, "ready": ready})
+                          "replicas": replicas, "ready": ready,
+                          **({"weight": revision.weight} if revision.weight is not None else {})})
     return {
         "observedGeneration": generation,
         "url": url,
@@ -134,6 +147,7 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
         "revisions": revisions,
         "conditions": stamp(conditions, previous.get("conditions") or [], generation, now),
         **({"autoscaling": autoscaling} if autoscaling else {}),
+        **({"rollout": rollout} if rollout else {}),
     }
 
 

@@ -1,0 +1,137 @@
+"""Canary analysis: what the routers measured for each revision over one interval, and the
+verdict on the canary against the stable revision. Pure: scrape.py reads the routers'
+/metrics; the rollout's step machine (rollout.py) acts on the verdict.
+
+All figures are the routers' own, so they are what clients saw: requests and their status
+codes, time to first token and inter-token latency of streamed responses, and the quality
+gate's teacher-forced greedy agreement from mirrored requests. Counters only grow, so an
+interval's figures are the difference of two snapshots; a router that restarted in between
+counts from zero again (as Prometheus' increase() does)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .models import Analysis
+
+PASS, FAIL, INCONCLUSIVE = "Pass", "Fail", "Inconclusive"
+CLIENT_GONE = "499"  # the client hung up: nobody's failure
+HISTOGRAMS = {"kiln_router_time_to_first_token_seconds": "ttft",
+              "kiln_router_inter_token_latency_seconds": "itl"}
+
+
+@dataclass
+class Figures:
+    """One revision's cumulative counters as the routers report them (summed over routers)."""
+    requests: float = 0.0  # answered, 499s left out
+    errors: float = 0.0  # of those, 5xx
+    ttft: dict[float, float] = field(default_factory=dict)  # cumulative bucket counts by upper bound
+    itl: dict[float, float] = field(default_factory=dict)
+    tokens: float = 0.0  # mirrored tokens this revision scored against the stable revision's
+    agreed: float = 0.0  # of those, positions where its argmax was the stable revision's token
+
+    def minus(self, before: Figures) -> Figures:
+        """What happened since `before`; a counter that went down was reset (a router restart)."""
+        def inc(now: float, then: float) -> float:
+            return now - then if now >= then else now
+        return Figures(inc(self.requests, before.requests), inc(self.errors, before.errors),
+                       {le: inc(n, before.ttft.get(le, 0.0)) for le, n in self.ttft.items()},
+                       {le: inc(n, before.itl.get(le, 0.0)) for le, n in self.itl.items()},
+                       inc(self.tokens, before.tokens), inc(self.agreed, before.agreed))
+
+
+Sample = tuple[str, Mapping[str, str], float]  # (sample name, labels, value) from a metrics page
+
+
+def figures(samples: Iterable[Sample]) -> dict[str, Figures]:
+    """Per-revision figures from the samples of every router's metrics page."""
+    out: dict[str, Figures] = {}
+    for name, labels, value in samples:
+        revision = labels.get("revision")
+        if revision is None:
+            continue
+        f = out.setdefault(revision, Figures())
+        if name == "kiln_router_requests_total" and labels.get("code") != CLIENT_GONE:
+            f.requests += value
+            f.errors += value if labels.get("code", "").startswith("5") else 0.0
+        elif name == "kiln_router_mirror_tokens_total":
+            f.tokens += value
+        elif name == "kiln_router_mirror_agreed_total":
+            f.agreed += value
+        elif name.endswith("_bucket") and name.removesuffix("_bucket") in HISTOGRAMS:
+            buckets = getattr(f, HISTOGRAMS[name.removesuffix("_bucket")])
+            le = float(labels["le"])
+            buckets[le] = buckets.get(le, 0.0) + value
+    return out
+
+
+def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
+    """The q-quantile of a cumulative histogram, interpolated inside its bucket the way
+    Prometheus' histogram_quantile() does; None without observations."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        if buckets[le] >= rank:
+            if math.isinf(le):
+                return lower  # beyond the last finite bound: its bound is the best we know
+            return lower + (le - lower) * (rank - below) / max(buckets[le] - below, 1e-12)
+        lower, below = le, buckets[le]
+    return lower
+
+
+@dataclass(frozen=True)
+class Check:
+    verdict: str  # Pass | Fail | Inconclusive
+    figures: dict[str, float | int | None]  # what status.rollout.analysis shows
+    failed: list[str]  # the checks that failed, each with its figures, for events and status
+
+    def summary(self) -> str:
+        return "; ".join(self.failed) if self.failed else self.verdict.lower()
+
+
+def ratio(canary: float | None, stable: float | None) -> float | None:
+    if canary is None or stable is None or stable <= 0:
+        return None
+    return canary / stable
+
+
+def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
+    """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
+    requests, or too few mirrored tokens when the quality gate is on: inconclusive, never a
+    failure. The agreement threshold is relative to the noise floor: stable scoring its own
+    tokens on another replica (1.0 when the interval had too few of those)."""
+    ttft = ratio(quantile(0.95, canary.ttft), quantile(0.95, stable.ttft))
+    itl = ratio(quantile(0.95, canary.itl), quantile(0.95, stable.itl))
+    error_rate = canary.errors / canary.requests if canary.requests else None
+    agreement = canary.agreed / canary.tokens if canary.tokens else None
+    quality = analysis.quality
+    floor = stable.agreed / stable.tokens if quality and stable.tokens >= quality.minTokens else None
+    shown: dict[str, float | int | None] = {
+        "canaryRequests": int(canary.requests), "stableRequests": int(stable.requests),
+        "errorRate": rounded(error_rate), "ttftP95Ratio": rounded(ttft), "itlP95Ratio": rounded(itl),
+        "greedyAgreement": rounded(agreement), "agreementTokens": int(canary.tokens),
+        "noiseFloor": rounded(floor), "noiseFloorTokens": int(stable.tokens)}
+    if canary.requests < analysis.minRequests or (quality and canary.tokens < quality.minTokens):
+        return Check(INCONCLUSIVE, shown, [])
+    failed = []
+    if error_rate is not None and error_rate > analysis.maxErrorRate:
+        failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}")
+    if ttft is not None and ttft > analysis.maxTimeToFirstTokenP95Ratio:
+        failed.append(f"TTFT p95 ratio {ttft:.2f} > {analysis.maxTimeToFirstTokenP95Ratio}")
+    if itl is not None and itl > analysis.maxInterTokenLatencyP95Ratio:
+        failed.append(f"ITL p95 ratio {itl:.2f} > {analysis.maxInterTokenLatencyP95Ratio}")
+    if quality and agreement is not None:
+        needed = quality.minGreedyAgreement * (floor if floor is not None else 1.0)
+        if agreement < needed:
+            failed.append(f"greedy agreement {agreement:.3f} < {needed:.3f} (minGreedyAgreement "
+                          f"{quality.minGreedyAgreement} x noise floor {floor if floor is not None else 1.0:.3f}, "
+                          f"{int(canary.tokens)} tokens)")
+    return Check(FAIL if failed else PASS, shown, failed)
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)

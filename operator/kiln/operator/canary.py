@@ -1,0 +1,96 @@
+"""A reconcile pass's part in a rollout: gather the facts the step machine needs (which
+revision is stable, how ready the canary is, the annotations, an analysis interval that
+ended), run it, and say how traffic splits. The routers are scraped here; the decisions are
+rollout.py's and analysis.py's, both pure."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .analysis import Check, Figures, check, figures
+from .autoscaler import seconds
+from .desired import Split, fully_ready
+from .models import InferenceServiceSpec
+from .observed import Observed, is_ready, replicas_of
+from .render import ROUTER_PORT, Owner, revision_name
+from .rollout import RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
+from .scrape import read_all
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The routers' counters when the current analysis interval began (memory of this process:
+    after an operator restart the interval starts again, the step and its pause do not)."""
+    time: float
+    canary: str
+    figures: dict[str, Figures]
+
+
+def stable_revision(previous: dict[str, Any], state: State | None, target: str) -> str:
+    """The stable revision as the last pass left it; the spec's own on the first pass."""
+    if state is not None:
+        return state.stable
+    return next((r["name"] for r in previous.get("revisions") or [] if r.get("role") == "stable"), target)
+
+
+def router_figures(observed: Observed) -> dict[str, Figures] | None:
+    """Per-revision figures summed over the ready routers; None when none answered."""
+    urls = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
+            for p in observed.pods(component="router") if is_ready(p)]
+    pages = [page for page in read_all(urls) if page is not None] if urls else []
+    if not pages:
+        return None
+    return figures(sample for page in pages for sample in page)
+
+
+def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baselines: dict[Any, Baseline],
+            key: Any, now: float) -> Check | None:
+    """A check when an analysis interval ended in this pass, else None (and the first pass of
+    a canary, or of this process, only takes the baseline)."""
+    assert spec.rollout is not None and state.canary is not None
+    base = baselines.get(key)
+    if base is not None and base.canary == state.canary and now - base.time < seconds(spec.rollout.analysis.interval):
+        return None
+    taken = router_figures(observed)
+    if taken is None:
+        return None
+    baselines[key] = Baseline(now, state.canary, taken)
+    if base is None or base.canary != state.canary:
+        return None
+    empty = Figures()
+    return check(taken.get(state.canary, empty).minus(base.figures.get(state.canary, empty)),
+                 taken.get(state.stable, empty).minus(base.figures.get(state.stable, empty)),
+                 spec.rollout.analysis)
+
+
+def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotations: Mapping[str, str],
+         previous: dict[str, Any], baselines: dict[Any, Baseline], now: float) -> Decision | None:
+    """The rollout's next state; None when the spec has no rollout (revisions replace each other)."""
+    if spec.rollout is None:
+        baselines.pop((owner.namespace, owner.name), None)
+        return None
+    target = revision_name(owner.name, spec)
+    state = load(previous.get("rollout"))
+    stable = stable_revision(previous, state, target)
+    if stable != target and observed.engine(stable) is None:
+        # The stable revision's Deployment is gone (deleted by hand): nothing to compare with,
+        # so the spec's revision serves, as without a rollout.
+        state, stable = State("Promoted", target, message=f"stable revision {stable} was gone; {target} serves"), target
+    canary = state.canary if state is not None and state.active else None
+    canary_deployment = observed.engine(canary) if canary else None
+    facts = Facts(canary_ready=sum(1 for p in observed.pods(canary) if is_ready(p)) if canary else 0,
+                  canary_full=canary_deployment is not None
+                  and replicas_of(canary_deployment) >= replicas_of(observed.engine(stable))
+                  and fully_ready(canary_deployment, replicas_of(canary_deployment)),
+                  retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION))
+    result = None
+    if state is not None and state.active and state.step >= 1 and state.canary == target:
+        result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
+    return advance(spec.rollout, state, stable, target, facts, result, now)
+
+
+def split(spec: InferenceServiceSpec, decision: Decision | None) -> Split | None:
+    if decision is None or spec.rollout is None:
+        return None
+    return Split(decision.state.stable, decision.canary, decision.weight(spec.rollout),
+                 decision.full_size(spec.rollout))

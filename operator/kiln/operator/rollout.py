@@ -1,0 +1,212 @@
+"""The canary rollout's step machine: a pure function from the rollout's last state (kept in
+status.rollout, so an operator restart resumes the same step), what this pass observed and
+the latest analysis verdict, to the next state. reconcile.py brings the facts and the time.
+
+A rollout starts when the spec's revision differs from the stable one. The canary first has
+to become ready (step 0, within progressDeadline); then each step sends its weight of the
+requests to it for its pause, with analysis every interval. After the last step the canary is
+scaled to the stable revision's size (step len(steps)+1) and then promoted: it becomes the
+stable revision and the old one drains and goes. `failureLimit` failed checks roll it back:
+weight 0, Deployment removed, and not retried while the spec still asks for it, unless the
+kiln.dev/retry-rollout annotation changes. A spec changed again mid-rollout makes the newest
+revision the canary; a spec changed back to the stable revision drops the canary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .analysis import FAIL, PASS, Check
+from .autoscaler import seconds
+from .models import Rollout
+from .scaling import epoch, iso
+
+PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK = "Progressing", "Paused", "Promoted", "RolledBack"
+RETRY_ANNOTATION = "kiln.dev/retry-rollout"
+RESUME_ANNOTATION = "kiln.dev/resume-rollout"
+
+
+@dataclass(frozen=True)
+class State:
+    """status.rollout, as the step machine sees it (times in epoch seconds)."""
+    phase: str
+    stable: str
+    canary: str | None = None
+    step: int = 0
+    since: float = 0.0  # when the current step (or the wait for readiness) began
+    passed: int = 0  # passing checks in this step
+    failed: int = 0  # failed checks in this rollout
+    rolled_back: str | None = None
+    retry_token: str | None = None
+    resume_token: str | None = None
+    analysis: dict[str, Any] | None = None
+    message: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.phase in (PROGRESSING, PAUSED) and self.canary is not None
+
+
+@dataclass(frozen=True)
+class Facts:
+    canary_ready: int  # ready canary pods
+    canary_full: bool  # the canary Deployment has all the replicas it was asked for, ready
+    retry_token: str | None = None  # the kiln.dev/retry-rollout annotation
+    resume_token: str | None = None  # the kiln.dev/resume-rollout annotation
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: State
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def canary(self) -> str | None:
+        return self.state.canary if self.state.active else None
+
+    def weight(self, rollout: Rollout) -> int:
+        """The canary's share of requests: 0 until it is ready, then its step's weight."""
+        if not self.state.active or self.state.step == 0:
+            return 0
+        return rollout.steps[min(self.state.step, len(rollout.steps)) - 1].weight
+
+    def full_size(self, rollout: Rollout) -> bool:
+        """The canary is scaled to the stable revision's replicas before it is promoted."""
+        return self.state.active and self.state.step > len(rollout.steps)
+
+
+def advance(rollout: Rollout, previous: State | None, stable: str, target: str, facts: Facts,
+            check: Check | None, now: float) -> Decision:
+    """One step of the machine. `stable`: the stable revision (status), `target`: the
+    revision the spec asks for now, `check`: an analysis interval that ended in this pass."""
+    state = previous or State(PROMOTED, stable, message=f"{stable} serves 100%")
+    if state.active:
+        if target == state.canary:
+            return progress(rollout, state, facts, check, now)
+        if target == state.stable:
+            return Decision(replace(state, phase=ROLLED_BACK, canary=None, message=(
+                f"the spec asks for the stable revision {state.stable} again: canary {state.canary} dropped")),
+                [Event("Normal", "RolloutAborted", f"spec returned to {state.stable}; canary {state.canary} dropped")])
+        return start(state, target, facts, now, f"the spec changed mid-rollout: {target} replaces canary "
+                                                f"{state.canary}")
+    if target == state.stable:
+        return Decision(state)
+    if state.rolled_back == target and facts.retry_token == state.retry_token:
+        return Decision(state)
+    return start(state, target, facts, now, f"canary {target} starts beside stable {state.stable}")
+
+
+def start(state: State, target: str, facts: Facts, now: float, why: str) -> Decision:
+    new = State(PROGRESSING, state.stable, target, 0, now, retry_token=facts.retry_token,
+                resume_token=facts.resume_token, message=f"{why}; waiting for it to become ready")
+    return Decision(new, [Event("Normal", "RolloutStarted", why)])
+
+
+def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, now: float) -> Decision:
+    steps, events = rollout.steps, []
+    if check is not None:
+        state = replace(state, analysis={"time": now, "verdict": check.verdict, **check.figures,
+                                         "failed": check.failed})
+        if check.verdict == FAIL:
+            state = replace(state, failed=state.failed + 1)
+            if state.failed >= max(1, rollout.analysis.failureLimit):
+                return roll_back(state, f"analysis failed {state.failed} time(s): {check.summary()}")
+            events.append(Event("Warning", "AnalysisFailed", f"canary {state.canary}: {check.summary()} "
+                                f"({state.failed}/{max(1, rollout.analysis.failureLimit)} failed checks)"))
+        elif check.verdict == PASS:
+            state = replace(state, passed=state.passed + 1)
+    deadline = seconds(rollout.progressDeadline)
+    if state.step == 0 or not facts.canary_ready:
+        if facts.canary_ready:
+            return next_step(rollout, state, now, events)
+        if now - state.since > deadline:
+            return roll_back(state, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
+                                    "(progressDeadline)")
+        waiting = "to become ready" if state.step == 0 else "to have a ready replica again"
+        return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
+    if state.step > len(steps):
+        if facts.canary_full:
+            return promote(state)
+        return Decision(replace(state, message=f"scaling canary {state.canary} to the stable revision's "
+                                               f"size before promotion; {analysis_words(state)}"), events)
+    pause = steps[state.step - 1].pause
+    if pause is None:
+        if facts.resume_token != state.resume_token:
+            return next_step(rollout, replace(state, resume_token=facts.resume_token), now, events)
+        return Decision(replace(state, phase=PAUSED, message=(
+            f"step {state.step}/{len(steps)} paused at {steps[state.step - 1].weight}% to {state.canary}: "
+            f"annotate {RESUME_ANNOTATION} to go on; {analysis_words(state)}")), events)
+    if state.passed > 0 and now - state.since >= seconds(pause):
+        return next_step(rollout, state, now, events)
+    return Decision(replace(state, phase=PROGRESSING, message=(
+        f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}; "
+        f"{analysis_words(state)}")), events)
+
+
+def next_step(rollout: Rollout, state: State, now: float, events: list[Event]) -> Decision:
+    steps = rollout.steps
+    step = state.step + 1
+    new = replace(state, phase=PROGRESSING, step=step, since=now, passed=0)
+    if step > len(steps):
+        return Decision(replace(new, message=f"every step passed: scaling canary {state.canary} up "
+                                             "for promotion"),
+                        events + [Event("Normal", "RolloutStep", f"canary {state.canary}: every step passed, "
+                                                                  "scaling it up for promotion")])
+    words = f"step {step}/{len(steps)}: {steps[step - 1].weight}% to {state.canary}"
+    return Decision(replace(new, message=f"{words}; analysis starts"),
+                    events + [Event("Normal", "RolloutStep", words)])
+
+
+def promote(state: State) -> Decision:
+    return Decision(State(PROMOTED, state.canary or state.stable, None, retry_token=state.retry_token,
+                          resume_token=state.resume_token, analysis=state.analysis,
+                          message=f"{state.canary} promoted to stable at 100%; {state.stable} drains and goes"))
+
+
+def roll_back(state: State, why: str) -> Decision:
+    return Decision(replace(state, phase=ROLLED_BACK, canary=None, rolled_back=state.canary,
+                            message=f"rolled back {state.canary}: {why}; {state.stable} serves 100%"))
+
+
+def analysis_words(state: State) -> str:
+    a = state.analysis
+    if not a:
+        return "no analysis interval has ended yet"
+    shown = ", ".join(f"{k} {a[k]}" for k in ("greedyAgreement", "noiseFloor", "errorRate", "ttftP95Ratio",
+                                              "itlP95Ratio") if a.get(k) is not None)
+    return f"last analysis {a['verdict'].lower()} ({shown or 'no figures'}; {a.get('canaryRequests', 0)} " \
+           f"canary requests); {state.failed} failed check(s)"
+
+
+# status.rollout <-> State: RFC 3339 times in status, epoch seconds here.
+
+def load(saved: dict[str, Any] | None) -> State | None:
+    if not saved or "stable" not in saved:
+        return None
+    analysis = saved.get("analysis")
+    if analysis and analysis.get("time"):
+        analysis = {**analysis, "time": epoch(analysis["time"])}
+    return State(saved["phase"], saved["stable"], saved.get("canary"), saved.get("step", 0),
+                 epoch(saved.get("stepStartedAt")) or 0.0,
+                 saved.get("passedChecks", 0), saved.get("failedChecks", 0), saved.get("rolledBack"),
+                 saved.get("retryToken"), saved.get("resumeToken"), analysis, saved.get("message", ""))
+
+
+def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "phase": state.phase, "stable": state.stable, "canary": state.canary, "step": state.step,
+        "stepStartedAt": iso(state.since) if state.active else None, "passedChecks": state.passed,
+        "failedChecks": state.failed, "rolledBack": state.rolled_back, "retryToken": state.retry_token,
+        "resumeToken": state.resume_token, "message": state.message}
+    if state.analysis:
+        out["analysis"] = {**state.analysis, "time": iso(state.analysis["time"])}
+    if state.active and rollout is not None and rollout.analysis.quality is not None:
+        quality = rollout.analysis.quality
+        out["mirror"] = {"sampleRate": quality.sampleRate, "floorSampleRate": quality.floorSampleRate}
+    return {k: v for k, v in out.items() if v is not None}

@@ -1,0 +1,149 @@
+"""The router during a rollout: requests split by the revisions' weights from status, and the
+quality gate's mirror (the stable revision answers greedily, the canary scores its tokens),
+against fake engines on 127.0.0.1 that speak the engine's token-id and prompt-logprob
+extension (the real engine's side is tested in test_server.py)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from kiln.router.mirror import Credit, agreement, greedy_request
+from kiln.router.traffic import Mirror, StaticTraffic, Traffic, WeightedChoice, traffic_of
+from router_fakes import FakeEngine, metric, on_event_loop, service, until
+
+PROMPT_IDS = [5, 6, 7]
+OUTPUT_IDS = [11, 12, 13, 14]
+
+
+class ScoringEngine(FakeEngine):
+    """Answers as FakeEngine does, plus the two calls of a mirrored comparison: a greedy
+    request with return_token_ids (always OUTPUT_IDS), and a scoring request with
+    prompt_logprobs, where it agrees on the first `agrees` output positions. A scoring
+    request waits for `release` when `slow`."""
+    agrees = len(OUTPUT_IDS)
+    slow = False
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.scored = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        payload = await request.json()
+        if payload.get("return_token_ids"):
+            return web.json_response({"choices": [{"text": "shadow", "token_ids": OUTPUT_IDS,
+                                                   "prompt_token_ids": PROMPT_IDS}]})
+        if "prompt_logprobs" in payload:
+            if self.slow:
+                await self.release.wait()
+            self.scored += 1
+            prompt = payload["prompt"]
+            entries = [None] + [{str(t): {"logprob": -0.1, "rank": 1 if i - len(PROMPT_IDS) < self.agrees else 2}}
+                                for i, t in enumerate(prompt) if i > 0]
+            return web.json_response({"choices": [{"text": "", "prompt_logprobs": entries}]})
+        return await super().completions(request)
+
+
+def split(weights: dict[str, int], mirror: Mirror | None = None) -> StaticTraffic:
+    return StaticTraffic(Traffic(weights, "stable", "canary", mirror))
+
+
+@on_event_loop
+async def test_requests_split_by_weight_within_five_points_and_metrics_count_per_revision() -> None:
+    traffic = split({"stable": 70, "canary": 30, "old": 0})
+    async with service(3, revisions=["stable", "canary", "old"], traffic=traffic) as svc:
+        statuses = [(await svc.complete()).status for _ in range(400)]
+        assert statuses == [200] * 400
+        stable, canary, old = svc.hits()
+        assert abs(canary / 400 - 0.30) <= 0.05 and old == 0 and stable + canary == 400
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="canary", code="200") == canary
+        assert metric(samples, "kiln_router_requests_total", revision="stable", code="200") == stable
+        # The operator moves the weights (as a status update would): the split follows at once.
+        traffic.traffic = Traffic({"stable": 0, "canary": 100}, "canary")
+        before = svc.hits()
+        for _ in range(20):
+            assert (await svc.complete()).status == 200
+        assert [a - b for a, b in zip(svc.hits(), before)] == [0, 20, 0]
+
+
+@on_event_loop
+async def test_a_weighted_revision_without_ready_replicas_gives_its_share_to_the_others() -> None:
+    async with service(1, revisions=["stable"], traffic=split({"stable": 50, "canary": 50})) as svc:
+        assert [(await svc.complete()).status for _ in range(10)] == [200] * 10
+        assert svc.hits() == [10]
+
+
+@on_event_loop
+async def test_mirrored_comparisons_score_the_canary_and_the_noise_floor() -> None:
+    ScoringEngine.agrees = 3  # the canary's argmax matches 3 of the 4 stable tokens
+    traffic = split({"stable": 50, "canary": 50}, Mirror(sample_rate=0.5, floor_sample_rate=0.5))
+    async with service(3, revisions=["stable", "stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
+        for _ in range(8):
+            response = await svc.complete()
+            assert response.status == 200 and "engine" in await response.json()  # never the shadow's answer
+        await until(lambda: sum(e.scored for e in svc.engines) == 4 + 2)
+        samples = await svc.metrics()
+        # 4 of 8 requests mirrored; 2 of those also scored by stable (the other replica).
+        assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 4 * 4
+        assert metric(samples, "kiln_router_mirror_agreed_total", revision="canary") == 4 * 3
+        assert metric(samples, "kiln_router_mirror_tokens_total", revision="stable") == 2 * 4
+        assert metric(samples, "kiln_router_mirrored_requests_total", outcome="scored") == 4
+        # Client metrics count client requests only.
+        assert sum(metric(samples, "kiln_router_requests_total", revision=r, code="200")
+                   for r in ("stable", "canary")) == 8
+    ScoringEngine.agrees = len(OUTPUT_IDS)
+
+
+@on_event_loop
+async def test_a_slow_shadow_never_delays_the_client() -> None:
+    ScoringEngine.slow = True
+    try:
+        traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
+        async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
+            stable, canary = svc.engines
+            for _ in range(3):
+                response = await asyncio.wait_for(svc.complete(), 10)
+                assert response.status == 200 and await response.json() == {"engine": stable.name}
+            assert canary.scored == 0  # the shadows wait at the canary; the clients did not
+            canary.release.set()
+            await until(lambda: canary.scored == 3)
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 12
+    finally:
+        ScoringEngine.slow = False
+
+
+def test_weighted_choice_is_exact_over_each_cycle() -> None:
+    choice = WeightedChoice()
+    picks = [choice.choose({"a": 30, "b": 70}) for _ in range(10)]
+    assert picks.count("a") == 3 and picks.count("b") == 7
+    assert choice.choose({"a": 0}) is None
+
+
+def test_credit_takes_its_rate_evenly() -> None:
+    credit = Credit()
+    assert [credit.take(0.25) for _ in range(8)] == [False, False, False, True] * 2
+    assert not any(Credit().take(0.0) for _ in range(100))
+
+
+def test_traffic_comes_from_status_and_mirrors_only_while_a_canary_runs() -> None:
+    status = {"revisions": [{"name": "a", "role": "stable", "weight": 90}, {"name": "b", "role": "canary", "weight": 10}],
+              "rollout": {"phase": "Progressing", "stable": "a", "canary": "b",
+                          "mirror": {"sampleRate": 0.1, "floorSampleRate": 0.5}}}
+    assert traffic_of(status) == Traffic({"a": 90, "b": 10}, "a", "b", Mirror(0.1, 0.5))
+    done = {**status, "rollout": {**status["rollout"], "phase": "RolledBack"}}
+    assert traffic_of(done).mirror is None and traffic_of(done).canary is None
+    assert traffic_of({"revisions": [{"name": "a", "role": "stable"}]}) == Traffic()
+    assert traffic_of(None) == Traffic()
+
+
+def test_greedy_request_and_agreement_follow_the_eval_definition() -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.8,
+                       "max_tokens": 500, "stream": True, "logprobs": True}).encode()
+    assert greedy_request(body) == {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 32, "temperature": 0, "stream": False, "return_token_ids": True}
+    assert greedy_request(b"not json") is None and greedy_request(b'{"model": "m"}') is None
+    scored = {"choices": [{"prompt_logprobs": [None, {"6": {"rank": 3}}, {"11": {"rank": 1}}, {"12": {"rank": 2}}]}]}
+    assert agreement(scored, [5, 6], [11, 12]) == 1
