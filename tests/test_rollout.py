@@ -1,0 +1,174 @@
+"""The canary rollout's pure parts: the analysis of router figures (analysis.py), the step
+machine (rollout.py) and what desired() makes of a split. No cluster: recorded figures in,
+decisions out."""
+from __future__ import annotations
+
+import pytest
+
+from kiln.operator.analysis import FAIL, INCONCLUSIVE, PASS, Check, Figures, check, figures, quantile
+from kiln.operator.desired import Split, desired
+from kiln.operator.models import Analysis, InferenceServiceSpec, Rollout
+from kiln.operator.observed import Observed
+from kiln.operator.render import Owner, revision_name
+from kiln.operator.rollout import (PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Facts, State, advance, dump, load)
+
+ROLLOUT = Rollout.model_validate({
+    "steps": [{"weight": 20, "pause": "30s"}, {"weight": 50, "pause": "30s"}], "progressDeadline": "2m",
+    "analysis": {"interval": "10s", "failureLimit": 2, "minRequests": 5,
+                 "quality": {"minGreedyAgreement": 0.95, "minTokens": 20}}})
+READY, FULL = Facts(canary_ready=1, canary_full=False), Facts(canary_ready=2, canary_full=True)
+
+
+def page(revision: str, ok: int, errors: int = 0, ttft: tuple[int, ...] = (), tokens: int = 0, agreed: int = 0):
+    """Router samples of one revision: `ttft` counts per bucket (0.1, 0.5, 1, +Inf), made cumulative."""
+    yield "kiln_router_requests_total", {"revision": revision, "code": "200"}, ok
+    yield "kiln_router_requests_total", {"revision": revision, "code": "503"}, errors
+    yield "kiln_router_requests_total", {"revision": revision, "code": "499"}, 7  # never counted
+    total = 0
+    for le, n in zip(("0.1", "0.5", "1.0", "+Inf"), ttft or (0, 0, 0, 0)):
+        total += n
+        yield "kiln_router_time_to_first_token_seconds_bucket", {"revision": revision, "le": le}, total
+    yield "kiln_router_mirror_tokens_total", {"revision": revision}, tokens
+    yield "kiln_router_mirror_agreed_total", {"revision": revision}, agreed
+
+
+def test_figures_sum_routers_and_leave_client_hang_ups_out():
+    found = figures([*page("c", 10, 2, (5, 5, 0, 0)), *page("c", 5, 0, (0, 5, 0, 0))])
+    assert (found["c"].requests, found["c"].errors) == (17, 2)
+    assert found["c"].ttft == {0.1: 5, 0.5: 15, 1.0: 15, float("inf"): 15}
+
+
+def test_quantile_interpolates_inside_the_bucket_like_prometheus():
+    assert quantile(0.5, {0.1: 0, 0.5: 10, float("inf"): 10}) == pytest.approx(0.3)
+    assert quantile(0.95, {0.1: 100, float("inf"): 100}) == pytest.approx(0.095)
+    assert quantile(0.95, {1.0: 0, float("inf"): 4}) == 1.0  # beyond the last bound: that bound
+    assert quantile(0.95, {}) is None
+
+
+def test_an_interval_is_the_difference_and_a_router_restart_counts_from_zero():
+    before, after = Figures(requests=100, tokens=50), Figures(requests=130, tokens=20)
+    delta = after.minus(before)
+    assert (delta.requests, delta.tokens) == (30, 20)
+
+
+def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
+    analysis = ROLLOUT.analysis
+    stable = figures(page("s", 100, 0, (90, 10, 0, 0), tokens=40, agreed=39))["s"]
+    good = figures(page("c", 20, 0, (18, 2, 0, 0), tokens=100, agreed=96))["c"]
+    result = check(good, stable, analysis)
+    assert result.verdict == PASS and result.figures["greedyAgreement"] == 0.96
+    assert result.figures["noiseFloor"] == 0.975  # stable against itself, 40 tokens >= minTokens
+    errors = figures(page("c", 18, 2, (18, 2, 0, 0), tokens=100, agreed=96))["c"]
+    assert check(errors, stable, analysis).failed == ["error rate 0.100 > 0.01"]
+    slow = figures(page("c", 20, 0, (0, 0, 20, 0), tokens=100, agreed=96))["c"]
+    assert check(slow, stable, analysis).failed[0].startswith("TTFT p95 ratio")
+    # 0.92 < 0.95 x 0.975: the gate is relative to the noise floor.
+    worse = figures(page("c", 20, 0, (18, 2, 0, 0), tokens=100, agreed=92))["c"]
+    failed = check(worse, stable, analysis)
+    assert failed.verdict == FAIL and "greedy agreement 0.920 < 0.926" in failed.failed[0]
+    assert check(figures(page("c", 4, 0, tokens=100, agreed=0))["c"], stable, analysis).verdict == INCONCLUSIVE
+    assert check(figures(page("c", 50, 0, tokens=10, agreed=0))["c"], stable, analysis).verdict == INCONCLUSIVE
+    no_floor = figures(page("s", 100, 0, tokens=5, agreed=5))["s"]
+    assert check(worse, no_floor, analysis).figures["noiseFloor"] is None  # too few: 1.0 stands in
+    assert check(worse, no_floor, Analysis(minRequests=5)).verdict == PASS  # no quality gate
+
+
+def verdict(v: str) -> Check:
+    return Check(v, {"canaryRequests": 10, "greedyAgreement": 0.5}, ["greedy agreement 0.500 < 0.950"] if v == FAIL else [])
+
+
+def run(state: State | None, target: str, facts: Facts, check_: Check | None, now: float):
+    return advance(ROLLOUT, state, "stable-a", target, facts, check_, now)
+
+
+def test_a_rollout_starts_waits_for_readiness_steps_and_promotes():
+    d = run(None, "canary-b", Facts(0, False), None, 0)
+    assert (d.state.phase, d.canary, d.state.step, d.weight(ROLLOUT)) == (PROGRESSING, "canary-b", 0, 0)
+    assert [e.reason for e in d.events] == ["RolloutStarted"]
+    d = run(d.state, "canary-b", Facts(0, False), None, 60)  # still loading, inside the deadline
+    assert d.state.step == 0 and "waiting" in d.state.message
+    d = run(d.state, "canary-b", READY, None, 70)
+    assert (d.state.step, d.weight(ROLLOUT)) == (1, 20)
+    d = run(d.state, "canary-b", READY, verdict(INCONCLUSIVE), 110)  # the pause is over, nothing judged yet
+    assert d.state.step == 1
+    d = run(d.state, "canary-b", READY, verdict(PASS), 115)
+    assert (d.state.step, d.weight(ROLLOUT)) == (2, 50)
+    d = run(d.state, "canary-b", READY, verdict(PASS), 150)
+    assert d.full_size(ROLLOUT) and d.weight(ROLLOUT) == 50  # scaled up before promotion
+    d = run(d.state, "canary-b", READY, None, 160)
+    assert d.state.phase == PROGRESSING  # not all its replicas are ready yet
+    d = run(d.state, "canary-b", FULL, None, 170)
+    assert (d.state.phase, d.state.stable, d.canary) == (PROMOTED, "canary-b", None)
+    assert "canary-b promoted" in d.state.message
+    # Promoted: the spec's revision is stable; nothing more happens.
+    assert advance(ROLLOUT, d.state, "canary-b", "canary-b", FULL, None, 500).state == d.state
+
+
+def test_failed_checks_roll_back_and_the_same_revision_is_not_retried_until_asked():
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(d.state, "canary-b", READY, verdict(FAIL), 20)
+    assert d.state.phase == PROGRESSING and d.state.failed == 1
+    assert [(e.type, e.reason) for e in d.events] == [("Warning", "AnalysisFailed")]
+    d = run(d.state, "canary-b", READY, verdict(FAIL), 30)
+    assert (d.state.phase, d.canary, d.state.rolled_back, d.weight(ROLLOUT)) == (ROLLED_BACK, None, "canary-b", 0)
+    assert "greedy agreement 0.500 < 0.950" in d.state.message and "stable-a serves 100%" in d.state.message
+    again = run(d.state, "canary-b", READY, None, 40)
+    assert again.state == d.state  # the spec is unchanged: no new rollout
+    retried = run(d.state, "canary-b", Facts(0, False, retry_token="1"), None, 50)
+    assert (retried.state.phase, retried.canary, retried.state.retry_token) == (PROGRESSING, "canary-b", "1")
+    assert run(d.state, "canary-c", READY, None, 60).canary == "canary-c"  # another change: a new rollout
+
+
+def test_a_canary_that_never_gets_ready_is_rolled_back_after_the_deadline():
+    d = run(None, "canary-b", Facts(0, False), None, 0)
+    d = run(d.state, "canary-b", Facts(0, False), None, 121)
+    assert d.state.phase == ROLLED_BACK and "progressDeadline" in d.state.message
+
+
+def test_a_spec_change_mid_rollout_restarts_with_the_newest_and_a_revert_drops_the_canary():
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    assert d.state.step == 1
+    d = run(d.state, "canary-c", READY, None, 5)
+    assert (d.canary, d.state.step, d.state.since) == ("canary-c", 0, 5)
+    reverted = run(d.state, "stable-a", READY, None, 6)
+    assert (reverted.state.phase, reverted.canary, reverted.state.rolled_back) == (ROLLED_BACK, None, None)
+
+
+def test_a_step_without_pause_holds_until_resumed():
+    rollout = ROLLOUT.model_copy(update={"steps": [ROLLOUT.steps[0].model_copy(update={"pause": None})]})
+    d = advance(rollout, None, "a", "b", READY, None, 0)
+    d = advance(rollout, d.state, "a", "b", READY, None, 1)
+    d = advance(rollout, d.state, "a", "b", READY, verdict(PASS), 500)
+    assert d.state.phase == PAUSED and "kiln.dev/resume-rollout" in d.state.message
+    d = advance(rollout, d.state, "a", "b", Facts(1, False, resume_token="go"), None, 501)
+    assert d.full_size(rollout)
+
+
+def test_state_survives_status_round_trip_so_a_restarted_operator_resumes_the_same_step():
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(d.state, "canary-b", READY, verdict(FAIL), 20)
+    saved = dump(d.state, ROLLOUT)
+    assert saved["mirror"] == {"sampleRate": 0.05, "floorSampleRate": 0.25}
+    restored = load(saved)
+    assert (restored.step, restored.failed, restored.since, restored.canary) == (1, 1, 1, "canary-b")
+    assert restored.analysis["greedyAgreement"] == 0.5
+
+
+def spec_of(quantization: str) -> InferenceServiceSpec:
+    return InferenceServiceSpec.model_validate({
+        "model": {"source": "builtin://smollm2-135m"}, "replicas": 4,
+        "engine": {"quantization": quantization}, "rollout": ROLLOUT.model_dump()})
+
+
+def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weight():
+    owner = Owner("chat", "ns", "uid")
+    stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    old_spec = desired(owner, spec_of("none"), Observed(), "img").stable.deployment
+    observed = Observed.of(old_spec)
+    want = desired(owner, spec_of("int8"), observed, "img", split=Split(stable, canary, 20))
+    roles = [(r.name, r.role, r.replicas, r.weight, r.deployment is None) for r in want.revisions]
+    assert roles == [(stable, "stable", 4, 80, True), (canary, "canary", 1, 20, False)]
+    full = desired(owner, spec_of("int8"), observed, "img", split=Split(stable, canary, 50, full_size=True))
+    assert full.revisions[1].replicas == 4
+    rolled_back = desired(owner, spec_of("int8"), observed, "img", split=Split(stable))
+    assert [(r.role, r.weight) for r in rolled_back.revisions] == [("stable", 100)]
