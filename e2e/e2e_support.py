@@ -2,9 +2,12 @@
 when tests/ and e2e/ run in one pytest session). Polling and kubectl are kiln.local.testing's."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import openai
 
 from kiln.local import testing
 
@@ -25,3 +28,37 @@ class Target:
         """kubectl's stdout; a failure raises testing.KubectlError with kubectl's own message."""
         return testing.kubectl(self.kubeconfig, *args, check=check, timeout=timeout, input=input,
                                binary=self.kubectl_bin).stdout
+
+
+class Load:
+    """Clients streaming long completions in a loop until stopped; every outcome is kept."""
+
+    def __init__(self, url: str, clients: int, max_tokens: int = 64) -> None:
+        self.max_tokens = max_tokens
+        self.api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.done = 0
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            try:
+                stream = self.api.completions.create(model=MODEL, prompt=f"Story {i}.{self.done}: once upon a time",
+                                                     max_tokens=self.max_tokens, stream=True)
+                finish = [c.choices[0].finish_reason for c in stream][-1]
+                if finish not in ("length", "stop"):
+                    self.failures.append(f"finish_reason={finish}")
+                self.done += 1
+            except Exception as exc:  # noqa: BLE001 - any failure is what this test counts
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()

@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 
-from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Target
+from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 pytestmark = pytest.mark.timeout(1800)
@@ -57,39 +57,6 @@ def ready_replicas(target: Target, namespace: str, name: str) -> int:
 def wait_ready(target: Target, namespace: str, name: str) -> None:
     target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
                    f"inferenceservice/{name}", timeout=LOAD_TIMEOUT + 30)
-
-
-class Load:
-    """Clients streaming long completions in a loop until stopped; every outcome is kept."""
-
-    def __init__(self, url: str, clients: int) -> None:
-        self.api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        self.stop = threading.Event()
-        self.failures: list[str] = []
-        self.done = 0
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
-
-    def _run(self, i: int) -> None:
-        while not self.stop.is_set():
-            try:
-                stream = self.api.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time",
-                                                     max_tokens=64, stream=True)
-                finish = [c.choices[0].finish_reason for c in stream][-1]
-                if finish not in ("length", "stop"):
-                    self.failures.append(f"finish_reason={finish}")
-                self.done += 1
-            except Exception as exc:  # noqa: BLE001 - any failure is what this test counts
-                self.failures.append(repr(exc))
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
 
 
 class Watch:
