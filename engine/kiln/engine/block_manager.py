@@ -65,12 +65,13 @@ class BlockManager:
         return seq.block_hashes[index]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Ids of cached blocks holding this sequence's leading full blocks. At least one token is
-        always left out: its forward pass is what yields the logits for the next token."""
+        """Ids of cached blocks holding this sequence's leading full blocks, within its reusable
+        tokens (Sequence.num_reusable_tokens: never the last token, nor positions whose prompt
+        logprobs are still to be computed)."""
         if not self.enable_prefix_caching:
             return []
         matched = []
-        for i in range((len(seq) - 1) // self.block_size):
+        for i in range(seq.num_reusable_tokens // self.block_size):
             block_id = self.hash_to_block.get(self._block_hash(seq, i))
             if block_id is None:
                 break

@@ -14,6 +14,7 @@ from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import Config, resolve_max_model_len
 from kiln.engine.loader import load_model
 from kiln.engine.model_runner import ModelRunner
+from kiln.engine.prompt_logprobs import PromptLogprob, entry
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Sequence
@@ -29,6 +30,9 @@ class RequestOutput:
     new_token_ids: list[int]  # this step
     new_text: str  # this step
     logprobs: list[dict[str, Any]] | None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), all
+    # of them from a request's first output on (kiln.engine.prompt_logprobs).
+    prompt_logprobs: list[PromptLogprob | None] | None
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_cached_tokens: int
@@ -121,13 +125,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        seqs, tokens, logprobs = self.runner.run(batch)
+        ran = self.runner.run(batch)
         self.scheduler.complete_step(batch)
+        for seq, scored in ran.prompt_logprobs:
+            seq.prompt_logprobs += [entry(position, self.tokenizer.decode_token) for position in scored]
         outputs = []
-        for seq, token, entry in zip(seqs, tokens, logprobs):
+        for seq, token, logprob in zip(ran.sampled, ran.tokens, ran.logprobs):
             seq.append_token(token)
-            if entry is not None:
-                seq.logprobs.append(entry)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             self._check_stop(seq, token)
             outputs.append(self._output(seq))
             if seq.is_finished:
@@ -172,6 +178,8 @@ class LLMEngine:
             new_token_ids=new_token_ids,
             new_text=new_text,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            # Complete by now (a sequence samples only after its whole prompt ran) and never changed again.
+            prompt_logprobs=seq.prompt_logprobs,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,

@@ -3,7 +3,6 @@ engine, then answer with one JSON body or an SSE stream of OpenAI-format chunks.
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -15,6 +14,30 @@ from kiln.engine.openai_protocol import (
     new_id, parse_request, sse, usage)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class _TokenFields:
+    """vLLM's additions to a choice: the prompt's ids as the engine ran them and the generated ids
+    (return_token_ids), and the prompt's logprobs (prompt_logprobs). The prompt's fields go once:
+    on the full choice, or on a stream's first chunk."""
+
+    def __init__(self, return_token_ids: bool, prompt_logprobs: bool) -> None:
+        self.return_token_ids, self.prompt_logprobs = return_token_ids, prompt_logprobs
+        self.prompt_sent = False
+
+    def prompt(self, prompt_token_ids: list[int], out: RequestOutput | None) -> dict[str, Any]:
+        """The prompt's fields, the first time only; out: the request's output, None before the
+        engine made one (a chat stream's opening chunk), which only happens without prompt logprobs."""
+        if self.prompt_sent:
+            return {}
+        self.prompt_sent = True
+        fields: dict[str, Any] = {"prompt_token_ids": prompt_token_ids} if self.return_token_ids else {}
+        if self.prompt_logprobs:
+            fields["prompt_logprobs"] = out.prompt_logprobs  # int keys become JSON strings, as in vLLM
+        return fields
+
+    def generated(self, token_ids: list[int]) -> dict[str, Any]:
+        return {"token_ids": token_ids} if self.return_token_ids else {}
 
 
 class _CompletionShape:
@@ -64,8 +87,7 @@ class OpenAIServing:
         core = engine.engine
         self.tokenizer, self.max_model_len = core.tokenizer, core.config.max_model_len
         self.vocab_size = core.model_config.vocab_size
-        self.token_text = functools.lru_cache(maxsize=65536)(
-            lambda t: self.tokenizer.decode([t], skip_special_tokens=False))
+        self.token_text = self.tokenizer.decode_token
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req: CompletionRequest = parse_request(CompletionRequest, await request.read())
@@ -79,7 +101,7 @@ class OpenAIServing:
                 raise APIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
         max_tokens = self._max_tokens(len(ids), "prompt", req.max_tokens, "max_tokens",
                                       COMPLETION_DEFAULT_MAX_TOKENS)
-        params = _sampling(req, max_tokens, req.logprobs)
+        params = _sampling(req, max_tokens, req.logprobs, req.prompt_logprobs)
         shape = _CompletionShape(self.token_text, req.logprobs is not None)
         return await self._generate(request, req, ids, params, shape)
 
@@ -123,6 +145,7 @@ class OpenAIServing:
     async def _generate(self, request: web.Request, req, ids: list[int], params: SamplingParams,
                         shape) -> web.StreamResponse:
         request_id = new_id(shape.id_prefix)
+        fields = _TokenFields(req.return_token_ids, params.prompt_logprobs is not None)
         try:
             stream = await self.engine.submit(request_id, ids, params)
         except QueueFullError as e:
@@ -134,22 +157,23 @@ class OpenAIServing:
         # Whatever ends this handler early (client gone, cancelled, write failed) frees the request.
         try:
             if req.stream:
-                return await self._stream(request, req, request_id, stream.outputs, shape)
-            return await self._collect(request_id, stream.outputs, shape)
+                return await self._stream(request, req, request_id, ids, stream.outputs, shape, fields)
+            return await self._collect(request_id, stream.outputs, shape, fields)
         finally:
             self.engine.abort(request_id)
 
-    async def _collect(self, request_id: str, outputs: asyncio.Queue, shape) -> web.Response:
+    async def _collect(self, request_id: str, outputs: asyncio.Queue, shape, fields: _TokenFields) -> web.Response:
         entries: list[dict] = []
         async for out in _until_finished(outputs):
             entries += _new_entries(out)
-        choice = shape.full(out.text, entries, out.finish_reason)
+        choice = {**shape.full(out.text, entries, out.finish_reason), **fields.prompt(out.prompt_token_ids, out),
+                  **fields.generated(out.token_ids)}
         body = envelope(request_id, shape.object_full, self.model_name, [choice],
                         usage=usage(len(out.prompt_token_ids), len(out.token_ids)))
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, req, request_id: str, outputs: asyncio.Queue,
-                      shape) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req, request_id: str, prompt_ids: list[int],
+                      outputs: asyncio.Queue, shape, fields: _TokenFields) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         extra = {"usage": None} if req.include_usage else {}
@@ -159,11 +183,15 @@ class OpenAIServing:
 
         try:
             for choice in shape.opening():
-                await resp.write(chunk([choice]))
+                await resp.write(chunk([{**choice, **fields.prompt(prompt_ids, None)}]))
             async for out in _until_finished(outputs):
                 entries = _new_entries(out)
-                if out.new_text or entries or out.finished:
-                    await resp.write(chunk([shape.delta(out.new_text, entries, out.finish_reason)]))
+                # With return_token_ids, a token whose text is held back (it may begin a stop string)
+                # still goes out now.
+                if out.new_text or entries or out.finished or (fields.return_token_ids and out.new_token_ids):
+                    choice = {**shape.delta(out.new_text, entries, out.finish_reason),
+                              **fields.prompt(prompt_ids, out), **fields.generated(out.new_token_ids)}
+                    await resp.write(chunk([choice]))
             if req.include_usage:
                 await resp.write(chunk([], usage=usage(len(out.prompt_token_ids), len(out.token_ids))))
             await resp.write(sse("[DONE]"))
@@ -192,8 +220,8 @@ def _new_entries(out: RequestOutput) -> list[dict]:
     return list(out.logprobs[-len(out.new_token_ids):])
 
 
-def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -31,6 +31,10 @@ class Sequence:
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        # With params.prompt_logprobs: entry i scores prompt token i (kiln.engine.prompt_logprobs);
+        # token 0 has nothing before it, hence None. Filled in position order as the prefill runs.
+        self.prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
         # Output-side state, owned by the engine's output processing.
         self.generator: Any = None
         self.detokenizer: Any = None
@@ -53,6 +57,23 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens that still need a forward pass before the next one can be sampled."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_logprob_rows(self) -> range:
+        """Positions whose logits the prompt logprobs still need: position p's logits score
+        prompt token p + 1. Empty once all are recorded, so a recompute after preemption
+        records nothing twice."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(len(self.prompt_logprobs) - 1, self.num_prompt_tokens - 1)
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: all but the last (its forward
+        yields the next token's logits), and none from the first position whose logits the
+        prompt logprobs still need: a cache hit skips the forward that would produce them."""
+        rows = self.prompt_logprob_rows
+        return rows.start if rows else len(self.token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

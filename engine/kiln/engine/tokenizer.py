@@ -2,6 +2,7 @@
 ids, built from a Hugging Face folder or from GGUF metadata."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -55,6 +56,10 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
         self._template = _render_env().from_string(chat_template) if chat_template else None
+        # One token's text with special tokens written out, as logprobs report it. Cached: logprob
+        # responses decode the same few thousand tokens over and over.
+        self.decode_token = functools.lru_cache(maxsize=65536)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

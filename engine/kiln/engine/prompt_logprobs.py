@@ -1,0 +1,67 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`): how the model scores the prompt it was given.
+
+For each prompt position i >= 1: the logprob of the prompt's own token i given tokens < i, its
+rank, and the top-k tokens there. The rank is 1 + the number of vocabulary tokens whose logit is
+strictly greater, so rank 1 means the token is the model's argmax (teacher-forced greedy
+agreement is the share of rank-1 positions) and tokens that tie share a rank.
+
+Only requests that ask pay for this: the runner computes logits for their prompt rows alone, at
+most LOGITS_BUDGET floats of them at a time, and keeps just these figures, never a prompt's
+full logits (prompt length x vocabulary floats).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+# Logits alive at once while scoring prompt rows: 64 MiB in float32.
+LOGITS_BUDGET = 1 << 24
+
+# One prompt position's entry: {token id: {"logprob": float, "rank": int, "decoded_token": str}}.
+PromptLogprob = dict[int, dict[str, Any]]
+
+
+@dataclass
+class ScoredPosition:
+    token_id: int  # the prompt's token at this position
+    logprob: float
+    rank: int
+    top: list[tuple[int, float, int]]  # the top-k (token id, logprob, rank), best first
+
+
+def rows_per_chunk(vocab_size: int) -> int:
+    return max(1, LOGITS_BUDGET // vocab_size)
+
+
+def score_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+               targets: list[int], k: int, chunk: int) -> list[ScoredPosition]:
+    """Score targets[j], the token that follows row j of hidden (one row per position), with the
+    top k; logits for `chunk` rows at a time."""
+    scored: list[ScoredPosition] = []
+    for lo in range(0, len(targets), chunk):
+        scored += _score(compute_logits(hidden[lo:lo + chunk]), targets[lo:lo + chunk], k)
+    return scored
+
+
+def _score(logits: torch.Tensor, targets: list[int], k: int) -> list[ScoredPosition]:
+    """logits [R, vocab] float32 -> the R targets' figures."""
+    log_norm = logits.logsumexp(-1, keepdim=True)
+    target_logits = logits.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1))
+    ranks = 1 + (logits > target_logits).sum(-1)
+    top_logits, top_ids = logits.topk(k, dim=-1)
+    # Anything strictly above a top-k logit is itself in the top k, so comparing within it is enough.
+    top_ranks = 1 + (top_logits.unsqueeze(-2) > top_logits.unsqueeze(-1)).sum(-1)
+    rows = zip(targets, (target_logits - log_norm).squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
+               (top_logits - log_norm).tolist(), top_ranks.tolist())
+    return [ScoredPosition(t, lp, r, list(zip(ids, lps, rks))) for t, lp, r, ids, lps, rks in rows]
+
+
+def entry(scored: ScoredPosition, decode: Callable[[int], str]) -> PromptLogprob:
+    """The prompt token first, then the top-k; a token in both appears once."""
+    out: PromptLogprob = {}
+    for token_id, logprob, rank in [(scored.token_id, scored.logprob, scored.rank), *scored.top]:
+        if token_id not in out:
+            out[token_id] = {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
+    return out
