@@ -172,3 +172,11 @@ def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weig
     assert full.revisions[1].replicas == 4
     rolled_back = desired(owner, spec_of("int8"), observed, "img", split=Split(stable))
     assert [(r.role, r.weight) for r in rolled_back.revisions] == [("stable", 100)]
+
+
+def test_status_patch_removes_keys_dropped_at_any_depth():
+    from kiln.operator.reconcile import merge_patch
+    before = {"rollout": {"phase": "Progressing", "canary": "b", "analysis": {"errorRate": 0.1}}, "url": "u"}
+    after = {"rollout": {"phase": "RolledBack", "analysis": {}}}
+    assert merge_patch(before, after) == {"url": None, "rollout": {"phase": "RolledBack", "canary": None,
+                                                                   "analysis": {"errorRate": None}}}

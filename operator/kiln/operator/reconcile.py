@@ -262,14 +262,23 @@ def api_message(err: ApiException) -> str:
         return str(err.body)[:500]
 
 
+def merge_patch(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) from `before` to `after`: a key dropped at any depth is
+    written as null, or the API server would keep it (a rollout's old canary, say)."""
+    patch: dict[str, Any] = {key: None for key in before if key not in after}
+    for key, value in after.items():
+        old = before.get(key)
+        patch[key] = merge_patch(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return patch
+
+
 def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: dict[str, Any],
            settings: Settings) -> None:
     """Write the status if it changed, then one Event per condition that changed."""
     if all(previous.get(key) == value for key, value in status.items()) and set(previous) <= set(status):
         return
     meta = body["metadata"]
-    # A merge patch: a key dropped from status is written as null (removed).
-    patch = {**{key: None for key in previous if key not in status}, **status}
+    patch = merge_patch(previous, status)
     written = api.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": patch},
         _content_type="application/merge-patch+json")
