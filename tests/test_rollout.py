@@ -71,6 +71,9 @@ def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
     no_floor = figures(page("s", 100, 0, tokens=5, agreed=5))["s"]
     assert check(worse, no_floor, analysis).figures["noiseFloor"] is None  # too few: 1.0 stands in
     assert check(worse, no_floor, Analysis(minRequests=5)).verdict == PASS  # no quality gate
+    # A stable replica dying (its requests failing) never counts against the canary.
+    dying = figures(page("s", 50, 50, (90, 10, 0, 0), tokens=40, agreed=39))["s"]
+    assert check(good, dying, analysis).verdict == PASS
 
 
 def verdict(v: str) -> Check:

@@ -17,6 +17,11 @@ from .rollout import RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State
 from .scrape import read_all
 
 
+# A router busy with a rollout's load can be slow to render /metrics; an analysis that misses
+# its scrape waits a whole interval, so it waits longer than the autoscaler's 1 s.
+ANALYSIS_SCRAPE_S = 5.0
+
+
 @dataclass(frozen=True)
 class Baseline:
     """The routers' counters when the current analysis interval began (memory of this process:
@@ -37,7 +42,7 @@ def router_figures(observed: Observed) -> dict[str, Figures] | None:
     """Per-revision figures summed over the ready routers; None when none answered."""
     urls = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
             for p in observed.pods(component="router") if is_ready(p)]
-    pages = [page for page in read_all(urls) if page is not None] if urls else []
+    pages = [page for page in read_all(urls, ANALYSIS_SCRAPE_S) if page is not None] if urls else []
     if not pages:
         return None
     return figures(sample for page in pages for sample in page)

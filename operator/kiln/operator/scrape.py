@@ -47,10 +47,10 @@ def totals(samples: list[tuple[str, dict[str, str], float]] | None) -> dict[str,
     return sums
 
 
-def read_all(urls: list[str]) -> list[list[tuple[str, dict[str, str], float]] | None]:
+def read_all(urls: list[str], timeout: float = TIMEOUT_S) -> list[list[tuple[str, dict[str, str], float]] | None]:
     """read_samples of each URL, at once."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        return list(pool.map(read_samples, urls))
+        return list(pool.map(lambda url: read_samples(url, timeout), urls))
 
 
 def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
