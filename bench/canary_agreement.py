@@ -108,7 +108,7 @@ def main() -> None:
                 round(routed["agreement"] - row["kiln_eval"]["agreement"], 4)
             record["variants"][variant] = row
             print(f"{variant:<9} router {routed['agreement']:.3f} ({routed['tokens']} tokens, floor "
-                  f"{routed['noise_floor']})  kiln eval {row['kiln_eval']['greedy_agreement']:.3f}  "
+                  f"{routed['noise_floor']})  kiln eval {row['kiln_eval']['agreement']:.3f}  "
                   f"difference {row['difference']:+.3f}", flush=True)
     finally:
         stable.stop()
