@@ -32,7 +32,8 @@ def test_an_external_scaler_writes_the_scale_subresource_and_stays_the_one_write
     # the Deployment, a second writer, is put back.
     kubectl("scale", f"deployment/{name}", "-n", ns, "--replicas=1")
     for size in (1, 2):
-        kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"warmPool": {"size": size}}}))
+        kubectl("patch", "isvc/scaled", "-n", ns, "--type=merge", "-p",
+                json.dumps({"spec": {"rollout": {"steps": [{"weight": 10 * size}]}}}))
         until(lambda: ready(apis, ns, "scaled"), "the change observed")
     until(lambda: apis["apps"].read_namespaced_deployment(name, ns).spec.replicas == 3, "the HPA's 3 put back")
     obj = isvc(apis, ns, "scaled")

@@ -12,7 +12,7 @@ from .autoscaler import seconds
 from .desired import Split, fully_ready
 from .models import InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
-from .render import ROUTER_PORT, Owner, revision_name
+from .render import ROUTER_PORT, Owner, revision_name, template_pooled
 from .rollout import RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
 from .scrape import read_all
 
@@ -29,6 +29,12 @@ class Baseline:
     time: float
     canary: str
     figures: dict[str, Figures]
+
+
+def serving_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
+    """The replicas of a revision's Deployment that serve (its warm pool's standbys left out)."""
+    pool = spec.warmPool.size if spec.warmPool and deployment and template_pooled(deployment) else 0
+    return max(replicas_of(deployment) - pool, 0)
 
 
 def stable_revision(previous: dict[str, Any], state: State | None, target: str) -> str:
@@ -85,7 +91,7 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     canary_deployment = observed.engine(canary) if canary else None
     facts = Facts(canary_ready=sum(1 for p in observed.pods(canary) if is_ready(p)) if canary else 0,
                   canary_full=canary_deployment is not None
-                  and replicas_of(canary_deployment) >= replicas_of(observed.engine(stable))
+                  and replicas_of(canary_deployment) >= serving_replicas(spec, observed.engine(stable))
                   and fully_ready(canary_deployment, replicas_of(canary_deployment)),
                   retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION))
     result = None

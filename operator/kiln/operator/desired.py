@@ -15,8 +15,8 @@ from typing import Any
 
 from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts, replicas_of
-from .render import (Owner, render_deployment, render_pdb, render_revision_service, render_router,
-                     render_router_account, render_service, revision_name)
+from .render import (Owner, pooled, render_deployment, render_pdb, render_revision_service, render_router,
+                     render_router_account, render_service, revision_name, template_pooled)
 
 STABLE, CANARY, OLD = "stable", "canary", "old"
 
@@ -30,6 +30,9 @@ class Revision:
     # What the operator writes to the Deployment's spec.replicas; None: left as it is (old revisions).
     replicas: int | None
     weight: int | None = None  # percent of requests, when the spec has a rollout; None: no split
+    # With a warm pool: how many of its pods serve (the rest of `replicas` are standbys);
+    # None: every pod serves.
+    serving: int | None = None
 
 
 @dataclass(frozen=True)
@@ -93,27 +96,33 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     name = split.stable if split else target
     current = observed.engine(name)
     olds = [d for d in observed.engines() if d["metadata"]["name"] not in (name, split and split.canary)]
+    # A stable revision the spec no longer describes (a rollout runs) is left as it is, but
+    # scaled; whether its pods are born standbys is its template's to say.
+    stable_pooled = pooled(spec) if name == target else current is not None and template_pooled(current)
+    pool = spec.warmPool.size if stable_pooled and spec.warmPool else 0
     if replicas_writer(spec) == "spec":
         replicas = desired_replicas(spec)
     elif autoscaled is not None:
         replicas = autoscaled
-    else:  # no decision yet: keep what runs, or start with the capacity the service has now
-        replicas = replicas_of(current) if current else max((replicas_of(d) for d in olds),
-                                                              default=desired_replicas(spec))
+    else:  # no decision yet: keep what serves, or start with the capacity the service has now
+        replicas = max(replicas_of(current) - pool, 0) if current else max((replicas_of(d) for d in olds),
+                                                                            default=desired_replicas(spec))
     weighted = split is not None
     canary_weight = split.weight if split and split.canary else 0
-    # A stable revision the spec no longer describes (a rollout runs) is left as it is, but scaled.
     deployment = render_deployment(owner, spec, image, pod_annotations) if name == target else None
-    revisions = [Revision(name, STABLE, deployment, render_revision_service(owner, name), replicas,
-                          100 - canary_weight if weighted else None)]
+    revisions = [Revision(name, STABLE, deployment, render_revision_service(owner, name, stable_pooled),
+                          replicas + pool, 100 - canary_weight if weighted else None,
+                          replicas if stable_pooled else None)]
     if split and split.canary:
         size = replicas if split.full_size else max(1, math.ceil(replicas * split.weight / 100))
         revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
-                                  render_revision_service(owner, split.canary), size, canary_weight))
+                                  render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
+                                  size if pooled(spec) else None))
     # Old revisions keep serving until the stable one is at full strength; during a rollout
     # (a dropped canary) they go at once.
-    keep = [] if fully_ready(current, replicas) or (split and split.canary) else olds
-    revisions += [Revision(d["metadata"]["name"], OLD, None, render_revision_service(owner, d["metadata"]["name"]),
+    keep = [] if fully_ready(current, replicas + pool) or (split and split.canary) else olds
+    revisions += [Revision(d["metadata"]["name"], OLD, None,
+                           render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]
     return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations),
                                render_service(owner), render_pdb(owner), *(scalers or [])])

@@ -123,7 +123,8 @@ class Autoscaling(Spec):
 
 
 class WarmPool(Spec):
-    """Replicas loaded and warmed but not routed (not implemented yet)."""
+    """Replicas of the stable revision loaded and warmed but not routed, beyond those that serve;
+    promoted to serving (a label change, no restart) when more are wanted, then refilled."""
     size: int = Field(0, ge=0, le=100)
 
 
@@ -257,6 +258,17 @@ class AutoscalingStatus(BaseModel):
     lastColdStartSeconds: float | None = Field(None, description="Request held at zero replicas -> first byte.")
 
 
+class WarmPoolStatus(BaseModel):
+    """The stable revision's warm pool, and what it costs."""
+    size: int = 0
+    ready: int = Field(0, description="Standby replicas loaded, warm and not routed.")
+    promotions: int = 0
+    lastPromotion: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    idleReplicaSeconds: float = Field(0.0, description="Replica-seconds spent ready in the pool.")
+    idleGPUSeconds: float = Field(0.0, description="GPU-seconds spent ready in the pool.")
+    accountedAt: str | None = Field(None, json_schema_extra={"format": "date-time"})
+
+
 class InferenceServiceStatus(BaseModel):
     observedGeneration: int | None = None
     url: str | None = None
@@ -267,5 +279,7 @@ class InferenceServiceStatus(BaseModel):
     revisions: list[RevisionStatus] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
     rollout: RolloutStatus | None = None
+    warmReplicas: int | None = None
+    warmPool: WarmPoolStatus | None = None
     conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})

@@ -18,15 +18,16 @@ from kubernetes.client.rest import ApiException
 
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
-from .desired import desired, desired_replicas, replicas_writer
+from .desired import Desired, desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
-from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual
+from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, pod_counts
 from .rollout import dump
 from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
+from .warmpool import plan_pool, pods_of, pool_status
 
 FIELD_MANAGER = "kiln-operator"
 # spec.replicas of engine Deployments has a field manager of its own, so the operator's main
@@ -240,11 +241,17 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
             post_event(api, body, "Normal", "RevisionRetired", f"deleted old revision {action.name}")
         if action.verb == SCALE and scaling.changed_from is not None and action.name == want.stable.name:
             post_event(api, body, "Normal", "Scaled", f"{action.name} from {scaling.changed_from} to "
-                       f"{action.replicas} replica(s): {scaling.condition['message']}")
+                       f"{scaling.replicas} serving replica(s): {scaling.condition['message']}")
+    promoted = relabel(api, body, owner, want, observed)
+    warm = None
+    if want.stable.serving is not None and spec.warmPool is not None:
+        warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
+                           pod_counts(observed, want.stable.name)[2], promoted, previous.get("warmPool") or {},
+                           spec.resources.gpus, time.time())
     status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
                        url=service_url(owner), selector=selector_string(name), now=now(),
                        scaling=scaling.condition, autoscaling=scaling.status,
-                       rollout=dump(rollout.state, spec.rollout) if rollout else None)
+                       rollout=dump(rollout.state, spec.rollout) if rollout else None, warm=warm)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses
         status = invalid(status, generation, "Rejected", "; ".join(rejected), now())
     report(api, body, previous, status, settings)
@@ -252,6 +259,32 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
         post_event(api, body, event.type, event.reason, event.message)
     busy = replicas_writer(spec) == "builtin" or (rollout is not None and rollout.state.active)
     return AUTOSCALE_TICK_S if busy else settings.interval
+
+
+def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, observed: Observed) -> int:
+    """Promote and demote the pods of revisions with a warm pool (warmpool.py); returns how many
+    of the stable revision's standbys were promoted."""
+    promoted = 0
+    for revision in want.revisions:
+        if revision.serving is None:
+            continue
+        pool = plan_pool(revision.serving, pods_of(observed.pods(revision.name)))
+        for pod, patch in pool.patches().items():
+            started = time.monotonic()
+            try:
+                api.core.patch_namespaced_pod(pod, owner.namespace, patch)
+            except ApiException as err:
+                if err.status == 404:  # gone meanwhile: the next pass sees what replaced it
+                    continue
+                raise
+            took = (time.monotonic() - started) * 1000
+            if pod in pool.promote:
+                promoted += revision.name == want.stable.name
+                post_event(api, body, "Normal", "Promoted", f"standby {pod} of {revision.name} promoted to "
+                           f"serving in {took:.0f} ms (routed once its EndpointSlice updates)")
+            else:
+                post_event(api, body, "Normal", "Demoted", f"{pod} of {revision.name} demoted to standby")
+    return promoted
 
 
 def api_message(err: ApiException) -> str:

@@ -20,6 +20,9 @@ LABEL_ISVC = "kiln.dev/inferenceservice"
 LABEL_REVISION = "kiln.dev/revision"
 LABEL_COMPONENT = "kiln.dev/component"
 ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
+# With a warm pool, engine pods are born standbys ("false") and the operator promotes them to
+# "true"; a revision's Service then selects only "true" (warmpool.py).
+LABEL_SERVING = "kiln.dev/serving"
 ROUTER_CLUSTER_ROLE = "kiln-router"  # shipped in manifests/base/rbac.yaml
 MODEL_MOUNT = "/models"
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
@@ -134,10 +137,22 @@ POD_SECURITY = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
                 "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+def pooled(spec: InferenceServiceSpec) -> bool:
+    """Whether the spec keeps a warm pool (its pods are born standbys)."""
+    return spec.warmPool is not None and spec.warmPool.size > 0
+
+
+def template_pooled(deployment: dict[str, Any]) -> bool:
+    """Whether a stored engine Deployment makes its pods as standbys."""
+    template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    return LABEL_SERVING in (template.get("labels") or {})
+
+
 def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
                       pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     revision = revision_name(owner.name, spec)
-    pod_labels = {**labels(owner.name), LABEL_REVISION: revision}
+    pod_labels = {**labels(owner.name), LABEL_REVISION: revision,
+                  **({LABEL_SERVING: "false"} if pooled(spec) else {})}
     model_arg, volumes, mounts = model_location(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
@@ -210,14 +225,16 @@ def render_service(owner: Owner) -> dict[str, Any]:
     }
 
 
-def render_revision_service(owner: Owner, revision: str) -> dict[str, Any]:
+def render_revision_service(owner: Owner, revision: str, pooled: bool = False) -> dict[str, Any]:
     """Headless, one per revision: nobody connects to it. Its EndpointSlices (which carry its
-    labels, revision included) are how the router sees each revision's ready pods."""
+    labels, revision included) are how the router sees each revision's ready pods; with a warm
+    pool, only its serving ones (standbys are never routed)."""
+    serving = {LABEL_SERVING: "true"} if pooled else {}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(owner, revision, {LABEL_REVISION: revision}),
-        "spec": {"clusterIP": "None", "selector": {**selector(owner.name), LABEL_REVISION: revision},
+        "spec": {"clusterIP": "None", "selector": {**selector(owner.name), LABEL_REVISION: revision, **serving},
                  "ports": [{"name": "http", "port": PORT, "targetPort": "http",
                             "protocol": "TCP", "appProtocol": "http"}]},
     }

@@ -11,7 +11,7 @@ from typing import Any
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
-from .render import LABEL_ISVC, Owner, metadata
+from .render import LABEL_ISVC, LABEL_SERVING, Owner, metadata
 from .status import condition
 
 
@@ -38,14 +38,14 @@ def epoch(text: str | None) -> float | None:
 
 def pod_counts(observed: Observed, revision: str) -> tuple[int, int, str | None]:
     """(ready, starting, why pods cannot be scheduled) for a revision's pods; terminating pods
-    are neither capacity nor on their way."""
+    are neither capacity nor on their way, and a warm pool's ready standbys serve nobody yet."""
     ready = starting = 0
     unschedulable = None
     for pod in observed.pods(revision):
         if pod["metadata"].get("deletionTimestamp"):
             continue
         if is_ready(pod):
-            ready += 1
+            ready += (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
             continue
         starting += 1
         conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}

@@ -21,8 +21,6 @@ CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Pro
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     """Fields this operator version accepts but does not act on yet, and what happens instead."""
     found = []
-    if spec.warmPool is not None and spec.warmPool.size > 0:
-        found.append("warmPool (no standby replicas)")
     if spec.engine.speculative is not None:
         found.append("engine.speculative (engines decode without it)")
     if spec.engine.tensorParallelSize > 1:
@@ -113,10 +111,12 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
 def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, observed: Observed,
               previous: dict[str, Any], url: str, selector: str, now: str,
               scaling: dict[str, Any] | None = None, autoscaling: dict[str, Any] | None = None,
-              rollout: dict[str, Any] | None = None) -> dict[str, Any]:
+              rollout: dict[str, Any] | None = None,
+              warm: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The whole status of an InferenceService, from its spec, what this pass wants and what
     it observed; `scaling` is the ScalingReady condition, `autoscaling` the builtin
-    autoscaler's block, `rollout` the rollout's state (status.rollout)."""
+    autoscaler's block, `rollout` the rollout's state (status.rollout), `warm` the warm pool's
+    block and its WarmPoolReady condition."""
     stable = desired.stable
     current = observed.engine(stable.name)
     target = stable.replicas or 0
@@ -128,6 +128,8 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
         conditions.append(scaling)
     if rollout is not None:
         conditions.append(canary_condition(rollout))
+    if warm is not None:
+        conditions.append(warm[1])
     revisions = []
     for revision in desired.revisions:
         found = observed.engine(revision.name)
@@ -142,12 +144,13 @@ def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, 
         "url": url,
         "replicas": sum(r["replicas"] for r in revisions),
         "readyReplicas": sum(r["ready"] for r in revisions),
-        "desiredReplicas": target,
+        "desiredReplicas": target if stable.serving is None else stable.serving,
         "selector": selector,
         "revisions": revisions,
         "conditions": stamp(conditions, previous.get("conditions") or [], generation, now),
         **({"autoscaling": autoscaling} if autoscaling else {}),
         **({"rollout": rollout} if rollout else {}),
+        **({"warmReplicas": warm[0]["ready"], "warmPool": warm[0]} if warm else {}),
     }
 
 

@@ -1,0 +1,88 @@
+"""Warm pools: replicas with the model loaded and warmed that take no traffic, promoted to
+serving in a metadata change when demand rises. Pure: reconcile.py applies the plan.
+
+With `spec.warmPool.size > 0` every engine pod is born a standby (its template carries
+`kiln.dev/serving: "false"`) and each revision's Service selects only `kiln.dev/serving:
+"true"` pods, so the router never sees a standby: promotion and demotion are pod label
+changes that the EndpointSlice controller carries to the router in about a second, with no
+restart. The revision's Deployment asks for serving + pool replicas and is never fought: the
+operator only relabels the pods its ReplicaSet made. Scale-down first demotes serving pods
+(they stop taking requests and finish what they run); standbys carry a lower
+pod-deletion-cost than serving pods, so the ReplicaSet removes standbys, never a serving pod."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .observed import is_ready
+from .render import LABEL_SERVING
+from .scaling import epoch, iso
+from .status import condition
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+SERVING_COST, STANDBY_COST = "100", "0"
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    ready: bool
+    serving: bool
+    since: str  # creation time (RFC 3339, so it sorts): the oldest standby is promoted first
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    promote: list[str] = field(default_factory=list)
+    demote: list[str] = field(default_factory=list)
+
+    def patches(self) -> dict[str, dict[str, Any]]:
+        """Pod name -> the metadata merge patch that promotes or demotes it."""
+        def patch(serving: bool) -> dict[str, Any]:
+            return {"metadata": {"labels": {LABEL_SERVING: str(serving).lower()},
+                                 "annotations": {DELETION_COST: SERVING_COST if serving else STANDBY_COST}}}
+        return {**{name: patch(True) for name in self.promote}, **{name: patch(False) for name in self.demote}}
+
+
+def plan_pool(serving_wanted: int, pods: list[Pod]) -> PoolPlan:
+    """Which pods of one revision change role so that `serving_wanted` of them serve: ready
+    standbys are promoted (oldest first; a pod still loading is never promoted), serving pods
+    beyond the number wanted are demoted (newest first). The Deployment's replicas (serving +
+    pool) are desired.py's; the ReplicaSet creates the rest as standbys or removes standbys."""
+    serving = [p for p in pods if p.serving]
+    if len(serving) < serving_wanted:
+        standby = sorted((p for p in pods if not p.serving and p.ready), key=lambda p: p.since)
+        return PoolPlan(promote=[p.name for p in standby[:serving_wanted - len(serving)]])
+    extra = sorted(serving, key=lambda p: p.since, reverse=True)[:len(serving) - serving_wanted]
+    return PoolPlan(demote=[p.name for p in extra])
+
+
+def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
+    """The live pods of a revision as the pool sees them (terminating ones are neither)."""
+    return [Pod(p["metadata"]["name"], is_ready(p),
+                (p["metadata"].get("labels") or {}).get(LABEL_SERVING) == "true",
+                p["metadata"].get("creationTimestamp") or "")
+            for p in observed_pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted: int, previous: dict[str, Any],
+                gpus: int, now: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(status.warmPool, the WarmPoolReady condition) for the stable revision's pool. The pool's
+    cost is kept visible: replica- and GPU-seconds spent ready and idle, accumulated from pass
+    to pass at the count the previous pass saw."""
+    ready = sum(1 for p in pods if p.ready and not p.serving)
+    since = epoch(previous.get("accountedAt"))
+    idle = max(now - since, 0.0) * previous.get("ready", 0) if since is not None else 0.0
+    block = {"size": size, "ready": ready, "promotions": previous.get("promotions", 0) + promoted,
+             "idleReplicaSeconds": round(previous.get("idleReplicaSeconds", 0.0) + idle, 1),
+             "idleGPUSeconds": round(previous.get("idleGPUSeconds", 0.0) + idle * gpus, 1),
+             "accountedAt": iso(now)}
+    if previous.get("lastPromotion") or promoted:
+        block["lastPromotion"] = iso(now) if promoted else previous["lastPromotion"]
+    if ready >= size:
+        cond = condition("WarmPoolReady", True, "Filled", f"{ready} standby replica(s) loaded and warm")
+    elif unschedulable:
+        cond = condition("WarmPoolReady", False, "InsufficientCapacity",
+                         f"{ready}/{size} standby replicas ready; no node fits the rest: {unschedulable}")
+    else:
+        cond = condition("WarmPoolReady", False, "Filling", f"{ready}/{size} standby replicas ready")
+    return block, cond

@@ -1,0 +1,62 @@
+"""`kiln operator`'s warm pool against the real local control plane, with kwok for kubelets: a
+standby beside each serving replica, out of the revision's EndpointSlices; scaling up promotes
+it (a label change: the same pod, not a new one) and the pool refills; scaling down demotes.
+(The plan itself: test_warmpool.py; on real engines and a router: e2e/test_warmpool.py.)"""
+from __future__ import annotations
+
+import kubernetes
+
+from operator_support import GROUP, PLURAL, VERSION, apply, condition, engines, events, isvc, ready, smollm2, until
+
+NAME = "pooled"
+
+
+def roles(apis, ns: str) -> dict[str, str]:
+    """Live engine pod -> its kiln.dev/serving label, for ready pods."""
+    found = apis["core"].list_namespaced_pod(ns, label_selector=engines(NAME)).items
+    return {p.metadata.name: (p.metadata.labels or {}).get("kiln.dev/serving") for p in found
+            if not p.metadata.deletion_timestamp
+            and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])}
+
+
+def slice_pods(apis, ns: str) -> set[str]:
+    discovery = kubernetes.client.DiscoveryV1Api(apis["core"].api_client)
+    found = discovery.list_namespaced_endpoint_slice(ns, label_selector=engines(NAME)).items
+    return {e.target_ref.name for s in found for e in s.endpoints or [] if e.conditions and e.conditions.ready}
+
+
+def scale(apis, ns: str, replicas: int) -> None:
+    apis["custom"].patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, NAME, {"spec": {"replicas": replicas}})
+
+
+def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, apis, ns, kubectl):
+    body = smollm2(NAME)
+    body["spec"]["warmPool"] = {"size": 1}
+    apply(kubectl, ns, body)
+    until(lambda: ready(apis, ns, NAME), "Ready")
+    pool = until(lambda: sorted(roles(apis, ns).values()) == ["false", "true"] and roles(apis, ns), "1 serving + 1 standby")
+    standby = next(p for p, role in pool.items() if role == "false")
+    serving = next(p for p, role in pool.items() if role == "true")
+    until(lambda: slice_pods(apis, ns) == {serving}, "only the serving pod in the EndpointSlices")
+    obj = until(lambda: (o := isvc(apis, ns, NAME))["status"].get("warmReplicas") == 1 and o, "warmReplicas 1")
+    assert condition(obj, "WarmPoolReady")["status"] == "True"
+    assert obj["status"]["desiredReplicas"] == 1 and obj["status"]["warmPool"]["size"] == 1
+    promotions = obj["status"]["warmPool"]["promotions"]  # the first serving pod was a promoted standby too
+
+    scale(apis, ns, 2)  # the standby is promoted (the same pod), a new standby refills the pool
+    until(lambda: roles(apis, ns).get(standby) == "true", "the standby promoted")
+    until(lambda: slice_pods(apis, ns) == {serving, standby}, "the promoted pod routed")
+    after = until(lambda: sorted((r := roles(apis, ns)).values()) == ["false", "true", "true"] and r, "the pool refilled")
+    assert {serving, standby} < set(after)
+    assert any(e.reason == "Promoted" and standby in e.message for e in events(apis, ns, NAME))
+    obj = until(lambda: (o := isvc(apis, ns, NAME))["status"]["warmPool"]["promotions"] == promotions + 1 and o,
+                "the promotion counted")
+    assert obj["status"]["warmPool"]["lastPromotion"]
+
+    scale(apis, ns, 1)  # one serving pod is demoted; the ReplicaSet removes a standby, never a serving pod
+    until(lambda: sorted(roles(apis, ns).values()) == ["false", "true"], "1 serving + 1 standby again")
+    (left,) = slice_pods(apis, ns)
+    assert left in (serving, standby)
+    assert any(e.reason == "Demoted" for e in events(apis, ns, NAME))
+    (dep,) = apis["apps"].list_namespaced_deployment(ns, label_selector=engines(NAME)).items
+    assert dep.spec.replicas == 2
