@@ -19,10 +19,12 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -56,10 +58,12 @@ def model_load_seconds(page: str | None) -> float:
 
 
 class Service:
-    def __init__(self, kubeconfig: Path, namespace: str, name: str, autoscaling: dict) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, name: str, autoscaling: dict, warm_pool: int = 0) -> None:
         self.kubeconfig, self.namespace, self.name = kubeconfig, namespace, name
         body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
         body["metadata"]["name"] = name
+        if warm_pool:
+            body["spec"]["warmPool"] = {"size": warm_pool}
         body["spec"]["autoscaling"] = {"mode": "builtin", "stableWindow": "10s", "panicWindow": "4s", **autoscaling}
         kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
         self.url = demo.wait_until_serving(kubeconfig, name, namespace).removesuffix("/v1")
@@ -74,9 +78,9 @@ class Service:
         return self.get("isvc", self.name).get("status") or {}
 
 
-def cold_start(svc: Service) -> dict:
-    eventually(lambda: not svc.engine_pods() and svc.status().get("desiredReplicas") == 0, "scale to zero",
-               timeout=300, interval=1)
+def timed_request(svc: Service, checks: Callable[[], dict[str, bool]]) -> dict[str, float]:
+    """Sends one streamed request and polls `checks` until its first byte; the seconds from the
+    send at which each check first held, and `first_byte`."""
     api = openai.OpenAI(base_url=svc.url + "/v1", api_key="unused", max_retries=0, timeout=900)
     t0 = time.monotonic()
     marks: dict[str, float] = {}
@@ -91,26 +95,54 @@ def cold_start(svc: Service) -> dict:
     sender = threading.Thread(target=request)
     sender.start()
     while not first_byte.is_set():
-        pods = svc.engine_pods()
-        pod = pods[0] if pods else None
-        ip = (pod or {}).get("status", {}).get("podIP")
-        checks = {"pod_created": pod is not None, "scheduled": bool(pod and pod["spec"].get("nodeName")),
-                  "process_up": bool(ip and get(f"http://{ip}:8000/health")),
-                  "weights_loaded": bool(ip and model_load_seconds(get(f"http://{ip}:8000/metrics"))),
-                  "ready": bool(ip and get(f"http://{ip}:8000/ready"))}
-        for mark, seen in checks.items():
+        for mark, seen in checks().items():
             if seen and mark not in marks:
                 marks[mark] = time.monotonic() - t0
         time.sleep(POLL_S)
     sender.join()
-    order = ["pod_created", "scheduled", "process_up", "weights_loaded", "ready", "first_byte"]
+    return marks
+
+
+def phases(marks: dict[str, float], order: list[str]) -> dict:
     timeline = {m: round(marks[m], 2) for m in order if m in marks}
     steps, before = {}, 0.0
     for m, at in timeline.items():
         steps[m] = round(at - before, 2)
         before = at
-    return {"timeline_s": timeline, "phase_s": steps,
+    return {"timeline_s": timeline, "phase_s": steps}
+
+
+def cold_start(svc: Service) -> dict:
+    eventually(lambda: not svc.engine_pods() and svc.status().get("desiredReplicas") == 0, "scale to zero",
+               timeout=300, interval=1)
+
+    def checks() -> dict[str, bool]:
+        pods = svc.engine_pods()
+        pod = pods[0] if pods else None
+        ip = (pod or {}).get("status", {}).get("podIP")
+        return {"pod_created": pod is not None, "scheduled": bool(pod and pod["spec"].get("nodeName")),
+                "process_up": bool(ip and get(f"http://{ip}:8000/health")),
+                "weights_loaded": bool(ip and model_load_seconds(get(f"http://{ip}:8000/metrics"))),
+                "ready": bool(ip and get(f"http://{ip}:8000/ready"))}
+    marks = timed_request(svc, checks)
+    return {**phases(marks, ["pod_created", "scheduled", "process_up", "weights_loaded", "ready", "first_byte"]),
             "status_lastColdStartSeconds": svc.status().get("autoscaling", {}).get("lastColdStartSeconds")}
+
+
+def warm_start(svc: Service) -> dict:
+    """From zero serving replicas with one standby in the pool: held, promoted, answered."""
+    def standbys_only() -> bool:
+        pods = [p for p in svc.engine_pods() if not p["metadata"].get("deletionTimestamp")]
+        return svc.status().get("desiredReplicas") == 0 and len(pods) == 1 and svc.status().get("warmReplicas") == 1
+    eventually(standbys_only, "zero serving, one standby", timeout=300, interval=1)
+
+    def checks() -> dict[str, bool]:
+        return {"promoted": any(p["metadata"]["labels"].get("kiln.dev/serving") == "true" for p in svc.engine_pods())}
+    return phases(timed_request(svc, checks), ["promoted", "first_byte"])
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def load_step(svc: Service, clients: int) -> dict:
@@ -147,7 +179,10 @@ def load_step(svc: Service, clients: int) -> dict:
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="cold and warm starts from zero, each")
+    parser.add_argument("--no-load-step", action="store_true", help="only the starts from zero")
+    args = parser.parse_args()
     c, _ = cluster.up(cluster.default_dir(), user=os.getpid())
     demo.install(c.kubeconfig)
     namespace = f"kiln-bench-{uuid.uuid4().hex[:6]}"
@@ -158,25 +193,38 @@ def main() -> int:
     operator = OperatorProcess(demo.operator_kubeconfig(c), log, ("-n", namespace,
                                                                  f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
     operator.start(interval=5)
+    zero = {"minReplicas": 0, "maxReplicas": 1, "scaleDownDelay": "10s"}
     try:
-        step = load_step(Service(c.kubeconfig, namespace, "step", {"minReplicas": 1, "maxReplicas": 3,
-                                                                     "targetQueueDepth": 2, "scaleDownDelay": "30s"}),
-                         clients=8)
-        kubectl(c.kubeconfig, "delete", "isvc", "step", "-n", namespace)
-        cold = cold_start(Service(c.kubeconfig, namespace, "cold", {"minReplicas": 0, "maxReplicas": 1,
-                                                                     "scaleDownDelay": "10s"}))
+        step = None
+        if not args.no_load_step:
+            step = load_step(Service(c.kubeconfig, namespace, "step", {"minReplicas": 1, "maxReplicas": 3,
+                                                                         "targetQueueDepth": 2,
+                                                                         "scaleDownDelay": "30s"}), clients=8)
+            kubectl(c.kubeconfig, "delete", "isvc", "step", "-n", namespace)
+        cold_svc = Service(c.kubeconfig, namespace, "cold", zero)
+        colds = [cold_start(cold_svc) for _ in range(args.repeats)]
+        kubectl(c.kubeconfig, "delete", "isvc", "cold", "-n", namespace)
+        warm_svc = Service(c.kubeconfig, namespace, "warm", zero, warm_pool=1)
+        warms = [warm_start(warm_svc) for _ in range(args.repeats)]
     finally:
         operator.stop()
         log.unlink(missing_ok=True)
         kubectl(c.kubeconfig, "delete", "namespace", namespace, "--wait=false", check=False)
         cluster.leave(c, os.getpid())
+    cold_s = median([r["timeline_s"]["first_byte"] for r in colds])
+    warm_s = median([r["timeline_s"]["first_byte"] for r in warms])
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "load_step": step, "cold_start_from_zero": cold,
-              "note": "local cluster, CPU engines (SmolLM2-135M float32), test pod runtime; no peer can run here"}
+              "machine": machine(), "load_step": step, "cold_start_from_zero": colds, "warm_start_from_zero": warms,
+              "median_first_byte_s": {"cold": cold_s, "warm": warm_s},
+              "note": "local cluster, CPU engines (SmolLM2-135M float32), test pod runtime; from a request sent "
+                      "at zero serving replicas to its first byte; warm: one standby in the pool, promoted on the "
+                      "builtin autoscaler's next 2 s tick; no peer can run here"}
     print(json.dumps(result, indent=1))
-    print(f"load step to 3 replicas serving: {step['seconds_from_step'].get('ready_3')} s; "
-          f"cold start from zero to first byte: {cold['timeline_s'].get('first_byte')} s "
-          f"({', '.join(f'{k} {v}s' for k, v in cold['phase_s'].items())})")
+    if step:
+        print(f"load step to 3 replicas serving: {step['seconds_from_step'].get('ready_3')} s")
+    print(f"from zero to first byte, median of {args.repeats}: cold start {cold_s} s, warm pool {warm_s} s "
+          f"(cold x{cold_s / warm_s:.1f}); cold phases (last run): "
+          f"{', '.join(f'{k} {v}s' for k, v in colds[-1]['phase_s'].items())}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"autoscale-{datetime.date.today():%Y%m%d}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,113 @@
+"""Warm pools on the whole system: real engines and a real router on the local cluster, the
+builtin autoscaler deciding. No client request may fail.
+
+- with `warmPool.size: 1` the standby is Ready (loaded, warmed) and gets none of 100 requests;
+- a load step promotes it: it answers routed requests while its replacement standby is still
+  loading (a cold start would only begin there);
+- scaled to zero serving replicas with the standby kept, a request is answered in a fraction of
+  the cold start (a replica's start to Ready) measured in the same test."""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import urllib.request
+
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target
+from kiln.local.testing import KubectlError, eventually
+
+pytestmark = pytest.mark.timeout(1800)
+NAME = "warm"
+
+
+def apply(target: Target, namespace: str, min_replicas: int) -> None:
+    body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
+    body["metadata"]["name"] = NAME
+    body["spec"]["warmPool"] = {"size": 1}
+    body["spec"]["autoscaling"] = {"mode": "builtin", "minReplicas": min_replicas, "maxReplicas": 2,
+                                   "targetQueueDepth": 2, "stableWindow": "10s", "panicWindow": "4s",
+                                   "scaleDownDelay": "10s"}
+    target.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
+
+
+def pods(target: Target, namespace: str) -> list[dict]:
+    found = json.loads(target.kubectl("get", "pods", "-n", namespace, "-o", "json", "-l",
+                                      f"kiln.dev/inferenceservice={NAME},kiln.dev/component=engine"))
+    return [p for p in found["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+
+
+def role(pod: dict) -> str:
+    return pod["metadata"]["labels"].get("kiln.dev/serving", "")
+
+
+def served(pod: dict) -> float:
+    """Requests the engine in this pod has finished (from its own /metrics)."""
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "kiln:e2e_request_latency_seconds_count")
+
+
+def stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def status(target: Target, namespace: str) -> dict:
+    return json.loads(target.kubectl("get", "isvc", NAME, "-n", namespace, "-o", "json")).get("status") or {}
+
+
+def test_a_standby_takes_nothing_then_serves_at_once_on_a_load_step_and_from_zero(
+        target: Target, namespace: str, operator, base_url) -> None:
+    apply(target, namespace, min_replicas=1)
+    target.kubectl("wait", "-n", namespace, "--for=condition=WarmPoolReady", f"--timeout={LOAD_TIMEOUT}s",
+                   f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+    def one_serving_one_standby() -> list[dict] | None:
+        found = pods(target, namespace)
+        return found if sorted(role(p) for p in found if ready(p)) == ["false", "true"] else None
+    found = eventually(one_serving_one_standby, "1 serving + 1 standby", timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
+    standby = next(p for p in found if role(p) == "false")
+    url = base_url(NAME)
+    api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    before = served(standby)
+    for i in range(100):  # one at a time: a load the serving replica carries alone
+        assert api.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=2).choices[0].text is not None
+    assert served(standby) == before  # never routed
+
+    # A load step: the standby is promoted (the same pod) and serves while its replacement loads.
+    name = standby["metadata"]["name"]
+    with Load(url, clients=6, max_tokens=16) as load:
+        def promoted_serving_during_refill() -> bool:
+            now = {p["metadata"]["name"]: p for p in pods(target, namespace)}
+            loading = [p for p in now.values() if role(p) == "false" and not ready(p)]
+            return name in now and role(now[name]) == "true" and served(now[name]) > before and bool(loading)
+        eventually(promoted_serving_during_refill, "the promoted standby serving while the pool refills",
+                   timeout=LOAD_TIMEOUT, interval=0.2, ignore=(KubectlError, OSError))
+        done = load.done
+        eventually(lambda: load.done >= done + 6, "more requests served", timeout=300)
+    assert not load.failures, f"{len(load.failures)} requests failed: {load.failures[:3]}"
+    refill = eventually(lambda: next((p for p in pods(target, namespace) if role(p) == "false" and ready(p)), None),
+                        "the pool refilled", timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
+    ready_at = next(c["lastTransitionTime"] for c in refill["status"]["conditions"] if c["type"] == "Ready")
+    cold = stamp(ready_at) - stamp(refill["metadata"]["creationTimestamp"])  # a replica's cold start
+    assert status(target, namespace)["warmPool"]["promotions"] >= 2
+
+    # From zero serving replicas, the standby answers the first request.
+    apply(target, namespace, min_replicas=0)
+    eventually(lambda: status(target, namespace).get("desiredReplicas") == 0
+               and sorted(role(p) for p in pods(target, namespace) if ready(p)) == ["false"],
+               "zero serving, one standby", timeout=300, ignore=(KubectlError,))
+    started = time.monotonic()
+    answer = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    warm = time.monotonic() - started
+    assert answer.choices[0].text
+    print(f"cold start of a replica {cold:.1f} s; first request from zero with a warm pool {warm:.2f} s")
+    assert warm < 0.5 * cold, (warm, cold)
