@@ -1,9 +1,13 @@
 """What the CPU benchmarks record about the machine they ran on (BENCHMARKS.md)."""
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import time
 from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict:
@@ -12,6 +16,14 @@ def machine() -> dict:
     field = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")  # noqa: E731
     return {"cpu": field("model name"), "cores": os.cpu_count(), "load_average": os.getloadavg(),
             "cpu_flags": sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma")))}
+
+
+def write_result(name: str, record: dict) -> Path:
+    """record as bench/results/<name>-<today, YYYYMMDD>.json; the path written."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}-{datetime.date.today():%Y%m%d}.json"
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    return out
 
 
 def ceilings(dtype: str = "bfloat16") -> dict:

@@ -179,11 +179,21 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
         load_model(Config(model=str(path), dtype="float32"))
 
 
-def test_truncated_gguf_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut", [slice(-100), slice(60)], ids=["in the tensor data", "in the metadata"])
+def test_truncated_gguf_is_named(tmp_path: Path, cut: slice) -> None:
     path = write_gguf(tmp_path / "cut.gguf", {"w": (np.ones((64, 64), np.float32), None)})
-    path.write_bytes(path.read_bytes()[:-100])  # the tensor data ends early
+    path.write_bytes(path.read_bytes()[cut])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf.*(corrupt|truncated)"):
         load_model(Config(model=str(path), dtype="float32"))
+
+
+def test_gguf_file_reads_what_gguf_reads(smollm2_path: Path) -> None:
+    """Kiln's own GGUF parser (gguf_file.py) against gguf's GGUFReader on the real file."""
+    ours, theirs = open_gguf(smollm2_path), gguf.GGUFReader(smollm2_path)
+    assert ours.metadata == {name: f.contents() for name, f in theirs.fields.items() if not name.startswith("GGUF.")}
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(int(d) for d in b.shape))
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
 
 
 def test_truncated_safetensors_is_named(tmp_path: Path, tiny_llama_dir: Path) -> None:

@@ -23,6 +23,7 @@ from kiln.engine.gguf_loader import load_gguf
 from kiln.engine.loader import resolve_model_path
 from kiln.cli import main as cli_main
 from kiln.engine.server import parse_size
+from kiln.engine.startup import PHASES
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "smol"
@@ -40,6 +41,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", "smollm2-135m", "--served-model-name", MODEL,
                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
+        launched = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
@@ -48,6 +50,7 @@ class ServerProcess:
             assert self.proc.poll() is None, "server died:\n" + "".join(self.log)
             assert time.monotonic() < deadline, "server never became ready:\n" + "".join(self.log)
             time.sleep(0.3)
+        self.ready_after = time.monotonic() - launched  # an upper bound of the process's own cold start
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
         self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
@@ -290,6 +293,20 @@ def test_metrics_count_requests_and_tokens(server):
     assert delta["kiln:generation_tokens_total"] == 15
     assert delta["kiln:prefix_cache_queries_total"] > 0
     assert after["kiln:inter_token_latency_seconds_count"] - before["kiln:inter_token_latency_seconds_count"] == 12
+
+
+def test_cold_start_phases_in_metrics(server):
+    m = server.metrics()
+    phases = {p: m[f"kiln:startup_phase_seconds{{phase={p}}}"] for p in (*PHASES, "total")}
+    assert all(seconds >= 0 for seconds in phases.values()), phases
+    assert phases["total"] >= sum(phases[p] for p in PHASES), phases  # the phases never overlap
+    # float32 on the CPU dequantizes the GGUF's Q4_1 projections; importing torch alone takes > 0.1 s.
+    assert phases["quantize"] > 0 and phases["imports"] > 0.1 and phases["warmup"] > 0, phases
+    # What the engine's build counts happens inside the build, and the process started after Popen
+    # and was ready before /ready said so (its start time is known to a 10 ms clock tick).
+    assert phases["weights_read"] + phases["quantize"] + phases["kv_alloc"] <= m["kiln:model_load_seconds"]
+    assert phases["total"] <= server.ready_after + 0.01, (phases, server.ready_after)
+    assert "cold start: process_start" in "".join(server.log)
 
 
 def test_queue_full_gives_429_and_waiting_metric_moves():

@@ -1,5 +1,6 @@
 """GGUF files: model config from metadata, tensors dequantized and renamed to the Hugging Face
-layout (undoing llama.cpp's Q/K row permutation), and the tokenizer from tokenizer.ggml.*.
+layout (undoing llama.cpp's Q/K row permutation), and the tokenizer from tokenizer.ggml.*. The file
+is read by kiln.engine.gguf_file: a memory map, every tensor a view of it.
 
 With keep_quantized, decoder projections stored as Q8_0, Q4_0 or Q4_1 are not dequantized: they
 become QuantLinear modules holding the file's own blocks (kiln.engine.gguf_quant)."""
@@ -14,8 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from kiln.engine import startup
 from kiln.engine.config import ModelConfig, ModelLoadError
-from kiln.engine.gguf_quant import PACKED_TYPES, PackedWeight, read_packed
+from kiln.engine.gguf_file import GGUFFile, GGUFTensor, read_gguf
+from kiln.engine.gguf_quant import PACKED_TYPES, PackedWeight, dequantize_blocks, read_packed
 from kiln.engine.tokenizer import Tokenizer, build_gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -39,7 +42,7 @@ _PROJECTIONS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn
 
 # One kept-quantized projection: its GGUF weights in shard order, each with the head count to
 # undo llama.cpp's q/k row permutation by (None: rows as stored).
-PackedPlan = list[tuple[gguf.ReaderTensor, int | None]]
+PackedPlan = list[tuple[GGUFTensor, int | None]]
 
 
 class GGUFModel(NamedTuple):
@@ -49,16 +52,11 @@ class GGUFModel(NamedTuple):
     packed: dict[str, PackedPlan]  # projection module name -> its GGUF weights; see install_packed
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        return read_gguf(path)
+    except Exception as e:  # ValueError, struct.error, UnicodeDecodeError ... on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {e}") from None
-
-
-def read_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    """All key/value fields as plain Python values (strings, numbers, lists)."""
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def hf_name(name: str) -> str | None:
@@ -78,28 +76,34 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def dequantize(tensor: gguf.ReaderTensor, source: str) -> torch.Tensor:
-    """A GGUF tensor as float32 (F16/BF16 kept as is) in row-major HF shape [rows, cols]."""
+def dequantize(tensor: GGUFTensor | gguf.ReaderTensor, source: str, heads: int | None = None) -> torch.Tensor:
+    """A GGUF tensor as float32 (F16 kept as is) in row-major HF shape [rows, cols]. With heads,
+    llama.cpp's q/k row permutation is undone first, on the stored rows: a block never spans two
+    rows, and a stored row is a fraction of a float32 one."""
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:
         raise ModelLoadError(f"{source}: tensor {tensor.name!r} has type {kind}, not supported "
                              f"(supported: {', '.join(SUPPORTED_TYPES)})")
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
     try:
-        if kind in ("F32", "F16"):
-            array = np.asarray(tensor.data)
-        else:
-            array = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        array = np.asarray(tensor.data)
+        if heads is not None:
+            array = unpermute_qk(torch.from_numpy(array), heads).numpy()
+        if kind in PACKED_TYPES:
+            array = dequantize_blocks(array, kind)
+        elif kind not in ("F32", "F16"):
+            array = gguf.quants.dequantize(array, tensor.tensor_type)
         array = array.reshape(shape)
-        # F32/F16 come straight from the read-only memory map: copy those (they are small norms).
+        # F32/F16 may still be the memory map itself: gguf_file's is writable copy-on-write and
+        # used as is, while GGUFReader's (bench/bf16_gguf.py) is read-only and torch wants a copy.
         return torch.from_numpy(array if array.flags.writeable and array.flags.c_contiguous else array.copy())
     except (ValueError, IndexError, AssertionError) as e:
         raise ModelLoadError(f"{source}: tensor {tensor.name!r} cannot be decoded "
                              f"(corrupt or truncated?): {e}") from None
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader, source: str) -> dict[str, Any] | None:
-    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+def _rope_scaling(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor], source: str) -> dict[str, Any] | None:
+    rope_freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         # llama3 scaling arrives baked into per-frequency divisors of the base frequencies.
         return {"rope_type": "freq_factors", "factors": dequantize(rope_freqs, source).reshape(-1).tolist()}
@@ -111,12 +115,12 @@ def _rope_scaling(meta: dict[str, Any], arch: str, reader: gguf.GGUFReader, sour
     raise ModelLoadError(f"{source}: rope scaling {kind!r} is not supported")
 
 
-def read_model_config(meta: dict[str, Any], reader: gguf.GGUFReader, source: str) -> ModelConfig:
+def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: str) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{source}: architecture {arch!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_names = {t.name for t in tensors}
     try:
         heads = int(meta[f"{arch}.attention.head_count"])
         hidden = int(meta[f"{arch}.embedding_length"])
@@ -137,7 +141,7 @@ def read_model_config(meta: dict[str, Any], reader: gguf.GGUFReader, source: str
             head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-            rope_scaling=_rope_scaling(meta, arch, reader, source),
+            rope_scaling=_rope_scaling(meta, arch, tensors, source),
             max_position_embeddings=int(meta[f"{arch}.context_length"]),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -153,10 +157,10 @@ def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
     return {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if arch == "llama" else {}
 
 
-def plan_packed(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> dict[str, PackedPlan]:
+def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str) -> dict[str, PackedPlan]:
     """The decoder projections whose GGUF weights all share one of PACKED_TYPES. A fused module
     whose parts differ in type (q Q4_1, v Q8_0, say) is left to dequantize."""
-    by_name = {t.name: t for t in reader.tensors}
+    by_name = {t.name: t for t in tensors}
     heads = _qk_heads(cfg, arch)
     plans = {}
     for layer in range(cfg.num_hidden_layers):
@@ -170,6 +174,7 @@ def plan_packed(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str) -> dict[st
     return plans
 
 
+@startup.phase("quantize")  # Kiln's own form of the file's blocks
 def install_packed(model: nn.Module, plans: dict[str, PackedPlan], source: str) -> None:
     """Swap each planned Linear for a QuantLinear built from its GGUF blocks, on the Linear's device
     and in its dtype. The Linear's (still empty) bias moves over, for load_weights to fill."""
@@ -187,33 +192,32 @@ def install_packed(model: nn.Module, plans: dict[str, PackedPlan], source: str) 
         setattr(model.get_submodule(parent), child, quant)
 
 
-def iter_weights(reader: gguf.GGUFReader, cfg: ModelConfig, arch: str, source: str,
+def iter_weights(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str, source: str,
                  skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs, dequantized one at a time so peak memory stays one tensor;
     the GGUF tensors named in skip (kept quantized) are left out."""
     heads = _qk_heads(cfg, arch)
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if tensor.name == "rope_freqs.weight" or tensor.name in skip:
             continue  # rope_freqs is already in cfg.rope_scaling
         name = hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"{source}: unexpected tensor {tensor.name!r}")
-        weight = dequantize(tensor, source)
         kind = tensor.name.split(".")[-2]  # attn_q, attn_k ... (q/k biases are permuted too)
-        if tensor.name.startswith("blk.") and kind in heads:
-            weight = unpermute_qk(weight, heads[kind])
+        with startup.phase("quantize"):  # the bytes are already read (gguf_file.map_file)
+            weight = dequantize(tensor, source, heads.get(kind) if tensor.name.startswith("blk.") else None)
         yield name, weight
 
 
 def load_gguf(path: Path, keep_quantized: bool = False) -> GGUFModel:
     """Config, tokenizer, a lazy weight iterator and (keep_quantized) the projections to serve packed."""
     source = str(path)
-    reader = open_gguf(path)
-    meta = read_metadata(reader)
-    cfg = read_model_config(meta, reader, source)
+    file = open_gguf(path)
+    meta = file.metadata
+    cfg = read_model_config(meta, file.tensors, source)
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
                           meta.get("tokenizer.chat_template"))
     arch = meta["general.architecture"]
-    plans = plan_packed(reader, cfg, arch) if keep_quantized else {}
+    plans = plan_packed(file.tensors, cfg, arch) if keep_quantized else {}
     skip = frozenset(tensor.name for plan in plans.values() for tensor, _ in plan)
-    return GGUFModel(cfg, tokenizer, iter_weights(reader, cfg, arch, source, skip), plans)
+    return GGUFModel(cfg, tokenizer, iter_weights(file.tensors, cfg, arch, source, skip), plans)

@@ -13,12 +13,13 @@ nibble and element j + 16 in its high one; Kiln packs elements 2i and 2i + 1 int
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import gguf
 import numpy as np
 import torch
 
+from kiln.engine.gguf_file import GGUFTensor
 from kiln.engine.quantization import Int4Linear, Int8Linear, QuantLinear, dequantize_int4, dequantize_int8, pack_int4
 
 PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -65,24 +66,56 @@ class PackedWeight:
                           scale_dtype=torch.float16)
 
 
-def read_packed(tensor: gguf.ReaderTensor) -> PackedWeight:
+class Blocks(NamedTuple):
+    """The blocks of a Q8_0/Q4_0/Q4_1 tensor, one row per block, split into their fields."""
+
+    codes: np.ndarray  # [blocks, 32]: int8 (Q8_0) or 0..15 as uint8, in the weights' order
+    scales: np.ndarray  # float16 [blocks]
+    mins: np.ndarray | None  # float16 [blocks], Q4_1 only
+
+
+def split_blocks(raw: np.ndarray, kind: str) -> Blocks:
+    """A Q8_0/Q4_0/Q4_1 tensor's bytes (whole blocks, any shape) as their fields; ValueError otherwise."""
+    _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    blocks = raw.reshape(-1, block_bytes)
+
+    def f16(start: int) -> np.ndarray:  # a float16 field of every block
+        return np.ascontiguousarray(blocks[:, start:start + 2]).view(np.float16)[:, 0]
+
+    if kind == "Q8_0":
+        return Blocks(blocks[:, 2:].view(np.int8), f16(0), None)
+    qs = blocks[:, 4:] if kind == "Q4_1" else blocks[:, 2:]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=1)  # GGUF's order: the low nibbles first
+    return Blocks(codes, f16(0), f16(2) if kind == "Q4_1" else None)
+
+
+def dequantize_blocks(raw: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [blocks, 32]: gguf.quants.dequantize's values bit for bit, twice as fast (one pass over
+    whole tensors instead of its groups of rows)."""
+    blocks = split_blocks(raw, kind)
+    w = blocks.codes.astype(np.float32)
+    if kind == "Q4_0":
+        w -= 8
+    w *= blocks.scales.astype(np.float32)[:, None]
+    if blocks.mins is not None:
+        w += blocks.mins.astype(np.float32)[:, None]
+    return w
+
+
+def read_packed(tensor: GGUFTensor) -> PackedWeight:
     """A Q8_0/Q4_0/Q4_1 GGUF matrix as a PackedWeight; raises ValueError on a short or odd tensor."""
     kind = tensor.tensor_type.name
     if kind not in PACKED_TYPES:
         raise ValueError(f"tensor {tensor.name!r} has type {kind}; only {', '.join(PACKED_TYPES)} stay packed")
     rows, cols = (int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
     _, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    # A copy of the packed bytes (the memory map is read-only); never a float copy of the weight.
-    raw = np.array(tensor.data, dtype=np.uint8, copy=True)
+    raw = np.asarray(tensor.data, dtype=np.uint8)  # the memory map (gguf_file); the fields are copies
     if raw.size != rows * cols // BLOCK * block_bytes or cols % BLOCK:
         raise ValueError(f"tensor {tensor.name!r}: {raw.size} bytes do not hold [{rows}, {cols}] as {kind}")
-    blocks = torch.from_numpy(raw).view(-1, block_bytes)
-
-    def f16(start: int) -> torch.Tensor:  # a float16 field of every block, as [rows, cols // 32]
-        return blocks[:, start:start + 2].contiguous().view(torch.float16).view(rows, cols // BLOCK)
-
+    blocks = split_blocks(raw, kind)
+    codes = torch.from_numpy(np.ascontiguousarray(blocks.codes).reshape(rows, cols))
+    scales = torch.from_numpy(blocks.scales.reshape(rows, cols // BLOCK))
     if kind == "Q8_0":
-        return PackedWeight(kind, blocks[:, 2:].contiguous().view(torch.int8).view(rows, cols), f16(0))
-    qs = blocks[:, 4:] if kind == "Q4_1" else blocks[:, 2:]
-    codes = torch.cat([qs & 0xF, qs >> 4], dim=1).view(rows, cols)  # GGUF's order: low nibbles first
-    return PackedWeight(kind, pack_int4(codes), f16(0), f16(2) if kind == "Q4_1" else None)
+        return PackedWeight(kind, codes, scales)
+    mins = None if blocks.mins is None else torch.from_numpy(blocks.mins.reshape(rows, cols // BLOCK))
+    return PackedWeight(kind, pack_int4(codes), scales, mins)

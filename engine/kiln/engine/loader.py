@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from kiln.engine import startup
 from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
 from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
@@ -136,6 +137,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@startup.phase("weights_read")  # less what dequantizing and quantizing inside take (their own phase)
 def load_model(config: Config) -> LoadedModel:
     """Read the model's files, build the model on config's device and dtype, fill its weights."""
     path = resolve_model_path(config.model)

@@ -16,7 +16,7 @@ class ServerMetrics:
     one process (tests) never collide."""
 
     def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
+        self.registry, self.model_name = CollectorRegistry(), model_name
         r, labels = self.registry, ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -32,6 +32,9 @@ class ServerMetrics:
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.model_load_seconds = gauge("model_load_seconds", "Seconds to load weights and allocate the KV cache.")
+        self._startup_phase_seconds = Gauge(
+            "kiln:startup_phase_seconds", "Seconds of the cold start in each phase (kiln.engine.startup); "
+            "total: from the process start until ready.", ["model_name", "phase"], registry=r)
         # The engine keeps running totals; these counters follow them by increments.
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -54,6 +57,10 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
         self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+
+    def record_startup(self, seconds: dict[str, float]) -> None:
+        for phase, value in seconds.items():
+            self._startup_phase_seconds.labels(self.model_name, phase).set(value)
 
     def record_finished(self, reason: str, prompt_tokens: int, generation_tokens: int, e2e: float) -> None:
         self.request_success[reason].inc()

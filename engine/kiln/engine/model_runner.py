@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kiln.engine import startup
 from kiln.engine.attention import Attention
 from kiln.engine.config import Config, ModelConfig
 from kiln.engine.context import Context, reset_context, set_context
@@ -61,7 +62,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = Sampler(config.seed, self.device)
         self.prompt_logprob_chunk = rows_per_chunk(model_config.vocab_size)
-        self.num_blocks = self._allocate_kv_cache(config, model_config)
+        with startup.phase("kv_alloc"):
+            self.num_blocks = self._allocate_kv_cache(config, model_config)
 
     def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
         """One tensor for the whole pool, sized from the memory budget; each layer gets a view.

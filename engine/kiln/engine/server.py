@@ -2,8 +2,12 @@
 
 The listener starts first so /health answers while weights load; /ready turns 200 once the
 engine is built and one warm-up generation has run. SIGTERM drains: new requests get 503,
-/ready goes false, in-flight requests finish, and the process exits 0 within --drain-timeout."""
+/ready goes false, in-flight requests finish, and the process exits 0 within --drain-timeout.
+Each phase of the cold start is logged at ready and exported (kiln.engine.startup)."""
 from __future__ import annotations
+
+# First: the cold start's "imports" phase is what the imports below take.
+from kiln.engine import startup  # isort: skip
 
 import argparse
 import asyncio
@@ -49,8 +53,8 @@ def _positive(kind: type):
 
 
 class Server:
-    def __init__(self, config: Config, model_name: str, max_queue: int) -> None:
-        self.config, self.model_name, self.max_queue = config, model_name, max_queue
+    def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer) -> None:
+        self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
@@ -70,19 +74,23 @@ class Server:
 
     async def load(self) -> None:
         """Build the engine (weights + KV cache) and warm it up off the event loop."""
-        t0 = time.perf_counter()
-        core = await asyncio.to_thread(LLMEngine, self.config)
-        loaded = time.perf_counter() - t0
-        self.metrics.model_load_seconds.set(loaded)
-        log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
-                 _describe_cache(core), loaded)
-        t1 = time.perf_counter()
-        await asyncio.to_thread(_warm_up, core)
-        log.info("warm-up generation took %.2fs", time.perf_counter() - t1)
+        with startup.timing(self.startup):  # the worker threads count their phases on it
+            t0 = time.perf_counter()
+            core = await asyncio.to_thread(LLMEngine, self.config)  # weights_read, quantize, kv_alloc
+            loaded = time.perf_counter() - t0
+            self.metrics.model_load_seconds.set(loaded)
+            log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
+                     _describe_cache(core), loaded)
+            with startup.phase("warmup"):
+                await asyncio.to_thread(_warm_up, core)
+        log.info("warm-up generation took %.2fs", self.startup.seconds["warmup"])
         self.engine = AsyncEngine(core, self.metrics, self.max_queue)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, self.model_name)
-        log.info("ready: serving %r (max_model_len=%d)", self.model_name, core.config.max_model_len)
+        phases = self.startup.ready()
+        self.metrics.record_startup(phases)
+        log.info("ready: serving %r (max_model_len=%d); cold start: %s", self.model_name,
+                 core.config.max_model_len, startup.describe(phases))
 
     async def drain(self, timeout: float) -> bool:
         """Stop admitting and wait for in-flight requests; False if the timeout cut some off."""
@@ -158,7 +166,8 @@ class Server:
 
 
 def _warm_up(core: LLMEngine) -> None:
-    core.add_request("kiln-warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=4))
+    # Two tokens: one prefill step and one decode step run every code path; more decode steps only add time.
+    core.add_request("kiln-warmup", "Hello", SamplingParams(temperature=0.0, max_tokens=2))
     while core.has_unfinished_requests():
         core.step()
 
@@ -170,7 +179,7 @@ def _describe_cache(core: LLMEngine) -> str:
             f"{core.config.kv_cache_memory / 2**20:.0f} MiB budget")
 
 
-async def serve(args: argparse.Namespace) -> int:
+async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -183,7 +192,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("bad configuration: %s", e)
         return 2
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
-    server = Server(config, name, args.max_queue)
+    server = Server(config, name, args.max_queue, timer)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -235,5 +244,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    timer = startup.StartupTimer.for_this_process()  # process_start and imports end here
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    return asyncio.run(serve(args, timer))

@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from kiln.engine import startup
 from kiln.engine.config import DTYPES, Config
 from kiln.engine.quantization import Quantizer, check_method
 
@@ -167,6 +168,7 @@ def quantized_state_dict(model: nn.Module, method: str, tokenizer: Any, weights_
     return state
 
 
+@startup.phase("quantize")
 def apply_quantization(model: nn.Module, config: Config, tokenizer: Any, weights_path: Path) -> None:
     """Swap model's Linears for config.quantization's QuantLinears ("none": leave it as is)."""
     if config.quantization == "none":
