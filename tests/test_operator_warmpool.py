@@ -4,11 +4,20 @@ it (a label change: the same pod, not a new one) and the pool refills; scaling d
 (The plan itself: test_warmpool.py; on real engines and a router: e2e/test_warmpool.py.)"""
 from __future__ import annotations
 
+import socket
+import urllib.request
+
 import kubernetes
 
 from operator_support import GROUP, PLURAL, VERSION, apply, condition, engines, events, isvc, ready, smollm2, until
 
 NAME = "pooled"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def roles(apis, ns: str) -> dict[str, str]:
@@ -30,6 +39,8 @@ def scale(apis, ns: str, replicas: int) -> None:
 
 
 def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, apis, ns, kubectl):
+    port = free_port()
+    operator.restart(f"--metrics-port={port}")
     body = smollm2(NAME)
     body["spec"]["warmPool"] = {"size": 1}
     apply(kubectl, ns, body)
@@ -52,6 +63,10 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     obj = until(lambda: (o := isvc(apis, ns, NAME))["status"]["warmPool"]["promotions"] == promotions + 1 and o,
                 "the promotion counted")
     assert obj["status"]["warmPool"]["lastPromotion"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    assert f'kiln_operator_warm_pool_promotions_total{{inferenceservice="{NAME}",namespace="{ns}"}} {promotions + 1}.0' \
+        in page and "kiln_operator_warm_pool_promotion_seconds_count" in page
 
     scale(apis, ns, 1)  # one serving pod is demoted; the ReplicaSet removes a standby, never a serving pod
     until(lambda: sorted(roles(apis, ns).values()) == ["false", "true"], "1 serving + 1 standby again")
@@ -60,3 +75,4 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     assert any(e.reason == "Demoted" for e in events(apis, ns, NAME))
     (dep,) = apis["apps"].list_namespaced_deployment(ns, label_selector=engines(NAME)).items
     assert dep.spec.replicas == 2
+    operator.restart()

@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 import kubernetes
 
+from . import metrics
 from .controller import Controller
 from .models import GROUP, PLURAL, VERSION
 from .reconcile import DEFAULT_PROMETHEUS, Api, Settings, reconcile
@@ -90,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default %(default)s)")
     parser.add_argument("--liveness", metavar="URL",
                         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve the operator's Prometheus metrics on this port (default: off)")
     parser.add_argument("--verbose", "-v", action="store_true")
 
 
@@ -102,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         print("kiln operator: --pod-annotation takes KEY=VALUE", file=sys.stderr)
         return 2
     pod_annotations = {key: value for key, _, value in pairs}
+    if not 0 <= args.metrics_port < 65536:
+        print(f"kiln operator: --metrics-port {args.metrics_port} is not a port number", file=sys.stderr)
+        return 2
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     kopf.configure(verbose=args.verbose)
     logging.getLogger("kopf.objects").addFilter(QuietEvents())
     try:

@@ -19,6 +19,7 @@ from kubernetes.client.rest import ApiException
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
+from . import metrics
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
@@ -251,6 +252,8 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
                            pod_counts(observed, want.stable.name)[2], promoted, previous.get("warmPool") or {},
                            spec.resources.gpus, time.time())
+        idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
+        metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
     status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
                        url=service_url(owner), selector=selector_string(name), now=now(),
                        scaling=scaling.condition, autoscaling=scaling.status,
@@ -286,6 +289,8 @@ def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, obse
             took = (time.monotonic() - started) * 1000
             if pod in pool.promote:
                 promoted += revision.name == want.stable.name
+                metrics.PROMOTIONS.labels(owner.namespace, owner.name).inc()
+                metrics.PROMOTION_SECONDS.observe(took / 1000)
                 post_event(api, body, "Normal", "Promoted", f"standby {pod} of {revision.name} promoted to "
                            f"serving in {took:.0f} ms (routed once its EndpointSlice updates)")
             else:
