@@ -215,6 +215,21 @@ async def test_replicas_refusing_connections_are_tried_twice_then_503() -> None:
 
 
 @on_event_loop
+async def test_a_lone_replica_refusing_the_connection_means_wait_for_the_next_one() -> None:
+    """The only ready replica is gone before its EndpointSlice says so: the request is held
+    (the engine cannot have seen it) and goes to the replica that becomes ready next."""
+    gone = refusing(1)
+    async with service(1, also=gone, source=lambda endpoints: ChangingEndpoints(gone)) as svc:
+        assert isinstance(svc.source, ChangingEndpoints)
+        pending = asyncio.create_task(svc.complete())
+        await until_held(svc.client, 1)
+        svc.source.set(ReadyEndpoints.of(svc.endpoints))
+        assert (await pending).status == 200 and svc.hits() == [1]
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_errors_total", revision="", reason="connect") == 1
+
+
+@on_event_loop
 async def test_no_retry_when_engine_hangs_up_after_receiving_request() -> None:
     async with service(2) as svc:
         response = await svc.complete("hang_up")

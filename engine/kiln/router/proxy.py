@@ -167,10 +167,10 @@ class Router:
         failed: list[Endpoint] = []
         while len(failed) < ATTEMPTS:
             endpoint = self.balancer.pick(failed, self._revision(failed))
-            if endpoint is None and failed:
-                break
-            if endpoint is None:  # none ready at all: scaled to zero, or still starting
-                if refused := await self._hold(exchange):
+            if endpoint is None:
+                # None ready (scaled to zero, still starting), or only one that just refused the
+                # connection (a replica gone before its EndpointSlice caught up): wait for another.
+                if refused := await self._hold(exchange, failed):
                     return refused
                 continue
             if failed:
@@ -195,9 +195,10 @@ class Router:
         return self.weighted.choose({revision: weight for revision, weight in weights.items()
                                      if any(e not in failed for e in ready.get(revision, ()))})
 
-    async def _hold(self, exchange: _Exchange) -> web.Response | None:
-        """Waits while no replica is ready; None once one is, else the error to answer.
-        A client that hangs up meanwhile cancels this wait, so it is never forwarded."""
+    async def _hold(self, exchange: _Exchange, failed: list[Endpoint]) -> web.Response | None:
+        """Waits while no replica but those in `failed` is ready; None once one is, else the
+        error to answer. A client that hangs up meanwhile cancels this wait, so it is never
+        forwarded."""
         if self._held >= self.limits.max_held:
             return error_response(429, f"{self._held} requests are already waiting for a "
                                   "replica to start; try again later", "rate_limit_error",
@@ -207,7 +208,7 @@ class Router:
             exchange.held = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.activation_timeout):
-                while not self.source.ready().all:
+                while all(e in failed for e in self.source.ready().all):
                     await self.source.changed()
         except TimeoutError:
             return error_response(503, f"no replica became ready within "
