@@ -76,3 +76,41 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     (dep,) = apis["apps"].list_namespaced_deployment(ns, label_selector=engines(NAME)).items
     assert dep.spec.replicas == 2
     operator.restart()
+
+
+def test_a_dead_standby_is_replaced_a_new_revision_gets_its_own_pool_and_a_short_pool_says_so(
+        operator, apis, ns, kubectl):
+    body = smollm2("faults")
+    body["spec"]["warmPool"] = {"size": 1}
+    apply(kubectl, ns, body)
+    until(lambda: ready(apis, ns, "faults"), "Ready")
+
+    def live(role: str) -> list[str]:
+        found = apis["core"].list_namespaced_pod(ns, label_selector=engines("faults") + f",kiln.dev/serving={role}")
+        return [p.metadata.name for p in found.items if not p.metadata.deletion_timestamp
+                and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])]
+    (serving,), (standby,) = until(lambda: len(live("true")) == len(live("false")) == 1
+                                   and (live("true"), live("false")), "1 serving + 1 standby")
+    apis["core"].delete_namespaced_pod(standby, ns)  # a standby dies: the ReplicaSet replaces it
+    until(lambda: (s := live("false")) and s[0] != standby, "a new standby")
+    assert live("true") == [serving]
+
+    # A new revision (no rollout: it replaces the old one) comes with its own pool.
+    body["spec"]["engine"]["quantization"] = "int8"
+    apply(kubectl, ns, body)
+    (old,) = {d.metadata.name for d in apis["apps"].list_namespaced_deployment(ns, label_selector=engines("faults")).items}
+    until(lambda: [d.metadata.name for d in apis["apps"].list_namespaced_deployment(
+        ns, label_selector=engines("faults")).items if d.metadata.name != old and d.spec.replicas == 2],
+        "the new revision at serving + pool")
+    until(lambda: all(d.metadata.name != old for d in apis["apps"].list_namespaced_deployment(
+        ns, label_selector=engines("faults")).items), "the old revision and its pool gone")
+    until(lambda: len(live("true")) == len(live("false")) == 1, "the new revision's 1 serving + 1 standby")
+
+    # More standbys than the nodes have GPUs for (two kwok nodes of 4): said in WarmPoolReady.
+    short = smollm2("short", gpus=4)
+    short["spec"]["warmPool"] = {"size": 2}
+    apply(kubectl, ns, short)
+    cond = until(lambda: (c := condition(isvc(apis, ns, "short"), "WarmPoolReady")).get("reason")
+                 == "InsufficientCapacity" and c, "WarmPoolReady InsufficientCapacity")
+    assert cond["status"] == "False" and "gpu" in cond["message"]
+    apis["custom"].delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "short")
