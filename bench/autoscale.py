@@ -86,12 +86,17 @@ def timed_request(svc: Service, checks: Callable[[], dict[str, bool]]) -> dict[s
     marks: dict[str, float] = {}
     first_byte = threading.Event()
 
+    failure: list[Exception] = []
+
     def request() -> None:
-        stream = api.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=8, stream=True)
-        for _ in stream:
-            if not first_byte.is_set():
-                marks["first_byte"] = time.monotonic() - t0
-                first_byte.set()
+        try:
+            for _ in api.completions.create(model="smollm2-135m", prompt="Hello", max_tokens=8, stream=True):
+                if not first_byte.is_set():
+                    marks["first_byte"] = time.monotonic() - t0
+                    first_byte.set()
+        except openai.APIError as exc:
+            failure.append(exc)
+            first_byte.set()
     sender = threading.Thread(target=request)
     sender.start()
     while not first_byte.is_set():
@@ -100,6 +105,8 @@ def timed_request(svc: Service, checks: Callable[[], dict[str, bool]]) -> dict[s
                 marks[mark] = time.monotonic() - t0
         time.sleep(POLL_S)
     sender.join()
+    if failure:
+        raise RuntimeError(f"the timed request failed: {failure[0]!r}")
     return marks
 
 

@@ -11,10 +11,12 @@ import pytest
 
 from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, ReadyEndpoints
+from kiln.router.main import serving
 from kiln.router.proxy import Limits
 from router_fakes import (
     ChangingEndpoints,
     DropsReusedConnections,
+    FakeEngine,
     has_series,
     metric,
     on_event_loop,
@@ -217,16 +219,20 @@ async def test_replicas_refusing_connections_are_tried_twice_then_503() -> None:
 @on_event_loop
 async def test_a_lone_replica_refusing_the_connection_means_wait_for_the_next_one() -> None:
     """The only ready replica is gone before its EndpointSlice says so: the request is held
-    (the engine cannot have seen it) and goes to the replica that becomes ready next."""
+    (the engine cannot have seen it) and goes to the next replica, even one that comes back
+    at the same address (pod IPs are reused)."""
     gone = refusing(1)
-    async with service(1, also=gone, source=lambda endpoints: ChangingEndpoints(gone)) as svc:
+    async with service(0, source=lambda endpoints: ChangingEndpoints(gone)) as svc:
         assert isinstance(svc.source, ChangingEndpoints)
         pending = asyncio.create_task(svc.complete())
         await until_held(svc.client, 1)
-        svc.source.set(ReadyEndpoints.of(svc.endpoints))
-        assert (await pending).status == 200 and svc.hits() == [1]
+        reborn = FakeEngine("reborn")
+        async with serving(reborn.app, "127.0.0.1", gone[0].port):
+            svc.source.set(ReadyEndpoints.of(gone))
+            assert (await pending).status == 200 and reborn.hits == 1
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_errors_total", revision="", reason="connect") == 1
+        assert metric(samples, "kiln_router_retries_total", revision="") == 1
 
 
 @on_event_loop

@@ -164,17 +164,20 @@ class Router:
 
     async def _send(self, request: web.Request, body: bytes,
                     exchange: _Exchange) -> web.StreamResponse:
-        failed: list[Endpoint] = []
-        while len(failed) < ATTEMPTS:
+        failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
+        tried: list[Endpoint] = []
+        while len(tried) < ATTEMPTS:
             endpoint = self.balancer.pick(failed, self._revision(failed))
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
-                if refused := await self._hold(exchange, failed):
+                if refused := await self._hold(exchange, after_change=bool(failed)):
                     return refused
+                failed = []  # the replicas changed: an address that refused may be a new pod's now
                 continue
-            if failed:
-                self.metrics.retries.labels(failed[-1].revision).inc()
+            if tried:
+                self.metrics.retries.labels(tried[-1].revision).inc()
+            tried.append(endpoint)
             try:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange)
@@ -182,7 +185,7 @@ class Router:
                 failed.append(endpoint)
         exchange.revision = NO_REVISION
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
-        return error_response(503, f"no replica could take the request ({len(failed)} "
+        return error_response(503, f"no replica could take the request ({len(tried)} "
                               "tried)", "service_unavailable", "no_ready_endpoint")
 
     def _revision(self, failed: list[Endpoint]) -> str | None:
@@ -195,10 +198,10 @@ class Router:
         return self.weighted.choose({revision: weight for revision, weight in weights.items()
                                      if any(e not in failed for e in ready.get(revision, ()))})
 
-    async def _hold(self, exchange: _Exchange, failed: list[Endpoint]) -> web.Response | None:
-        """Waits while no replica but those in `failed` is ready; None once one is, else the
-        error to answer. A client that hangs up meanwhile cancels this wait, so it is never
-        forwarded."""
+    async def _hold(self, exchange: _Exchange, after_change: bool) -> web.Response | None:
+        """Waits while no replica is ready (and, `after_change`, for the ready replicas to
+        change first); None once one is, else the error to answer. A client that hangs up
+        meanwhile cancels this wait, so it is never forwarded."""
         if self._held >= self.limits.max_held:
             return error_response(429, f"{self._held} requests are already waiting for a "
                                   "replica to start; try again later", "rate_limit_error",
@@ -208,7 +211,9 @@ class Router:
             exchange.held = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.activation_timeout):
-                while all(e in failed for e in self.source.ready().all):
+                if after_change:
+                    await self.source.changed()
+                while not self.source.ready().all:
                     await self.source.changed()
         except TimeoutError:
             return error_response(503, f"no replica became ready within "
