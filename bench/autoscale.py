@@ -209,13 +209,23 @@ def main() -> int:
                                                                          "scaleDownDelay": "30s"}), clients=8)
             kubectl(c.kubeconfig, "delete", "isvc", "step", "-n", namespace)
         cold_svc = Service(c.kubeconfig, namespace, "cold", zero)
-        colds = [cold_start(cold_svc) for _ in range(args.repeats)]
+        colds = []
+        for i in range(args.repeats):
+            colds.append(cold_start(cold_svc))
+            print(f"cold start {i + 1}: {colds[-1]['timeline_s']}", flush=True)
         kubectl(c.kubeconfig, "delete", "isvc", "cold", "-n", namespace)
         warm_svc = Service(c.kubeconfig, namespace, "warm", zero, warm_pool=1)
-        warms = [warm_start(warm_svc) for _ in range(args.repeats)]
+        warms = []
+        for i in range(args.repeats):
+            warms.append(warm_start(warm_svc))
+            print(f"warm start {i + 1}: {warms[-1]['timeline_s']}", flush=True)
+    except BaseException:
+        print(f"failed; the operator's log: {log}")
+        raise
+    else:
+        log.unlink(missing_ok=True)
     finally:
         operator.stop()
-        log.unlink(missing_ok=True)
         kubectl(c.kubeconfig, "delete", "namespace", namespace, "--wait=false", check=False)
         cluster.leave(c, os.getpid())
     cold_s = median([r["timeline_s"]["first_byte"] for r in colds])

@@ -236,6 +236,20 @@ async def test_a_lone_replica_refusing_the_connection_means_wait_for_the_next_on
 
 
 @on_event_loop
+async def test_a_refused_lone_replica_is_tried_again_after_a_moment_even_without_a_change() -> None:
+    """The replica was listed ready a moment before it listened (or its EndpointSlice update
+    came before the request looked): no change will come, so the request tries again anyway."""
+    late = refusing(1)
+    async with service(0, also=late) as svc:
+        pending = asyncio.create_task(svc.complete())
+        while metric(await svc.metrics(), "kiln_router_errors_total", revision="", reason="connect") < 1:
+            await asyncio.sleep(0.01)  # bounded by the test timeout, not timed
+        engine = FakeEngine("late")
+        async with serving(engine.app, "127.0.0.1", late[0].port):
+            assert (await pending).status == 200 and engine.hits == 1
+
+
+@on_event_loop
 async def test_no_retry_when_engine_hangs_up_after_receiving_request() -> None:
     async with service(2) as svc:
         response = await svc.complete("hang_up")

@@ -12,6 +12,7 @@ is: the operator counts held requests as load and starts a replica for them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -42,6 +43,9 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
     "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
+# After the only ready replica refused the connection: how long to wait for the EndpointSlice
+# to catch up (a replica gone, or a new one at the same address) before trying again.
+REFUSED_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -199,8 +203,8 @@ class Router:
                                      if any(e not in failed for e in ready.get(revision, ()))})
 
     async def _hold(self, exchange: _Exchange, after_change: bool) -> web.Response | None:
-        """Waits while no replica is ready (and, `after_change`, for the ready replicas to
-        change first); None once one is, else the error to answer. A client that hangs up
+        """Waits while no replica is ready (and, `after_change`, up to REFUSED_WAIT_S for the
+        ready replicas to change first); None once one is, else the error to answer. A client that hangs up
         meanwhile cancels this wait, so it is never forwarded."""
         if self._held >= self.limits.max_held:
             return error_response(429, f"{self._held} requests are already waiting for a "
@@ -211,8 +215,10 @@ class Router:
             exchange.held = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.activation_timeout):
-                if after_change:
-                    await self.source.changed()
+                if after_change:  # the change may have come already: wait a moment at most
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(REFUSED_WAIT_S):
+                            await self.source.changed()
                 while not self.source.ready().all:
                     await self.source.changed()
         except TimeoutError:
