@@ -1,7 +1,7 @@
 """`kiln operator`'s warm pool against the real local control plane, with kwok for kubelets: a
 standby beside each serving replica, out of the revision's EndpointSlices; scaling up promotes
 it (a label change: the same pod, not a new one) and the pool refills; scaling down demotes.
-(The plan itself: test_warmpool.py; on real engines and a router: e2e/test_warmpool.py.)"""
+(The plan itself: test_warmpool_plan.py; on real engines and a router: e2e/test_warmpool.py.)"""
 from __future__ import annotations
 
 import socket
