@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -138,9 +137,7 @@ class Mirroring:
 
     async def _post(self, endpoint: Endpoint, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         with self._balancer.busy(endpoint):
-            # The session's tracing marks reused connections on a context every request carries.
-            async with self._session().post(endpoint.url + path, json=payload,
-                                            trace_request_ctx=SimpleNamespace(reused=False)) as response:
+            async with self._session().post(endpoint.url + path, json=payload) as response:
                 if response.status != 200:
                     raise RuntimeError(f"{endpoint} answered {response.status}: {(await response.text())[:200]}")
                 return await response.json()

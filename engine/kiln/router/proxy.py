@@ -99,7 +99,9 @@ def _failure_reason(exc: Exception, reused: bool) -> str:
 
 async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
                        params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    context.trace_request_ctx.reused = True
+    # Only client requests carry an attempt to mark (see _relay); the mirror's shadows do not.
+    if context.trace_request_ctx is not None:
+        context.trace_request_ctx.reused = True
 
 
 class Router:

@@ -16,16 +16,16 @@ import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
+from . import metrics
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
-from . import metrics
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
-from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, pod_counts
 from .rollout import dump
+from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, pod_counts
 from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
 from .warmpool import plan_pool, pods_of, pool_status
