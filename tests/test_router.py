@@ -427,6 +427,7 @@ async def test_client_hanging_up_while_held_is_never_forwarded() -> None:
      "--activation-timeout must be positive seconds"),
     (["--endpoints", "a:1", "--activation-timeout", "inf"], "--activation-timeout must be"),
     (["--selector", " "], "--selector must not be empty"),
+    (["--endpoints", "a:1", "--inference-service", "chat"], "--inference-service needs --selector"),
     (["--selector", "app=chat", "--kubeconfig", "/nonexistent/kubeconfig"],
      "cannot load Kubernetes config"),
 ])
