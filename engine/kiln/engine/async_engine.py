@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from kiln.engine import LLMEngine, RequestOutput, SamplingParams
 from kiln.engine.metrics import ServerMetrics
@@ -78,6 +79,14 @@ class AsyncEngine:
             raise
         return stream
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps (sleep, wake_up); its result or exception."""
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread has stopped")
+        done = self._loop.create_future()
+        self._commands.put(("call", fn, done))
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone) and free its KV blocks. Safe to call more than once."""
         stream = self._streams.pop(request_id, None)
@@ -110,12 +119,19 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
             return
+        if cmd[0] == "call":
+            _, fn, done = cmd
+            try:
+                self._loop.call_soon_threadsafe(_resolve, done, fn(), None)
+            except Exception as e:
+                self._loop.call_soon_threadsafe(_resolve, done, None, e)
+            return
         _, request_id, prompt, params, added = cmd
         try:
             self.engine.add_request(request_id, prompt, params)
-            self._loop.call_soon_threadsafe(_resolve, added, None)
+            self._loop.call_soon_threadsafe(_resolve, added, None, None)
         except Exception as e:  # ValueError for bad input; anything else is still this request's error
-            self._loop.call_soon_threadsafe(_resolve, added, e)
+            self._loop.call_soon_threadsafe(_resolve, added, None, e)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -164,10 +180,10 @@ class AsyncEngine:
         self._streams.clear()
 
 
-def _resolve(fut: asyncio.Future, error: Exception | None) -> None:
-    if fut.done():  # the handler was cancelled (client gone) while the add was queued
+def _resolve(fut: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if fut.done():  # the handler was cancelled (client gone) while the command was queued
         return
     if error is None:
-        fut.set_result(None)
+        fut.set_result(result)
     else:
         fut.set_exception(error)

@@ -95,6 +95,16 @@ class BlockManager:
                 self.hash_to_block[h] = block.block_id
         seq.num_published_blocks = max(seq.num_published_blocks, num_full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (their contents are gone: the pool was released). Only
+        when no sequence holds a block."""
+        assert self.num_free_blocks == self.num_blocks, "reset_prefix_cache with blocks in use"
+        for block_id in self.cached_free:
+            self.blocks[block_id].hash, self.blocks[block_id].token_ids = NO_HASH, ()
+            self.empty_free.append(block_id)
+        self.cached_free.clear()
+        self.hash_to_block.clear()
+
     # --- the story of a sequence's blocks ---------------------------------------------------
 
     def can_allocate(self, prefix: list[int], num_new_tokens: int) -> bool:

@@ -46,6 +46,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
+    is_sleeping: bool
 
 
 class LLMEngine:
@@ -66,6 +67,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.is_sleeping = False
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -77,8 +79,26 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if self.is_sleeping:  # a request wakes a sleeping engine: it is never refused for sleeping
+            self.wake_up()
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def sleep(self) -> None:
+        """Release the KV cache while idle (a standby replica), as vLLM's sleep mode level 1
+        does; the weights stay. ValueError while requests run. The prefix cache is forgotten."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"{len(self.requests)} request(s) in flight; sleep once they finish")
+        if not self.is_sleeping:
+            self.runner.release_kv_cache()
+            self.block_manager.reset_prefix_cache()
+            self.is_sleeping = True
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (same size), ready to serve."""
+        if self.is_sleeping:
+            self.runner.allocate_kv_cache()
+            self.is_sleeping = False
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -118,6 +138,7 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            is_sleeping=self.is_sleeping,
         )
 
     def step(self) -> list[RequestOutput]:

@@ -31,6 +31,7 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.engine_sleep_state = gauge("engine_sleep_state", "1 while the KV cache is released (POST /sleep).")
         self.model_load_seconds = gauge("model_load_seconds", "Seconds to load weights and allocate the KV cache.")
         self._startup_phase_seconds = Gauge(
             "kiln:startup_phase_seconds", "Seconds of the cold start in each phase (kiln.engine.startup); "
@@ -54,6 +55,7 @@ class ServerMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_running.set(stats.num_running)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.engine_sleep_state.set(int(stats.is_sleeping))
         self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
         self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits

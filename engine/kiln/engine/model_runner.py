@@ -66,28 +66,44 @@ class ModelRunner:
             self.num_blocks = self._allocate_kv_cache(config, model_config)
 
     def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
-        """One tensor for the whole pool, sized from the memory budget; each layer gets a view.
-        An int8/fp8 cache has a second tensor of scales, one per (slot, KV head)."""
-        cache_dtype = config.kv_cache_torch_dtype
-        block_bytes = kv_block_bytes(model_config, config.block_size, cache_dtype)
+        """Size the pool from the memory budget and allocate it; returns its block count."""
+        self.kv_dtype = config.kv_cache_torch_dtype
+        block_bytes = kv_block_bytes(model_config, config.block_size, self.kv_dtype)
         num_blocks = config.kv_cache_memory // block_bytes
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block; one block of "
                 f"{config.block_size} tokens needs {block_bytes} bytes for this model"
             )
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        shape = (2, len(layers), num_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_shape = (2, len(self._attention_layers()), num_blocks, config.block_size,
+                         model_config.num_key_value_heads, model_config.head_dim)
+        self.allocate_kv_cache()
+        return num_blocks
+
+    def _attention_layers(self) -> list[Attention]:
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def allocate_kv_cache(self) -> None:
+        """One tensor for the whole pool; each layer gets a view. An int8/fp8 cache has a second
+        tensor of scales, one per (slot, KV head)."""
         # Left uninitialised: attention never reads a slot past a sequence's length.
-        self.kv_cache = torch.empty(shape, dtype=cache_dtype, device=self.device)
-        self.kv_scales = torch.empty(shape[:-1], dtype=SCALE_DTYPE, device=self.device) \
-            if is_quantized(cache_dtype) else None
-        for i, layer in enumerate(layers):
+        self.kv_cache = torch.empty(self.kv_shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_scales = torch.empty(self.kv_shape[:-1], dtype=SCALE_DTYPE, device=self.device) \
+            if is_quantized(self.kv_dtype) else None
+        for i, layer in enumerate(self._attention_layers()):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             # Always set: a float pool must clear the scales an earlier quantized pool left on the layer.
             layer.k_scales, layer.v_scales = (None, None) if self.kv_scales is None else \
                 (self.kv_scales[0, i], self.kv_scales[1, i])
-        return num_blocks
+
+    def release_kv_cache(self) -> None:
+        """Give the pool's memory back (sleep). Every reference goes, the layers' views too, so
+        the allocator can return it; on CUDA the caching allocator is emptied as well."""
+        for layer in self._attention_layers():
+            layer.k_cache = layer.v_cache = layer.k_scales = layer.v_scales = None
+        self.kv_cache = self.kv_scales = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         """Flat input_ids/positions of every new token, the Context, and which rows need logits."""

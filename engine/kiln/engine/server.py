@@ -66,7 +66,8 @@ class Server:
         self.app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
             web.get("/v1/models", self.models),
-            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat)])
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping)])
 
     @property
     def is_ready(self) -> bool:
@@ -157,6 +158,32 @@ class Server:
         if self.serving is not None:
             card["max_model_len"] = self.serving.max_model_len
         return web.json_response({"object": "list", "data": [card]})
+
+    # A standby replica (warm pool) sleeps: its KV cache is released until it is woken, by
+    # POST /wake_up or implicitly by its first request. The names are vLLM's sleep-mode endpoints.
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        try:
+            took = await self._timed(self.engine.engine.sleep)
+        except ValueError as e:
+            raise APIError(409, str(e), type_="invalid_request_error", code="busy") from None
+        log.info("sleeping: KV cache released in %.3fs", took)
+        return web.json_response({"is_sleeping": True, "seconds": round(took, 4)})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        took = await self._timed(self.engine.engine.wake_up)
+        log.info("awake: KV cache allocated in %.3fs", took)
+        return web.json_response({"is_sleeping": False, "seconds": round(took, 4)})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        if self.engine is None:
+            raise APIError(503, "the model is still loading", type_="server_error", code="not_ready")
+        return web.json_response({"is_sleeping": self.engine.engine.is_sleeping})
+
+    async def _timed(self, fn) -> float:
+        started = time.perf_counter()
+        await self.engine.call(fn)
+        return time.perf_counter() - started
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.serving.completions(request)
