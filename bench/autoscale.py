@@ -1,7 +1,7 @@
 """Autoscaling on the local cluster: how fast new replicas serve after a load step, and a cold
 start from zero cut into its parts. The baseline the warm-pool work has to beat.
 
-Real parts: the local control plane, the operator (builtin autoscaler, 2 s tick), engines and
+Real parts: the local control plane, the operator (builtin autoscaler, 2 s tick; 0.5 s at zero), engines and
 routers as processes under the test pod runtime, SmolLM2-135M in float32 on this CPU. No peer
 runs beside it: KServe, KubeAI and llm-d cannot be installed here (no images, no registry), so
 this records Kiln's own figures only.
@@ -58,12 +58,13 @@ def model_load_seconds(page: str | None) -> float:
 
 
 class Service:
-    def __init__(self, kubeconfig: Path, namespace: str, name: str, autoscaling: dict, warm_pool: int = 0) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, name: str, autoscaling: dict,
+                 warm_pool: dict | None = None) -> None:
         self.kubeconfig, self.namespace, self.name = kubeconfig, namespace, name
         body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
         body["metadata"]["name"] = name
         if warm_pool:
-            body["spec"]["warmPool"] = {"size": warm_pool}
+            body["spec"]["warmPool"] = warm_pool
         body["spec"]["autoscaling"] = {"mode": "builtin", "stableWindow": "10s", "panicWindow": "4s", **autoscaling}
         kubectl(kubeconfig, "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
         self.url = demo.wait_until_serving(kubeconfig, name, namespace).removesuffix("/v1")
@@ -136,16 +137,28 @@ def cold_start(svc: Service) -> dict:
             "status_lastColdStartSeconds": svc.status().get("autoscaling", {}).get("lastColdStartSeconds")}
 
 
-def warm_start(svc: Service) -> dict:
-    """From zero serving replicas with one standby in the pool: held, promoted, answered."""
-    def standbys_only() -> bool:
+def engine_gauge(pod: dict, name: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+    page = get(f"http://{pod['status']['podIP']}:8000/metrics")
+    found = [s.value for f in text_string_to_metric_families(page or "") for s in f.samples if s.name == name]
+    return found[0] if found else None
+
+
+def warm_start(svc: Service, asleep: bool) -> dict:
+    """From zero serving replicas with one standby in the pool (asleep or not): held, promoted
+    (and woken), answered. Also the standby's resident memory while it waited."""
+    def standbys_only() -> dict | None:
         pods = [p for p in svc.engine_pods() if not p["metadata"].get("deletionTimestamp")]
-        return svc.status().get("desiredReplicas") == 0 and len(pods) == 1 and svc.status().get("warmReplicas") == 1
-    eventually(standbys_only, "zero serving, one standby", timeout=300, interval=1)
+        if svc.status().get("desiredReplicas") != 0 or len(pods) != 1 or svc.status().get("warmReplicas") != 1:
+            return None
+        return pods[0] if engine_gauge(pods[0], "kiln:engine_sleep_state") == int(asleep) else None
+    standby = eventually(standbys_only, "zero serving, one standby", timeout=300, interval=1)
+    rss = engine_gauge(standby, "process_resident_memory_bytes")
 
     def checks() -> dict[str, bool]:
         return {"promoted": any(p["metadata"]["labels"].get("kiln.dev/serving") == "true" for p in svc.engine_pods())}
-    return phases(timed_request(svc, checks), ["promoted", "first_byte"])
+    return {**phases(timed_request(svc, checks), ["promoted", "first_byte"]),
+            "standby_rss_mib": round(rss / 2**20) if rss else None}
 
 
 def median(values: list[float]) -> float | None:
@@ -214,11 +227,15 @@ def main() -> int:
             colds.append(cold_start(cold_svc))
             print(f"cold start {i + 1}: {colds[-1]['timeline_s']}", flush=True)
         kubectl(c.kubeconfig, "delete", "isvc", "cold", "-n", namespace)
-        warm_svc = Service(c.kubeconfig, namespace, "warm", zero, warm_pool=1)
-        warms = []
-        for i in range(args.repeats):
-            warms.append(warm_start(warm_svc))
-            print(f"warm start {i + 1}: {warms[-1]['timeline_s']}", flush=True)
+        warms: dict[str, list[dict]] = {}
+        for sleep in (False, True):
+            label = "asleep" if sleep else "awake"
+            warm_svc = Service(c.kubeconfig, namespace, f"warm-{label}", zero, warm_pool={"size": 1, "sleep": sleep})
+            warms[label] = []
+            for i in range(args.repeats):
+                warms[label].append(warm_start(warm_svc, sleep))
+                print(f"warm start {i + 1}, standby {label}: {warms[label][-1]}", flush=True)
+            kubectl(c.kubeconfig, "delete", "isvc", warm_svc.name, "-n", namespace)
     except BaseException:
         print(f"failed; the operator's log: {log}")
         raise
@@ -229,18 +246,21 @@ def main() -> int:
         kubectl(c.kubeconfig, "delete", "namespace", namespace, "--wait=false", check=False)
         cluster.leave(c, os.getpid())
     cold_s = median([r["timeline_s"]["first_byte"] for r in colds])
-    warm_s = median([r["timeline_s"]["first_byte"] for r in warms])
+    warm_s = {label: median([r["timeline_s"]["first_byte"] for r in runs]) for label, runs in warms.items()}
+    rss = {label: median([r["standby_rss_mib"] for r in runs if r["standby_rss_mib"]]) for label, runs in warms.items()}
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(), "load_step": step, "cold_start_from_zero": colds, "warm_start_from_zero": warms,
-              "median_first_byte_s": {"cold": cold_s, "warm": warm_s},
+              "median_first_byte_s": {"cold": cold_s, **{f"warm_{k}": v for k, v in warm_s.items()}},
+              "median_standby_rss_mib": rss,
               "note": "local cluster, CPU engines (SmolLM2-135M float32), test pod runtime; from a request sent "
                       "at zero serving replicas to its first byte; warm: one standby in the pool, promoted on the "
-                      "builtin autoscaler's next 2 s tick; no peer can run here"}
+                      "builtin autoscaler's next tick (0.5 s at zero), woken first when asleep; no peer can run here"}
     print(json.dumps(result, indent=1))
     if step:
         print(f"load step to 3 replicas serving: {step['seconds_from_step'].get('ready_3')} s")
-    print(f"from zero to first byte, median of {args.repeats}: cold start {cold_s} s, warm pool {warm_s} s "
-          f"(cold x{cold_s / warm_s:.1f}); cold phases (last run): "
+    print(f"from zero to first byte, median of {args.repeats}: cold start {cold_s} s, warm pool "
+          f"{warm_s['awake']} s with the standby awake ({rss['awake']} MiB resident), {warm_s['asleep']} s asleep "
+          f"({rss['asleep']} MiB; cold x{cold_s / warm_s['asleep']:.1f}); cold phases (last run): "
           f"{', '.join(f'{k} {v}s' for k, v in colds[-1]['phase_s'].items())}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"autoscale-{datetime.date.today():%Y%m%d}.json"

@@ -1,7 +1,8 @@
 """Warm pools on the whole system: real engines and a real router on the local cluster, the
 builtin autoscaler deciding. No client request may fail.
 
-- with `warmPool.size: 1` the standby is Ready (loaded, warmed) and gets none of 100 requests;
+- with `warmPool.size: 1` the standby is Ready (loaded, warmed), asleep (its KV cache released)
+  and gets none of 100 requests;
 - a load step promotes it: it answers routed requests while its replacement standby is still
   loading (a cold start would only begin there);
 - scaled to zero serving replicas with the standby kept, a request is answered in a fraction of
@@ -57,6 +58,11 @@ def served(pod: dict) -> float:
                if s.name == "kiln:e2e_request_latency_seconds_count")
 
 
+def asleep(pod: dict) -> bool:
+    with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/is_sleeping", timeout=10) as response:
+        return json.loads(response.read())["is_sleeping"]
+
+
 def stamp(text: str) -> float:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
@@ -75,6 +81,7 @@ def test_a_standby_takes_nothing_then_serves_at_once_on_a_load_step_and_from_zer
         return found if sorted(role(p) for p in found if ready(p)) == ["false", "true"] else None
     found = eventually(one_serving_one_standby, "1 serving + 1 standby", timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
     standby = next(p for p in found if role(p) == "false")
+    eventually(lambda: asleep(standby), "the standby asleep", timeout=60, ignore=(OSError,))
     url = base_url(NAME)
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
     before = served(standby)
@@ -94,6 +101,10 @@ def test_a_standby_takes_nothing_then_serves_at_once_on_a_load_step_and_from_zer
         done = load.done
         eventually(lambda: load.done >= done + 6, "more requests served", timeout=300)
     assert not load.failures, f"{len(load.failures)} requests failed: {load.failures[:3]}"
+    assert not asleep(next(p for p in pods(target, namespace) if p["metadata"]["name"] == name))
+    events = json.loads(target.kubectl("get", "events", "-n", namespace, "-o", "json",
+                                       "--field-selector", "reason=Promoted"))["items"]
+    assert any(name in e["message"] and "woken in" in e["message"] for e in events), [e["message"] for e in events]
     refill = eventually(lambda: next((p for p in pods(target, namespace) if role(p) == "false" and ready(p)), None),
                         "the pool refilled", timeout=LOAD_TIMEOUT, ignore=(KubectlError,))
     ready_at = next(c["lastTransitionTime"] for c in refill["status"]["conditions"] if c["type"] == "Ready")
@@ -103,8 +114,8 @@ def test_a_standby_takes_nothing_then_serves_at_once_on_a_load_step_and_from_zer
     # From zero serving replicas, the standby answers the first request.
     apply(target, namespace, min_replicas=0)
     eventually(lambda: status(target, namespace).get("desiredReplicas") == 0
-               and sorted(role(p) for p in pods(target, namespace) if ready(p)) == ["false"],
-               "zero serving, one standby", timeout=300, ignore=(KubectlError,))
+               and [(role(p), asleep(p)) for p in pods(target, namespace) if ready(p)] == [("false", True)],
+               "zero serving, one standby asleep", timeout=300, ignore=(KubectlError, OSError))
     started = time.monotonic()
     answer = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     warm = time.monotonic() - started

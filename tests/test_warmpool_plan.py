@@ -3,33 +3,60 @@ to serving or demoted back (warmpool.py), and the pool's status. (Against the re
 test_operator_warmpool.py; on real engines: e2e/test_warmpool.py.)"""
 from __future__ import annotations
 
-from kiln.operator.warmpool import DELETION_COST, Pod, PoolPlan, plan_pool, pool_status
+from kiln.operator.warmpool import ASLEEP, DELETION_COST, Pod, PoolPlan, plan_pool, pods_of, pool_status
 
 
 def pods(*specs: str) -> list[Pod]:
-    """'s+' a ready serving pod, 'w+' a ready standby, 'w-' a standby still loading; named p0, p1,
-    ... in creation order."""
-    return [Pod(f"p{i}", s[1] == "+", s[0] == "s", f"2026-01-01T00:00:0{i}Z") for i, s in enumerate(specs)]
+    """'s+' a ready serving pod, 'w+' a ready standby, 'w-' a standby still loading, 'z+' a ready
+    standby asleep; named p0, p1, ... in creation order."""
+    return [Pod(f"p{i}", s[1] == "+", s[0] == "s", f"2026-01-01T00:00:0{i}Z", asleep=s[0] == "z")
+            for i, s in enumerate(specs)]
+
+
+def names(plan: PoolPlan) -> dict[str, list[str]]:
+    return {role: [p.name for p in getattr(plan, role)] for role in ("promote", "demote", "sleep")
+            if getattr(plan, role)}
 
 
 def test_ready_standbys_are_promoted_oldest_first_and_loading_ones_never():
-    assert plan_pool(3, pods("s+", "w-", "w+", "w+")) == PoolPlan(promote=["p2", "p3"])
-    assert plan_pool(2, pods("s+", "w-")) == PoolPlan()  # the standby still loads: nothing to promote yet
-    assert plan_pool(1, pods("w+", "w+")) == PoolPlan(promote=["p0"])  # from zero serving
+    assert names(plan_pool(3, pods("s+", "w-", "w+", "w+"))) == {"promote": ["p2", "p3"]}
+    assert names(plan_pool(2, pods("s+", "w-"))) == {}  # the standby still loads: nothing to promote yet
+    assert names(plan_pool(1, pods("w+", "z+"))) == {"promote": ["p0"]}  # from zero serving
 
 
 def test_serving_pods_beyond_the_wanted_are_demoted_newest_first():
-    assert plan_pool(1, pods("s+", "s+", "s+", "w+")) == PoolPlan(demote=["p2", "p1"])
-    assert plan_pool(0, pods("s+")) == PoolPlan(demote=["p0"])
-    assert plan_pool(2, pods("s+", "s+", "w+")) == PoolPlan()  # steady: nothing
+    assert names(plan_pool(1, pods("s+", "s+", "s+", "w+"))) == {"demote": ["p2", "p1"]}
+    assert names(plan_pool(0, pods("s+"))) == {"demote": ["p0"]}
+    assert names(plan_pool(2, pods("s+", "s+", "w+"))) == {}  # steady: nothing
+
+
+def test_with_sleep_awake_ready_standbys_that_stay_standbys_are_put_to_sleep():
+    assert names(plan_pool(1, pods("s+", "w+", "z+", "w-"), sleep=True)) == {"sleep": ["p1"]}
+    # The promoted standby is woken, not put to sleep; a sleeping one can be promoted.
+    assert names(plan_pool(2, pods("s+", "w+", "w+"), sleep=True)) == {"promote": ["p1"], "sleep": ["p2"]}
+    assert names(plan_pool(2, pods("s+", "z+", "w+"), sleep=True)) == {"promote": ["p1"], "sleep": ["p2"]}
+    # A pod demoted this pass may still finish requests: it sleeps on a later pass.
+    assert names(plan_pool(1, pods("s+", "s+", "z+"), sleep=True)) == {"demote": ["p1"]}
+    assert names(plan_pool(1, pods("s+", "w+"))) == {}  # sleep off
+
+
+def test_asleep_holds_only_while_the_engine_has_not_restarted():
+    def pod(annotation: str | None, restarts: int) -> dict:
+        return {"metadata": {"name": "p", "annotations": {ASLEEP: annotation} if annotation else {}},
+                "status": {"podIP": "10.0.0.7", "containerStatuses": [{"restartCount": restarts}]}}
+    assert [(p.asleep, p.ip) for p in pods_of([pod("0", 0)])] == [(True, "10.0.0.7")]
+    assert not pods_of([pod("0", 1)])[0].asleep  # restarted since it was put to sleep: awake
+    assert not pods_of([pod(None, 0)])[0].asleep
 
 
 def test_patches_relabel_and_make_standbys_the_cheaper_to_delete():
-    patches = PoolPlan(promote=["a"], demote=["b"]).patches()
-    assert patches["a"]["metadata"]["labels"] == {"kiln.dev/serving": "true"}
-    assert patches["b"]["metadata"]["labels"] == {"kiln.dev/serving": "false"}
-    promoted, demoted = (int(patches[p]["metadata"]["annotations"][DELETION_COST]) for p in "ab")
+    a, b = pods("w+", "s+")
+    patches = PoolPlan(promote=[a], demote=[b]).patches()
+    assert patches["p0"]["metadata"]["labels"] == {"kiln.dev/serving": "true"}
+    assert patches["p1"]["metadata"]["labels"] == {"kiln.dev/serving": "false"}
+    promoted, demoted = (int(patches[p]["metadata"]["annotations"][DELETION_COST]) for p in ("p0", "p1"))
     assert demoted < promoted
+    assert patches["p0"]["metadata"]["annotations"][ASLEEP] is None  # a serving pod is awake
 
 
 def test_pool_status_counts_ready_standbys_and_accumulates_idle_cost():

@@ -2,7 +2,7 @@
 operator's autoscaler read them (kiln:num_requests_waiting is the scaling signal)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from kiln.engine import EngineStats
 
@@ -18,6 +18,7 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry, self.model_name = CollectorRegistry(), model_name
         r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, as vLLM exports them
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"kiln:{name}", doc, labels, registry=r).labels(model_name)

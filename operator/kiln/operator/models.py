@@ -126,6 +126,8 @@ class WarmPool(Spec):
     """Replicas of the stable revision loaded and warmed but not routed, beyond those that serve;
     promoted to serving (a label change, no restart) when more are wanted, then refilled."""
     size: int = Field(0, ge=0, le=100)
+    sleep: bool = Field(True, description="Standbys release their KV cache while they wait (the engine's "
+                        "POST /sleep) and are woken just before promotion.")
 
 
 class RolloutStep(Spec):

@@ -16,7 +16,7 @@ import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
-from . import metrics
+from . import metrics, standby
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
@@ -28,7 +28,7 @@ from .rollout import dump
 from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, pod_counts
 from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
-from .warmpool import plan_pool, pods_of, pool_status
+from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
 
 FIELD_MANAGER = "kiln-operator"
 # spec.replicas of engine Deployments has a field manager of its own, so the operator's main
@@ -246,7 +246,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
         if action.verb == SCALE and scaling.changed_from is not None and action.name == want.stable.name:
             post_event(api, body, "Normal", "Scaled", f"{action.name} from {scaling.changed_from} to "
                        f"{scaling.replicas} serving replica(s): {scaling.condition['message']}")
-    promoted = relabel(api, body, owner, want, observed)
+    promoted = relabel(api, body, owner, want, observed, spec.warmPool is not None and spec.warmPool.sleep)
     warm = None
     if want.stable.serving is not None and spec.warmPool is not None:
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
@@ -270,32 +270,45 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     return AUTOSCALE_TICK_S if busy else settings.interval
 
 
-def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, observed: Observed) -> int:
-    """Promote and demote the pods of revisions with a warm pool (warmpool.py); returns how many
-    of the stable revision's standbys were promoted."""
+def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, observed: Observed,
+            sleep: bool) -> int:
+    """Promote, demote and put to sleep the pods of revisions with a warm pool (warmpool.py);
+    returns how many of the stable revision's standbys were promoted."""
     promoted = 0
     for revision in want.revisions:
         if revision.serving is None:
             continue
-        pool = plan_pool(revision.serving, pods_of(observed.pods(revision.name)))
-        for pod, patch in pool.patches().items():
+        pool = plan_pool(revision.serving, pods_of(observed.pods(revision.name)), sleep)
+        patches = pool.patches()
+        for pod in pool.promote + pool.demote:
             started = time.monotonic()
-            try:
-                api.core.patch_namespaced_pod(pod, owner.namespace, patch)
-            except ApiException as err:
-                if err.status == 404:  # gone meanwhile: the next pass sees what replaced it
-                    continue
-                raise
+            woke = standby.call(pod, "/wake_up") if pod in pool.promote and pod.asleep else None
+            if not patch_pod(api, owner, pod.name, patches[pod.name]):
+                continue
             took = (time.monotonic() - started) * 1000
             if pod in pool.promote:
                 promoted += revision.name == want.stable.name
                 metrics.PROMOTIONS.labels(owner.namespace, owner.name).inc()
                 metrics.PROMOTION_SECONDS.observe(took / 1000)
-                post_event(api, body, "Normal", "Promoted", f"standby {pod} of {revision.name} promoted to "
-                           f"serving in {took:.0f} ms (routed once its EndpointSlice updates)")
+                woken = f", woken in {woke * 1000:.0f} ms" if woke is not None else ""
+                post_event(api, body, "Normal", "Promoted", f"standby {pod.name} of {revision.name} promoted to "
+                           f"serving in {took:.0f} ms{woken} (routed once its EndpointSlice updates)")
             else:
-                post_event(api, body, "Normal", "Demoted", f"{pod} of {revision.name} demoted to standby")
+                post_event(api, body, "Normal", "Demoted", f"{pod.name} of {revision.name} demoted to standby")
+        for pod in standby.put_to_sleep(pool.sleep):
+            patch_pod(api, owner, pod.name, {"metadata": {"annotations": {ASLEEP: str(pod.restarts)}}})
     return promoted
+
+
+def patch_pod(api: Api, owner: Owner, name: str, patch: dict[str, Any]) -> bool:
+    """False when the pod is gone meanwhile (the next pass sees what replaced it)."""
+    try:
+        api.core.patch_namespaced_pod(name, owner.namespace, patch)
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
 
 
 def api_message(err: ApiException) -> str:

@@ -8,7 +8,12 @@ changes that the EndpointSlice controller carries to the router in about a secon
 restart. The revision's Deployment asks for serving + pool replicas and is never fought: the
 operator only relabels the pods its ReplicaSet made. Scale-down first demotes serving pods
 (they stop taking requests and finish what they run); standbys carry a lower
-pod-deletion-cost than serving pods, so the ReplicaSet removes standbys, never a serving pod."""
+pod-deletion-cost than serving pods, so the ReplicaSet removes standbys, never a serving pod.
+
+With `sleep` (the default) a ready standby is put to sleep (the engine's POST /sleep releases its
+KV cache) and woken (POST /wake_up) just before its promotion; a request reaching it first wakes
+it too. The `kiln.dev/asleep` annotation records the engine's restart count when it fell asleep,
+so an engine restarted since (awake again) is put back to sleep."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,7 +23,9 @@ from .observed import is_ready
 from .render import LABEL_SERVING
 from .scaling import epoch, iso
 from .status import condition
+
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+ASLEEP = "kiln.dev/asleep"
 SERVING_COST, STANDBY_COST = "100", "0"
 
 
@@ -28,40 +35,51 @@ class Pod:
     ready: bool
     serving: bool
     since: str  # creation time (RFC 3339, so it sorts): the oldest standby is promoted first
+    ip: str = ""
+    asleep: bool = False  # its engine was put to sleep and has not restarted since
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    promote: list[str] = field(default_factory=list)
-    demote: list[str] = field(default_factory=list)
+    promote: list[Pod] = field(default_factory=list)
+    demote: list[Pod] = field(default_factory=list)
+    sleep: list[Pod] = field(default_factory=list)  # ready standbys to put to sleep
 
     def patches(self) -> dict[str, dict[str, Any]]:
         """Pod name -> the metadata merge patch that promotes or demotes it."""
         def patch(serving: bool) -> dict[str, Any]:
+            annotations = {DELETION_COST: SERVING_COST if serving else STANDBY_COST}
             return {"metadata": {"labels": {LABEL_SERVING: str(serving).lower()},
-                                 "annotations": {DELETION_COST: SERVING_COST if serving else STANDBY_COST}}}
-        return {**{name: patch(True) for name in self.promote}, **{name: patch(False) for name in self.demote}}
+                                 "annotations": {**annotations, **({ASLEEP: None} if serving else {})}}}
+        return {**{p.name: patch(True) for p in self.promote}, **{p.name: patch(False) for p in self.demote}}
 
 
-def plan_pool(serving_wanted: int, pods: list[Pod]) -> PoolPlan:
+def plan_pool(serving_wanted: int, pods: list[Pod], sleep: bool = False) -> PoolPlan:
     """Which pods of one revision change role so that `serving_wanted` of them serve: ready
     standbys are promoted (oldest first; a pod still loading is never promoted), serving pods
     beyond the number wanted are demoted (newest first). The Deployment's replicas (serving +
-    pool) are desired.py's; the ReplicaSet creates the rest as standbys or removes standbys."""
+    pool) are desired.py's; the ReplicaSet creates the rest as standbys or removes standbys.
+    With `sleep`, the ready standbys that stay standbys and are awake are put to sleep (one
+    demoted this pass waits for the next: it may still finish requests)."""
     serving = [p for p in pods if p.serving]
+    standby = sorted((p for p in pods if not p.serving and p.ready), key=lambda p: p.since)
     if len(serving) < serving_wanted:
-        standby = sorted((p for p in pods if not p.serving and p.ready), key=lambda p: p.since)
-        return PoolPlan(promote=[p.name for p in standby[:serving_wanted - len(serving)]])
+        promote = standby[:serving_wanted - len(serving)]
+        return PoolPlan(promote=promote, sleep=[p for p in standby[len(promote):] if sleep and not p.asleep])
     extra = sorted(serving, key=lambda p: p.since, reverse=True)[:len(serving) - serving_wanted]
-    return PoolPlan(demote=[p.name for p in extra])
+    return PoolPlan(demote=extra, sleep=[p for p in standby if sleep and not p.asleep])
 
 
 def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
     """The live pods of a revision as the pool sees them (terminating ones are neither)."""
-    return [Pod(p["metadata"]["name"], is_ready(p),
-                (p["metadata"].get("labels") or {}).get(LABEL_SERVING) == "true",
-                p["metadata"].get("creationTimestamp") or "")
-            for p in observed_pods if not p["metadata"].get("deletionTimestamp")]
+    def pod(p: dict[str, Any]) -> Pod:
+        meta, status = p["metadata"], p.get("status") or {}
+        restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
+        return Pod(meta["name"], is_ready(p), (meta.get("labels") or {}).get(LABEL_SERVING) == "true",
+                   meta.get("creationTimestamp") or "", status.get("podIP") or "",
+                   (meta.get("annotations") or {}).get(ASLEEP) == str(restarts), restarts)
+    return [pod(p) for p in observed_pods if not p["metadata"].get("deletionTimestamp")]
 
 
 def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted: int, previous: dict[str, Any],
