@@ -205,6 +205,27 @@ async def test_dead_keep_alive_connection_is_retried_on_another_replica() -> Non
 
 
 @on_event_loop
+async def test_every_dead_pooled_connection_to_a_lone_replica_is_passed_over() -> None:
+    """Several pooled connections to one address all dead (a pod gone, its IP reused by the
+    next): each is dropped as it fails, none counts as a try, a fresh connection answers."""
+    dropper = DropsReusedConnections()
+    server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with service(0, also=[Endpoint("127.0.0.1", port)]) as svc:
+            first = await asyncio.gather(*(svc.complete() for _ in range(3)))  # 3 connections pooled
+            assert [r.status for r in first] == [200] * 3
+            assert (await svc.complete()).status == 200
+            assert (dropper.answered, dropper.dropped) == (4, 3)
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 3
+            assert metric(samples, "kiln_router_retries_total", revision="") == 3
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@on_event_loop
 async def test_replicas_refusing_connections_are_tried_twice_then_503() -> None:
     async with service(0, also=refusing(3)) as svc:
         response = await svc.complete()

@@ -32,6 +32,9 @@ from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 log = logging.getLogger("kiln.router")
 
 ATTEMPTS = 2  # the first try and at most one retry
+# Pooled connections found dead in a row before a request gives up; each is dropped from the
+# pool as it fails, so this only bounds a pathological case (a replica killing every reuse).
+MAX_STALE = 16
 # Raised before a single byte of the request left.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # What a connection the replica had already closed gives; a sure sign only on a reused one.
@@ -72,6 +75,10 @@ class _Exchange:
 
 class _Retryable(Exception):
     """The replica cannot have acted on the request: another one may take it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.stale = reason == "stale_connection"
 
 
 def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
@@ -172,6 +179,7 @@ class Router:
                     exchange: _Exchange) -> web.StreamResponse:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
+        stale = 0
         while len(tried) < ATTEMPTS:
             endpoint = self.balancer.pick(failed, self._revision(failed))
             if endpoint is None:
@@ -187,7 +195,15 @@ class Router:
             try:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange)
-            except _Retryable:
+            except _Retryable as retry:
+                if retry.stale and stale < MAX_STALE:
+                    # A dead pooled connection says nothing of the replica (e.g. one that left
+                    # pooled connections to an address a new pod now has): not a try, and the
+                    # same replica may take it on another connection, as Go's net/http does.
+                    stale += 1
+                    tried.pop()
+                    self.metrics.retries.labels(endpoint.revision).inc()
+                    continue
                 failed.append(endpoint)
         exchange.revision = NO_REVISION
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
@@ -247,7 +263,7 @@ class Router:
             log.warning("%s gave no response (%s): %r", endpoint, reason, exc)
             self.metrics.errors.labels(endpoint.revision, reason).inc()
             if reason in RETRYABLE:
-                raise _Retryable from exc
+                raise _Retryable(reason) from exc
             if reason == "first_byte_timeout":
                 return error_response(504, f"replica {endpoint} sent no response within "
                                       f"{self.limits.first_byte_timeout:g} s", "timeout_error",
