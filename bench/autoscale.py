@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -237,7 +238,11 @@ def main() -> int:
                 print(f"warm start {i + 1}, standby {label}: {warms[label][-1]}", flush=True)
             kubectl(c.kubeconfig, "delete", "isvc", warm_svc.name, "-n", namespace)
     except BaseException:
-        print(f"failed; the operator's log: {log}")
+        kept = RESULTS / f".logs-{namespace}"
+        kept.mkdir(exist_ok=True)
+        for pod_log in (c.dir / "logs" / "pods").glob(f"{namespace}_*.log"):
+            shutil.copy(pod_log, kept)
+        print(f"failed; the operator's log: {log}; the pods' logs: {kept}")
         raise
     else:
         log.unlink(missing_ok=True)

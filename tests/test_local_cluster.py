@@ -214,3 +214,30 @@ def check_second_cluster(directory, args: tuple[str, ...]) -> None:
     assert not [n for n in PodNetwork.system_namespaces() if n.startswith("kilntest-")]
     assert not directory.exists()
     assert kiln_local("status", "--dir", str(directory)).returncode == 3
+
+
+def test_a_reused_pod_address_reaches_the_new_pod_at_once(tmp_path):
+    """A pod's address goes to a later pod: a neighbour that talked to the old one must reach
+    the new one now, not after its cached MAC expires (connects used to hang for seconds,
+    which held requests at a replica that was already Ready)."""
+    network = PodNetwork("kilnarp", ipaddress.IPv4Network("10.213.2.0/24"), tmp_path)
+    network.check_free()
+    network.create_bridge()
+
+    def connect(to: str) -> int:
+        """errno of a TCP connect from pod `a` to a closed port: 111 (refused) once it got there."""
+        code = f"import socket; s = socket.socket(); s.settimeout(2); print(s.connect_ex(({to!r}, 9)))"
+        out = subprocess.run([*network.exec_prefix("a"), sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=30)
+        return int(out.stdout)
+    try:
+        network.create_namespace("a", "10.213.2.2")
+        network.create_namespace("b", "10.213.2.3")
+        assert connect("10.213.2.3") == 111  # `a` caches b's MAC
+        network.delete_namespace("b")
+        network.create_namespace("c", "10.213.2.3")
+        assert connect("10.213.2.3") == 111  # not a timeout (11): c answered
+    finally:
+        for name in network.namespaces():
+            network.delete_namespace(name)
+        network.delete_bridge()

@@ -100,6 +100,13 @@ class PodNetwork:
         ip("-n", netns, "link", "set", "eth0", "up")
         ip("-n", netns, "route", "add", "default", "via", self.gateway)
         ip("link", "set", host, "master", self.bridge, "up")
+        # Pod addresses are reused: whoever talked to this address's previous pod still has its
+        # MAC cached and would send there (connects hang for seconds) until the entry expires.
+        # Real CNI plugins send a gratuitous ARP; flushing the entries is the sure way here.
+        for other in self.namespaces():
+            if other != name:
+                ip("-n", self.netns_name(other), "neigh", "flush", "to", address, check=False)
+        ip("neigh", "flush", "to", address, "dev", self.bridge, check=False)
         return netns
 
     def veth_names(self, name: str) -> tuple[str, str]:
