@@ -123,7 +123,8 @@ def test_operator_cluster_role_covers_every_child_kind():
     granted = granted_by("kiln-operator")
     for obj in want(spec_of()).objects():
         group = obj["apiVersion"].rpartition("/")[0]
-        resource = obj["kind"].lower() + "s"
+        kind = obj["kind"].lower()
+        resource = kind[:-1] + "ies" if kind.endswith("y") else kind + "s"
         assert {(group, resource, v) for v in ("list", "create", "patch")} <= granted, obj["kind"]
     # What wakes a reconcile is watched; revisions and their Services are deleted.
     assert {("apps", "deployments", "watch"), ("", "pods", "watch"), ("", "services", "watch"),

@@ -141,6 +141,20 @@ def test_prefix_hit_reuses_blocks_and_counts() -> None:
     assert bm.match_prefix(third) == first.block_table[:1]
 
 
+def test_cached_blocks_are_shared_only_within_one_cache_salt() -> None:
+    bm = BlockManager(8, BLOCK)
+    first = Sequence("a", list(range(10)), SamplingParams(cache_salt="tenant-a"), 0)
+    bm.allocate(first, bm.match_prefix(first))
+    bm.append_slots(first, 10)
+    first.num_computed_tokens = 10
+    bm.cache_full_blocks(first)
+
+    def prefix(salt: str | None) -> list[int]:
+        return bm.match_prefix(Sequence("b", list(range(10)), SamplingParams(cache_salt=salt), 1))
+    assert prefix("tenant-a") == first.block_table[:2]
+    assert prefix("tenant-b") == [] and prefix(None) == []
+
+
 def _run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_tokens: list[int]) -> int:
     """Drive the scheduler with a stand-in for the model whose next token is a function of the
     sequence so far; returns the number of steps."""

@@ -69,11 +69,14 @@ def test_runs_a_pod_in_a_namespace_holding_its_ip_and_stops_it_on_deletion(local
 
 
 def test_refuses_what_it_cannot_run_and_still_removes_it(local_cluster, core, namespace):
+    config = {"name": "TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
     secret = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
-    core.create_namespaced_pod(namespace, pod("bad-env", ["kiln", "router", "--endpoints", "127.0.0.1:9"], [secret]))
     runtime_log = local_cluster.cluster.dir / "logs" / "runtime.log"
-    eventually(lambda: f"cannot run {namespace}/bad-env: env TOKEN: only value and fieldRef are supported"
-               in runtime_log.read_text(), "the runtime to say why it refused the pod")
-    assert ready(core, "bad-env", namespace) == "False"
-    core.delete_namespaced_pod("bad-env", namespace)
-    eventually(lambda: gone(core, "bad-env", namespace), "the refused pod to be removed")
+    for name, env, why in (("bad-env", config, "env TOKEN: only value, fieldRef and secretKeyRef are supported"),
+                           ("no-secret", secret, "secret s not found")):
+        core.create_namespaced_pod(namespace, pod(name, ["kiln", "router", "--endpoints", "127.0.0.1:9"], [env]))
+        eventually(lambda: f"cannot run {namespace}/{name}: {why}" in runtime_log.read_text(),
+                   "the runtime to say why it refused the pod")
+        assert ready(core, name, namespace) == "False"
+        core.delete_namespaced_pod(name, namespace)
+        eventually(lambda: gone(core, name, namespace), "the refused pod to be removed")

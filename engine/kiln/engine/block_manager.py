@@ -2,7 +2,8 @@
 and prefix caching of full blocks.
 
 A full block is named by a chained hash, hash(parent block's hash, its tokens), so equal hashes
-mean equal prefixes. Blocks that fall free keep their contents and their hash: a later request
+mean equal prefixes; the first block's parent is the request's cache salt (vLLM's `cache_salt`),
+so requests of different salts (tenants) never share a block. Blocks that fall free keep their contents and their hash: a later request
 with the same prefix takes them back instead of recomputing. Free blocks that hold nothing are
 handed out first; cached free blocks are evicted least recently used first.
 """
@@ -59,7 +60,8 @@ class BlockManager:
         """Chained hash of the sequence's full block `index`, memoized on the sequence."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[i - 1] if i else 0
+            # The first block's parent is the request's cache salt: no chain crosses salts.
+            parent = seq.block_hashes[i - 1] if i else hash(("cache_salt", seq.params.cache_salt))
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             seq.block_hashes.append(hash((parent, tokens)))
         return seq.block_hashes[index]

@@ -52,6 +52,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     # vLLM's extension: the choice also carries prompt_token_ids (what the engine ran) and token_ids.
     return_token_ids: bool = False
+    # vLLM's extension: requests share cached prefix blocks only with requests of the same salt
+    # (the router sets one per API key, so tenants cannot time each other's prompts).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -79,7 +82,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:

@@ -25,6 +25,8 @@ class SamplingParams:
     # Score the prompt itself: each prompt token's logprob and rank, plus this many top
     # alternatives per position (0: the prompt token alone). See kiln.engine.prompt_logprobs.
     prompt_logprobs: int | None = None
+    # Prefix-cache isolation: blocks are shared only between requests with the same salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +56,8 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):

@@ -1,7 +1,8 @@
 """Build the control-plane binaries from the Go module proxy, once per version.
 
-Two Go modules live in gobuild/: `kube` (kube-apiserver, kube-controller-manager,
-kube-scheduler, kubectl and etcd at the version Kubernetes pins) and `kwok`. Binaries land
+Three Go modules live in gobuild/: `kube` (kube-apiserver, kube-controller-manager,
+kube-scheduler, kubectl and etcd at the version Kubernetes pins), `kwok`, and `kube-score` (the
+linter tests/test_lint.py runs). Binaries land
 in ~/.cache/kiln/<module>-<version>/bin; a folder that exists is complete, because builds
 go to a temporary folder that is renamed only after every binary linked.
 """
@@ -21,6 +22,7 @@ KUBE_VERSION = "v1.37.1"
 # The release's commit and tag time, as the module proxy's v1.37.1.info reports them.
 KUBE_COMMIT, KUBE_DATE = "f78e722310e50bcaca9276be22276d9e91d91308", "2026-09-23T17:06:22Z"
 KWOK_VERSION = "v0.8.0"
+KUBE_SCORE_VERSION = "v1.20.0"  # the linter the security tests run (tests/test_lint.py)
 GOBUILD = Path(__file__).parent / "gobuild"
 # The version variables Kubernetes' own release build sets (hack/lib/version.sh); without
 # them the apiserver reports v0.0.0-master and kubectl/clients refuse skew checks.
@@ -54,6 +56,7 @@ TARGETS = (
         "k8s.io/kubernetes/cmd/kube-scheduler", "k8s.io/kubernetes/cmd/kubectl",
         "kiln.dev/local/kube/cmd/etcd")),
     Target("kwok", KWOK_VERSION, ("sigs.k8s.io/kwok/cmd/kwok",)),
+    Target("kube-score", KUBE_SCORE_VERSION, ("github.com/zegl/kube-score/cmd/kube-score",)),
 )
 
 

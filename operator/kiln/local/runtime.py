@@ -8,7 +8,7 @@ kwok to leave readiness alone, see kiln.local.kwok) and a container command that
 `kiln serve ...` or `kiln router ...`. For each such pod it:
 
 - makes a network namespace holding the pod's IP (kwok assigned it from the bridge range),
-- runs the command with the pod's args and env as a local process in it, through this
+- runs the command with the pod's args and env (values, a few fieldRefs, secretKeyRefs) as a local process in it, through this
   venv's Python (`python -m kiln.cli`), with a ServiceAccount token kubeconfig when the pod
   mounts a token (reached through a relay on the bridge gateway: the apiserver listens on
   loopback only, which a namespace cannot see),
@@ -19,6 +19,7 @@ Everything lives under the cluster's state directory, so `kiln local down` remov
 """
 from __future__ import annotations
 
+import base64
 import logging
 import signal
 import sys
@@ -192,6 +193,18 @@ class Runtime:
             if exc.status not in (404, 409):  # gone already, or a new pod of the same name
                 raise
 
+    def secret_value(self, namespace: str, ref: Any) -> str:
+        """A Secret's key, as the kubelet gives it to an env var (a missing one: the pod is refused)."""
+        try:
+            data = self.core.read_namespaced_secret(ref.name, namespace).data or {}
+        except ApiException as exc:
+            if exc.status == 404:
+                raise ValueError(f"secret {ref.name} not found") from None
+            raise
+        if ref.key not in data:
+            raise ValueError(f"secret {ref.name} has no key {ref.key!r}")
+        return base64.b64decode(data[ref.key]).decode()
+
     def plan(self, pod: Any) -> PodRun:
         container = pod.spec.containers[0]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.metadata.name}
@@ -200,8 +213,10 @@ class Runtime:
                 env[var.name] = var.value or ""
             elif var.value_from.field_ref is not None:
                 env[var.name] = field_value(pod, var.value_from.field_ref.field_path)
+            elif var.value_from.secret_key_ref is not None:
+                env[var.name] = self.secret_value(pod.metadata.namespace, var.value_from.secret_key_ref)
             else:
-                raise ValueError(f"env {var.name}: only value and fieldRef are supported")
+                raise ValueError(f"env {var.name}: only value, fieldRef and secretKeyRef are supported")
         if pod.spec.automount_service_account_token is not False:
             env["KUBECONFIG"] = str(self.service_account_kubeconfig(pod))
         # `kiln` is this venv's CLI; the image named in the pod spec is not used.
@@ -294,8 +309,10 @@ class Runtime:
         log.info("stopped %s", run.key)
 
     def shutdown(self) -> None:
+        # Pods already stopping too: their stop threads may still sleep out a preStop hook and
+        # die with this process, which left their processes running after `kiln local down`.
         threads = [threading.Thread(target=self.stop, args=(run, min(run.grace, SHUTDOWN_GRACE_S), 0.0))
-                   for run in list(self.pods.values()) if not run.stopping]
+                   for run in list(self.pods.values())]
         for t in threads:
             t.start()
         for t in threads:

@@ -15,8 +15,9 @@ from typing import Any
 
 from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts, replicas_of
-from .render import (Owner, pooled, render_deployment, render_pdb, render_revision_service, render_router,
-                     render_router_account, render_service, revision_name, template_pooled)
+from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdb,
+                     render_revision_service, render_router, render_router_account, render_service, revision_name,
+                     template_pooled)
 
 STABLE, CANARY, OLD = "stable", "canary", "old"
 
@@ -124,5 +125,6 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]
-    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations),
-                               render_service(owner), render_pdb(owner), *(scalers or [])])
+    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations, spec.auth),
+                               render_service(owner), render_pdb(owner),
+                               *render_network_policies(owner, operator_namespace()), *(scalers or [])])

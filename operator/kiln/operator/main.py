@@ -23,7 +23,7 @@ from .reconcile import DEFAULT_PROMETHEUS, Api, Settings, reconcile
 from .render import LABEL_ISVC, engine_image
 
 CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services"),
-            ("autoscaling", "v2", "horizontalpodautoscalers")]
+            ("autoscaling", "v2", "horizontalpodautoscalers"), ("networking.k8s.io", "v1", "networkpolicies")]
 
 
 def build_registry(api: Api, settings: Settings) -> kopf.OperatorRegistry:

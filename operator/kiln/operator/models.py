@@ -173,6 +173,18 @@ class Rollout(Spec):
         "it is rolled back."))
 
 
+class SecretKeyRef(Spec):
+    name: str = Field(max_length=253, description="A Secret in the InferenceService's namespace.")
+    key: str = Field("api-keys", max_length=253, description=(
+        "Its key holding the API keys: one per line (one per tenant); '#' starts a comment."))
+
+
+class Auth(Spec):
+    """Who may use the model: the router demands `Authorization: Bearer <key>` on every path but
+    its probes and /metrics, and salts each key's prefix cache apart from the others'."""
+    apiKeySecretRef: SecretKeyRef
+
+
 class InferenceServiceSpec(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
@@ -185,6 +197,7 @@ class InferenceServiceSpec(Spec):
     autoscaling: Autoscaling | None = None
     warmPool: WarmPool | None = None
     rollout: Rollout | None = None
+    auth: Auth | None = None
 
 
 class Condition(BaseModel):

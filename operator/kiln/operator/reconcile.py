@@ -49,6 +49,7 @@ class Api:
     rbac: kubernetes.client.RbacAuthorizationV1Api
     autoscaling: kubernetes.client.AutoscalingV2Api
     extensions: kubernetes.client.ApiextensionsV1Api
+    networking: kubernetes.client.NetworkingV1Api
 
     @classmethod
     def connect(cls) -> Api:
@@ -63,7 +64,7 @@ class Api:
         k = kubernetes.client
         return cls(client, k.CoreV1Api(client), k.AppsV1Api(client), k.PolicyV1Api(client),
                    k.CustomObjectsApi(client), k.RbacAuthorizationV1Api(client), k.AutoscalingV2Api(client),
-                   k.ApiextensionsV1Api(client))
+                   k.ApiextensionsV1Api(client), k.NetworkingV1Api(client))
 
     def call(self, verb: str, kind: str) -> Callable[..., Any]:
         """The client method for `verb` (list, patch, delete) on a namespaced child kind, all
@@ -76,7 +77,8 @@ class Api:
         where = {"Deployment": (self.apps, "deployment"), "Service": (self.core, "service"),
                  "PodDisruptionBudget": (self.policy, "pod_disruption_budget"),
                  "ServiceAccount": (self.core, "service_account"), "RoleBinding": (self.rbac, "role_binding"),
-                 "HorizontalPodAutoscaler": (self.autoscaling, "horizontal_pod_autoscaler")}
+                 "HorizontalPodAutoscaler": (self.autoscaling, "horizontal_pod_autoscaler"),
+                 "NetworkPolicy": (self.networking, "network_policy")}
         api, name = where[kind]
         return getattr(api, f"{verb}_namespaced_{name}")
 
@@ -91,7 +93,7 @@ class Api:
 
 
 CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding",
-               "HorizontalPodAutoscaler")
+               "HorizontalPodAutoscaler", "NetworkPolicy")
 AUTOSCALE_TICK_S = 2.0  # how often the builtin autoscaler decides
 # At zero serving replicas the only load is requests the router holds, and a client waits on
 # each tick: look more often (one router scrape each time).

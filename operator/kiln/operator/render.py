@@ -11,7 +11,7 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec
+from .models import GROUP, KIND, VERSION, Auth, InferenceServiceSpec
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kiln/engine:0.1.0"
 PORT = 8000
@@ -23,13 +23,14 @@ ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
 # With a warm pool, engine pods are born standbys ("false") and the operator promotes them to
 # "true"; a revision's Service then selects only "true" (warmpool.py).
 LABEL_SERVING = "kiln.dev/serving"
-ROUTER_CLUSTER_ROLE = "kiln-router"  # shipped in manifests/base/rbac.yaml
+ROUTER_CLUSTER_ROLE = "kiln-router"
+API_KEYS_ENV = "KILN_API_KEYS"  # what `kiln router` reads its keys from (kiln.router.auth)  # shipped in manifests/base/rbac.yaml
 MODEL_MOUNT = "/models"
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
 # covers that pause plus finishing in-flight generations.
 PRESTOP_SLEEP_S = 10
 GRACE_PERIOD_S = 120
-RUN_AS = 1000
+RUN_AS = 10001  # above 10000: no clash with a host user's id
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Owner:
 
 def engine_image() -> str:
     return os.environ.get("KILN_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE)
+
+
+def operator_namespace() -> str:
+    """Where this operator runs (its pod's namespace, from the downward API)."""
+    return os.environ.get("POD_NAMESPACE", "kiln-system")
 
 
 def revision_name(name: str, spec: InferenceServiceSpec) -> str:
@@ -253,15 +259,22 @@ def render_router_account(owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
-def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    """One router per InferenceService, in front of every revision's engine pods."""
+def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None,
+                  auth: Auth | None = None) -> dict[str, Any]:
+    """One router per InferenceService, in front of every revision's engine pods. With `auth`
+    its API keys come from the Secret as an environment variable (a rotated key needs the
+    router restarted: `kubectl rollout restart deployment/<name>-router`)."""
     name = router_name(owner.name)
+    env: list[dict[str, Any]] = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    if auth is not None:
+        ref = auth.apiKeySecretRef
+        env.append({"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     container = {
         "name": "router",
         "image": image,  # the engine image carries the whole `kiln` CLI
         "command": ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT),
                     "--inference-service", owner.name],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": env,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
         # Ready once it can take requests, engines or not: at zero replicas it is what holds them.
@@ -288,6 +301,27 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
             }},
         },
     }
+
+
+def render_network_policies(owner: Owner, operator_namespace: str) -> list[dict[str, Any]]:
+    """Engine pods take connections only from their own router pods and from the operator (its
+    autoscaler scrapes /metrics, the warm pool's sleep and wake), and open none (replies to those
+    are allowed: policies are stateful); the kubelet's probes come from the node, which policies
+    do not filter. A Prometheus scraping the engines needs a policy of its own beside this one
+    (policies add up). The router is the front door (it checks API keys): anyone may connect, and
+    it may connect out (to engines, and to the API server, whose address no policy can name
+    portably)."""
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kiln-operator"}}}
+    http = [{"protocol": "TCP", "port": "http"}]
+    engines = {"podSelector": {"matchLabels": selector(owner.name)}, "policyTypes": ["Ingress", "Egress"],
+               "ingress": [{"from": [{"podSelector": {"matchLabels": selector(owner.name, "router")}}, operator],
+                            "ports": http}]}  # Egress with no rule: none allowed (an empty list is not stored)
+    router = {"podSelector": {"matchLabels": selector(owner.name, "router")}, "policyTypes": ["Ingress", "Egress"],
+              "ingress": [{"ports": http}], "egress": [{}]}
+    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": metadata(owner, f"{owner.name}-{which}", component=component), "spec": spec}
+            for which, component, spec in (("engines", "engine", engines), ("router", "router", router))]
 
 
 def render_pdb(owner: Owner) -> dict[str, Any]:

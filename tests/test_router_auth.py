@@ -1,0 +1,108 @@
+"""API keys and tenants at the router: a real `kiln router` process (keys from KILN_API_KEYS, as
+the operator passes a Secret) in front of a real `kiln serve` on SmolLM2. Every path but the
+probes, /metrics and /openapi.json demands a key; each key's requests share cached prefix blocks
+only with each other, which the engine's own prefix-cache counters show."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from test_server import MODEL, REPO, ServerProcess, get, post
+
+KEYS = "key-tenant-a  # team a\nkey-tenant-b\n"
+# Several full blocks (block size 16), so a prefix hit is many tokens.
+PROMPT = "In the harbour town the lighthouse keeper wrote down every ship that passed, " * 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def router(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kiln.cli", "router", *args], cwd=REPO,
+                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "256Mi")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def front(engine):
+    port = free_port()
+    proc = router("--endpoints", f"127.0.0.1:{engine.port}", "--host", "127.0.0.1", "--port", str(port),
+                  env={"KILN_API_KEYS": KEYS})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while get(url + "/ready")[0] != 200:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the router never became ready"
+        time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+def test_every_model_path_demands_a_key_and_the_probes_do_not(front):
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations", "/tokenize", "/v1/unknown"):
+        status, body = post(front + path, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key", (path, body)
+    assert get(front + "/v1/models")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(front, "key-tenant-c").models.list()
+    with pytest.raises(openai.AuthenticationError):
+        client(front, "key-tenant").completions.create(model=MODEL, prompt="hi", max_tokens=1)  # a prefix of a key
+    for path in ("/health", "/ready", "/metrics"):
+        assert get(front + path)[0] == 200, path
+    answer = client(front, "key-tenant-b").completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert answer.choices[0].text
+
+
+def test_tenants_never_share_cached_prefixes(front, engine):
+    def hits_after(key: str) -> float:
+        client(front, key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+        return engine.metrics()["kiln:prefix_cache_hits_total"]
+    start = engine.metrics()["kiln:prefix_cache_hits_total"]
+    first_a = hits_after("key-tenant-a")
+    b = hits_after("key-tenant-b")  # the same prompt from another tenant: nothing found
+    second_a = hits_after("key-tenant-a")  # tenant a's own blocks are found again
+    print(f"prefix-cache hits: tenant a first {first_a - start:.0f}, tenant b {b - first_a:.0f}, "
+          f"tenant a again {second_a - b:.0f} tokens")
+    assert b == first_a
+    assert second_a - b >= 64  # at least 4 of its blocks
+    # A client's own cache_salt splits its tenant's cache further; it never joins another's.
+    salted = client(front, "key-tenant-a").completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"cache_salt": "session-1"})
+    assert salted.choices[0].text is not None
+    assert engine.metrics()["kiln:prefix_cache_hits_total"] == second_a
+
+
+def test_the_engine_refuses_a_bad_cache_salt(engine):
+    for salt in ("", 7, "x" * 257):
+        status, body = post(engine.url + "/v1/completions",
+                            {"model": MODEL, "prompt": "hi", "max_tokens": 1, "cache_salt": salt})
+        assert status == 400 and "cache_salt" in body["error"]["message"], (salt, body)
+
+
+def test_a_key_variable_holding_no_key_does_not_open_the_router():
+    for env, args in (({"KILN_API_KEYS": "# nobody yet\n"}, ()), ({}, ("--api-key", "")),
+                      ({"KILN_API_KEYS": "two words"}, ())):
+        proc = router("--endpoints", "127.0.0.1:9", "--port", str(free_port()), *args, env=env)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and ("API key" in out or "api-key" in out), out
