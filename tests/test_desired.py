@@ -373,3 +373,17 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli.main(["operator"]) == 1
     assert "set KUBECONFIG or run in a pod" in capsys.readouterr().err
+
+
+def test_router_replicas_come_from_the_spec_with_a_budget_and_a_graceful_stop():
+    wanted = want(spec_of(router={"replicas": 2}))
+    router, pdb = child(wanted, "Deployment", "chat-router"), child(wanted, "PodDisruptionBudget", "chat-router")
+    assert router["spec"]["replicas"] == 2
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pod = pod_spec(router)
+    # Endpoints drop it during the preStop pause; the shutdown after SIGTERM fits in the grace period.
+    assert pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] + 25 < pod["terminationGracePeriodSeconds"]
+    assert want(spec_of()).objects() and child(want(spec_of()), "Deployment", "chat-router")["spec"]["replicas"] == 1
+    with pytest.raises(ValueError):
+        spec_of(router={"replicas": 0})

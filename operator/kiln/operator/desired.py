@@ -15,7 +15,7 @@ from typing import Any
 
 from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts, replicas_of
-from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdb,
+from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdbs,
                      render_revision_service, render_router, render_router_account, render_service, revision_name,
                      template_pooled)
 
@@ -125,6 +125,6 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]
-    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations, spec.auth),
-                               render_service(owner), render_pdb(owner),
+    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations, spec.auth, spec.router.replicas),
+                               render_service(owner), *render_pdbs(owner),
                                *render_network_policies(owner, operator_namespace()), *(scalers or [])])

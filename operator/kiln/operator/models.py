@@ -185,6 +185,12 @@ class Auth(Spec):
     apiKeySecretRef: SecretKeyRef
 
 
+class RouterSpec(Spec):
+    """The router in front of the engines: more than one replica survives losing one (a
+    PodDisruptionBudget keeps one up through voluntary disruptions)."""
+    replicas: int = Field(1, ge=1, le=20)
+
+
 class InferenceServiceSpec(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
@@ -198,6 +204,7 @@ class InferenceServiceSpec(Spec):
     warmPool: WarmPool | None = None
     rollout: Rollout | None = None
     auth: Auth | None = None
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
 
 
 class Condition(BaseModel):

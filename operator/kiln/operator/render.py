@@ -30,6 +30,10 @@ MODEL_MOUNT = "/models"
 # covers that pause plus finishing in-flight generations.
 PRESTOP_SLEEP_S = 10
 GRACE_PERIOD_S = 120
+# A router keeps taking requests while its endpoint is removed everywhere, then gets SIGTERM
+# and finishes its streams (kiln router's own shutdown timeout is 25 s).
+ROUTER_PRESTOP_SLEEP_S = 5
+ROUTER_GRACE_PERIOD_S = 40
 RUN_AS = 10001  # above 10000: no clash with a host user's id
 
 
@@ -260,7 +264,7 @@ def render_router_account(owner: Owner) -> list[dict[str, Any]]:
 
 
 def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None,
-                  auth: Auth | None = None) -> dict[str, Any]:
+                  auth: Auth | None = None, replicas: int = 1) -> dict[str, Any]:
     """One router per InferenceService, in front of every revision's engine pods. With `auth`
     its API keys come from the Secret as an environment variable (a rotated key needs the
     router restarted: `kubectl rollout restart deployment/<name>-router`)."""
@@ -280,6 +284,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
         # Ready once it can take requests, engines or not: at zero replicas it is what holds them.
         "readinessProbe": probe("/ready", 2, 2),
         "livenessProbe": probe("/health", 10, 3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_S}}},
         "securityContext": HARDENED,
     }
     pod_labels = labels(owner.name, "router")
@@ -288,7 +293,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
         "kind": "Deployment",
         "metadata": metadata(owner, name, component="router"),
         "spec": {
-            "replicas": 1,
+            "replicas": replicas,
             "selector": {"matchLabels": selector(owner.name, "router")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 2,
@@ -297,6 +302,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
                 "automountServiceAccountToken": True,  # to watch EndpointSlices and its InferenceService
                 "enableServiceLinks": False,
                 "containers": [container],
+                "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_S,
                 "securityContext": POD_SECURITY,
             }},
         },
@@ -324,15 +330,15 @@ def render_network_policies(owner: Owner, operator_namespace: str) -> list[dict[
             for which, component, spec in (("engines", "engine", engines), ("router", "router", router))]
 
 
-def render_pdb(owner: Owner) -> dict[str, Any]:
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": metadata(owner, owner.name),
-        # maxUnavailable, not minAvailable: a single replica must not block node drains forever.
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name)},
-                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
-    }
+def render_pdbs(owner: Owner) -> list[dict[str, Any]]:
+    """One budget for the engine pods and one for the routers: one pod of each may be evicted
+    at a time (maxUnavailable, not minAvailable: a single replica must not block node drains
+    forever; with two routers, one always stays up)."""
+    return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+             "metadata": metadata(owner, name, component=component),
+             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name, component)},
+                      "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+            for name, component in ((owner.name, "engine"), (router_name(owner.name), "router"))]
 
 
 def service_url(owner: Owner) -> str:
