@@ -2,16 +2,24 @@
 
 Only the engine thread touches the engine: the loop sends it commands (add, abort) through a
 queue, and it hands each step's outputs back with one call_soon_threadsafe per step. Each
-request's outputs land in its own asyncio.Queue, so many HTTP handlers share one batch."""
+request's outputs land in its own asyncio.Queue, so many HTTP handlers share one batch.
+
+An exception in the engine loop is fatal, as vLLM's EngineDeadError is: a failed step leaves
+the scheduler's and the KV cache's state unknown, so the engine fails every request it holds,
+releases its KV cache and refuses everything after (the server answers /health with 503, so
+the kubelet restarts the pod). The test-only hook KILN_FAULT_INJECT=step:N raises in step N."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from kiln.engine import LLMEngine, RequestOutput, SamplingParams
 from kiln.engine.metrics import ServerMetrics
@@ -19,12 +27,31 @@ from kiln.engine.metrics import ServerMetrics
 log = logging.getLogger("kiln.serve")
 
 
+FAULT_ENV = "KILN_FAULT_INJECT"
+
+
 class QueueFullError(Exception):
     pass
 
 
 class EngineDeadError(Exception):
-    pass
+    """The engine loop failed: no request can be served by this process any more."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside the engine loop by the test-only hook KILN_FAULT_INJECT."""
+
+
+def fault_step_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
+    """KILN_FAULT_INJECT=step:N (test-only): the engine's Nth serving step raises. None if unset;
+    ValueError naming the variable if malformed."""
+    spec = environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return None
+    kind, _, n = spec.partition(":")
+    if kind != "step" or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected step:N with N >= 1 (a test-only fault hook)")
+    return int(n)
 
 
 @dataclass
@@ -32,16 +59,22 @@ class RequestStream:
     """What a handler reads: the engine's outputs for one request, in order."""
     request_id: str
     arrival: float
+    prompt_tokens: int
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | Exception
-    started: bool = False
+    running: bool = False  # the scheduler has taken it into the batch: it no longer waits
+    started: bool = False  # its first output came
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int,
+                 max_queued_tokens: int | None = None, fault_step: int | None = None) -> None:
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
+        self.max_queued_tokens, self.fault_step = max_queued_tokens, fault_step
+        self.dead: EngineDeadError | None = None  # set once, on the loop thread, when the loop failed
+        self._steps = 0
         self._loop = asyncio.get_running_loop()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched only on the loop thread
@@ -54,18 +87,12 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
 
-    @property
-    def num_waiting(self) -> int:
-        """Admitted requests the engine has not run yet (bounded by --max-queue)."""
-        return sum(not s.started for s in self._streams.values())
-
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Admit a request; ValueError if the engine rejects it, QueueFullError if too many wait."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
-        if self.num_waiting >= self.max_queue:
-            raise QueueFullError(f"too many requests waiting ({self.max_queue}); retry later")
-        stream = RequestStream(request_id, time.perf_counter())
+        """Admit a request; ValueError if the engine rejects it, QueueFullError if too many
+        requests or prompt tokens wait, EngineDeadError once the engine loop has failed."""
+        self._check_alive()
+        self._check_room(len(prompt))
+        stream = RequestStream(request_id, time.perf_counter(), len(prompt))
         self._streams[request_id] = stream
         added = self._loop.create_future()
         self._commands.put(("add", request_id, prompt, params, added))
@@ -79,10 +106,32 @@ class AsyncEngine:
             raise
         return stream
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the engine thread between steps (sleep, wake_up); its result or exception."""
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(str(self.dead))
         if not self._thread.is_alive():
             raise EngineDeadError("the engine thread has stopped")
+
+    def _check_room(self, prompt_tokens: int) -> None:
+        """The waiting caps: --max-queue requests beyond the batch's --max-num-seqs seats (so a
+        burst fills the seats and the queue both), and --max-num-queued-tokens prompt tokens of
+        requests not in the batch yet. A request finding nothing waiting is never refused for its
+        length alone: retrying it would not help."""
+        seats = self.engine.config.max_num_seqs
+        if len(self._streams) >= seats + self.max_queue:
+            raise QueueFullError(f"the engine holds {len(self._streams)} requests, as many as its batch "
+                                 f"(--max-num-seqs {seats}) and its queue (--max-queue {self.max_queue}) "
+                                 "take; retry later")
+        waiting = [s for s in self._streams.values() if not s.running]
+        cap = self.max_queued_tokens
+        queued = sum(s.prompt_tokens for s in waiting)
+        if cap is not None and waiting and queued + prompt_tokens > cap:
+            raise QueueFullError(f"{queued} prompt tokens are waiting already and this request's {prompt_tokens} "
+                                 f"would pass the limit of {cap} (--max-num-queued-tokens); retry later")
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps (sleep, wake_up); its result or exception."""
+        self._check_alive()
         done = self._loop.create_future()
         self._commands.put(("call", fn, done))
         return await done
@@ -97,6 +146,13 @@ class AsyncEngine:
     # ---- engine thread ----
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # whatever escapes the loop kills the engine, loudly
+            self._die(e)
+
+    def _serve(self) -> None:
+        self.metrics.record_engine_stats(self.engine.stats())  # the pool's size from the start
         while True:
             # Sleep on the command queue only when there is nothing to step.
             for cmd in self._drain_commands(block=not self.engine.has_unfinished_requests()):
@@ -135,21 +191,22 @@ class AsyncEngine:
 
     def _step(self) -> None:
         started = time.perf_counter()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            # A failed step leaves no request trustworthy: fail them all, keep serving new ones.
-            log.exception("engine step failed; aborting the running requests")
-            self._loop.call_soon_threadsafe(self._fail_all, e)
-            return
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs, started)
+        self._steps += 1
+        if self._steps == self.fault_step:
+            raise InjectedFault(f"fault injected in engine step {self._steps} ({FAULT_ENV}, test-only)")
+        outputs = self.engine.step()
+        running = self.engine.running_request_ids()
+        if outputs or running:
+            self._loop.call_soon_threadsafe(self._deliver, outputs, started, running)
 
     # ---- loop thread ----
 
-    def _deliver(self, outputs: list[RequestOutput], step_started: float) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step_started: float, running: list[str]) -> None:
         now = time.perf_counter()
         m = self.metrics
+        for request_id in running:
+            if (s := self._streams.get(request_id)) is not None:
+                s.running = True
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:  # aborted meanwhile
@@ -173,11 +230,36 @@ class AsyncEngine:
                                   len(out.token_ids), now - s.arrival)
             s.outputs.put_nowait(out)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, s in list(self._streams.items()):
-            self._commands.put(("abort", request_id))
-            s.outputs.put_nowait(error)
+    def _die(self, error: BaseException) -> None:
+        """Engine thread, once, as it ends: free what the engine holds and tell the loop."""
+        cause = f"{type(error).__name__}: {error}"
+        log.critical("the engine loop failed (%s): failing every request; /health now answers 503",
+                     cause, exc_info=error)
+        traceback.clear_frames(error.__traceback__)  # the failed step's locals may hold KV-cache views
+        try:
+            self.engine.discard()
+            self.metrics.record_engine_stats(self.engine.stats())
+        except Exception:
+            log.exception("could not release the dead engine's KV cache")
+        dead = EngineDeadError(f"the engine died ({cause}); this replica must be restarted")
+        with contextlib.suppress(RuntimeError):  # the loop is closed already: nobody is waiting
+            self._loop.call_soon_threadsafe(self._fail_everything, dead)
+
+    def _fail_everything(self, dead: EngineDeadError) -> None:
+        """Every request in flight ends with the cause; commands never run are answered too."""
+        self.dead = dead
+        for s in self._streams.values():
+            s.outputs.put_nowait(dead)
+            self.metrics.request_success["error"].inc()
+        log.error("failed %d request(s) in flight: %s", len(self._streams), dead)
         self._streams.clear()
+        while True:  # the engine thread has ended: nobody else reads the queue now
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not None and cmd[0] in ("add", "call"):
+                _resolve(cmd[-1], None, dead)
 
 
 def _resolve(fut: asyncio.Future, result: Any, error: Exception | None) -> None:

@@ -43,6 +43,9 @@ class EngineStats:
     num_waiting: int
     num_running: int
     kv_cache_usage: float  # 0..1
+    num_kv_blocks: int  # the pool's size
+    num_free_kv_blocks: int  # of them, held by no sequence (empty, or cached for a prefix): all when idle
+    kv_cache_bytes: int  # allocated now: 0 asleep, or after a fatal error
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
@@ -63,11 +66,14 @@ class LLMEngine:
                 f"the KV cache holds {pool_tokens} tokens (kv_cache_memory={self.config.kv_cache_memory}), "
                 f"less than max_model_len={self.config.max_model_len}; raise kv_cache_memory or lower max_model_len"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self._new_scheduler()
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.is_sleeping = False
+
+    def _new_scheduler(self) -> None:
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
@@ -100,6 +106,14 @@ class LLMEngine:
             self.runner.allocate_kv_cache()
             self.is_sleeping = False
 
+    def discard(self) -> None:
+        """After a fatal error in step(): forget every request and release the KV cache. The
+        bookkeeping may be inconsistent, so it is rebuilt empty rather than unwound; this engine
+        is not stepped again (its server reports itself dead and is restarted)."""
+        self.requests.clear()
+        self._new_scheduler()
+        self.runner.release_kv_cache()
+
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt) if prompt else []
@@ -129,12 +143,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def running_request_ids(self) -> list[str]:
+        """Requests the scheduler has taken into the batch (no longer waiting to start)."""
+        return [seq.request_id for seq in self.scheduler.running]
+
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        bm, runner = self.block_manager, self.runner
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv_cache_usage=bm.usage(),
+            num_kv_blocks=bm.num_blocks,
+            num_free_kv_blocks=bm.num_free_blocks,
+            kv_cache_bytes=sum(t.nbytes for t in (runner.kv_cache, runner.kv_scales) if t is not None),
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,

@@ -8,7 +8,8 @@ from kiln.engine import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0, 160.0)
-FINISH_REASONS = ("stop", "length", "abort")
+# error: failed by a fatal engine error (the engine loop raised; see async_engine).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
@@ -32,6 +33,11 @@ class ServerMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
+        self.num_kv_cache_blocks = gauge("num_kv_cache_blocks", "Blocks in the KV-cache pool.")
+        self.num_free_kv_cache_blocks = gauge(
+            "num_free_kv_cache_blocks", "KV-cache blocks held by no request (equal to the pool when idle).")
+        self.kv_cache_bytes = gauge("kv_cache_bytes", "Bytes allocated for the KV cache now "
+                                    "(0 while asleep or after a fatal engine error).")
         self.engine_sleep_state = gauge("engine_sleep_state", "1 while the KV cache is released (POST /sleep).")
         self.model_load_seconds = gauge("model_load_seconds", "Seconds to load weights and allocate the KV cache.")
         self._startup_phase_seconds = Gauge(
@@ -40,6 +46,7 @@ class ServerMetrics:
         # The engine keeps running totals; these counters follow them by increments.
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out) and recomputed later.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.")
@@ -50,16 +57,21 @@ class ServerMetrics:
         success = Counter("kiln:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=r)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._seen_queries = self._seen_hits = 0
+        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
     def record_engine_stats(self, stats: EngineStats) -> None:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_running.set(stats.num_running)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_kv_cache_blocks.set(stats.num_kv_blocks)
+        self.num_free_kv_cache_blocks.set(stats.num_free_kv_blocks)
+        self.kv_cache_bytes.set(stats.kv_cache_bytes)
         self.engine_sleep_state.set(int(stats.is_sleeping))
         self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
         self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
+        self.num_preemptions.inc(max(stats.num_preemptions - self._seen_preemptions, 0))
         self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        self._seen_preemptions = stats.num_preemptions
 
     def record_startup(self, seconds: dict[str, float]) -> None:
         for phase, value in seconds.items():

@@ -151,7 +151,7 @@ class OpenAIServing:
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         except EngineDeadError as e:
-            raise APIError(503, str(e), type_="server_error") from None
+            raise APIError(503, str(e), type_="server_error", code="engine_dead") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         # Whatever ends this handler early (client gone, cancelled, write failed) frees the request.
@@ -206,8 +206,9 @@ class OpenAIServing:
 async def _until_finished(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
     while True:
         out = await outputs.get()
-        if isinstance(out, Exception):
-            raise APIError(500, f"the engine failed while generating: {out}", type_="server_error")
+        if isinstance(out, Exception):  # EngineDeadError: the engine loop failed
+            raise APIError(500, f"the engine failed while generating: {out}", type_="server_error",
+                           code="engine_dead")
         yield out
         if out.finished:
             return

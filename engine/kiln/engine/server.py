@@ -3,6 +3,7 @@
 The listener starts first so /health answers while weights load; /ready turns 200 once the
 engine is built and one warm-up generation has run. SIGTERM drains: new requests get 503,
 /ready goes false, in-flight requests finish, and the process exits 0 within --drain-timeout.
+A fatal engine error (async_engine) fails every request and turns /health and /ready to 503.
 Each phase of the cold start is logged at ready and exported (kiln.engine.startup)."""
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams
-from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.async_engine import AsyncEngine, fault_step_from_env
 from kiln.engine.cli import add_quantization_arguments
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
@@ -29,6 +30,7 @@ from kiln.engine.openai_serving import OpenAIServing
 
 log = logging.getLogger("kiln.serve")
 
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step, so soon is right
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
 _UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -53,8 +55,10 @@ def _positive(kind: type):
 
 
 class Server:
-    def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer) -> None:
+    def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
+                 max_queued_tokens: int | None = None, fault_step: int | None = None) -> None:
         self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
+        self.max_queued_tokens, self.fault_step = max_queued_tokens, fault_step
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
@@ -71,7 +75,12 @@ class Server:
 
     @property
     def is_ready(self) -> bool:
-        return self.serving is not None and not self.draining
+        return self.serving is not None and not self.draining and self.dead is None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine died (its loop raised), or None while it lives."""
+        return None if self.engine is None or self.engine.dead is None else str(self.engine.dead)
 
     async def load(self) -> None:
         """Build the engine (weights + KV cache) and warm it up off the event loop."""
@@ -85,7 +94,7 @@ class Server:
             with startup.phase("warmup"):
                 await asyncio.to_thread(_warm_up, core)
         log.info("warm-up generation took %.2fs", self.startup.seconds["warmup"])
-        self.engine = AsyncEngine(core, self.metrics, self.max_queue)
+        self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, self.model_name)
         phases = self.startup.ready()
@@ -111,7 +120,8 @@ class Server:
         try:
             return await handler(request)
         except APIError as e:
-            return web.json_response(e.body(), status=e.status)
+            retry = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+            return web.json_response(e.body(), status=e.status, headers=retry)
         except web.HTTPException as e:  # unknown route, wrong method
             if e.status < 400:
                 raise
@@ -129,6 +139,8 @@ class Server:
     async def _admission(self, request: web.Request, handler) -> web.StreamResponse:
         if request.method != "POST":
             return await handler(request)
+        if self.dead is not None:
+            raise APIError(503, self.dead, type_="server_error", code="engine_dead")
         if not self.is_ready:
             why = "the server is draining" if self.draining else "the model is still loading"
             raise APIError(503, f"{why}; not accepting requests", type_="server_error", code="not_ready")
@@ -144,10 +156,13 @@ class Server:
     # ---- routes ----
 
     async def health(self, request: web.Request) -> web.Response:
+        """Liveness: 503 once the engine died, so the kubelet restarts the pod."""
+        if self.dead is not None:
+            return web.json_response({"status": "dead", "error": self.dead}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        state = "ready" if self.is_ready else "draining" if self.draining else "loading"
+        state = "ready" if self.is_ready else "dead" if self.dead else "draining" if self.draining else "loading"
         return web.json_response({"status": state}, status=200 if self.is_ready else 503)
 
     async def metrics_(self, request: web.Request) -> web.Response:
@@ -218,8 +233,15 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
+    try:
+        fault_step = fault_step_from_env()
+    except ValueError as e:
+        log.error("bad environment: %s", e)
+        return 2
+    if fault_step is not None:
+        log.warning("test-only fault hook: engine step %d will raise and kill the engine", fault_step)
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
-    server = Server(config, name, args.max_queue, timer)
+    server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -264,7 +286,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue", type=_positive(int), default=512,
-                        help="requests allowed to wait for the engine; more get 429")
+                        help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
+                             "more get 429")
+    parser.add_argument("--max-num-queued-tokens", type=_positive(int), default=None,
+                        help="prompt tokens allowed to wait for the engine (default: no limit); more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish in-flight requests after SIGTERM")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

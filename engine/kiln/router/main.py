@@ -54,7 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "limit; a non-streaming request gets them only once its whole "
                              "generation is done (default: %(default)s)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULTS.max_in_flight,
-                        help="/v1 requests handled at once; more get a 429 (default: %(default)s)")
+                        help="/v1 requests handled at once; more wait in line (--max-queue), then "
+                             "get a 429 (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
+                        help="requests waiting in line, first come first served, for one of "
+                             "--max-in-flight; more get a 429 (default: %(default)s: none wait)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                         help="largest request body; larger get a 413 (default: %(default)s)")
     parser.add_argument("--max-held", type=int, default=DEFAULTS.max_held,
@@ -74,14 +78,18 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--first-byte-timeout must be positive seconds, or 0 for no limit")
     if args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be at least 1")
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be 0 or more")
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be at least 1")
     if args.max_held < 1:
         raise ValueError("--max-held must be at least 1")
     if not (math.isfinite(args.activation_timeout) and args.activation_timeout > 0):
         raise ValueError("--activation-timeout must be positive seconds")
-    return Limits(args.connect_timeout, args.first_byte_timeout, args.max_in_flight,
-                  args.max_body_bytes, args.max_held, args.activation_timeout)
+    return Limits(connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
+                  max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
+                  max_held=args.max_held, activation_timeout=args.activation_timeout,
+                  max_queue=args.max_queue)
 
 
 def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | None]:

@@ -15,13 +15,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
@@ -49,6 +50,7 @@ CLIENT_GONE = 499  # nginx's code for "client closed the request"
 # After the only ready replica refused the connection: how long to wait for the EndpointSlice
 # to catch up (a replica gone, or a new one at the same address) before trying again.
 REFUSED_WAIT_S = 1.0
+RETRY_AFTER_S = 1  # every 429's Retry-After: slots free as requests finish, so soon is right
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,11 @@ class Limits:
     # Seconds to a replica's response headers, 0 for no limit. Generous: a non-streaming
     # engine sends its headers only once the whole generation is done.
     first_byte_timeout: float = 600.0
-    max_in_flight: int = 1024  # /v1 requests at once; more get a 429
+    max_in_flight: int = 1024  # /v1 requests at once; more wait in line (max_queue), then 429
     max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
     max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
     activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
+    max_queue: int = 0  # requests waiting in line for one of max_in_flight; 0: none wait
 
 
 @dataclass
@@ -82,9 +85,11 @@ class _Retryable(Exception):
 
 
 def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
-    """An error shaped like OpenAI's, so OpenAI clients show the message."""
+    """An error shaped like OpenAI's, so OpenAI clients show the message; a 429 says when to
+    come back (OpenAI's clients honour Retry-After)."""
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return web.json_response(body, status=status)
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return web.json_response(body, status=status, headers=retry)
 
 
 def _end_to_end(headers: Mapping[str, str], keep_length: bool) -> list[tuple[str, str]]:
@@ -120,7 +125,11 @@ class Router:
         self.metrics = RouterMetrics(source, self.balancer, held=lambda: self._held)
         self.weighted = WeightedChoice()
         self.mirroring = Mirroring(self.balancer, self.metrics, lambda: self._session)
+        Gauge("kiln_router_queued_requests", "Requests waiting in line for a place among "
+              "--max-in-flight (--max-queue)", registry=self.metrics.registry
+              ).set_function(lambda: len(self._line))
         self._active = 0  # /v1 requests being handled, against limits.max_in_flight
+        self._line: deque[asyncio.Future[None]] = deque()  # waiting for one of them, first come first
         self._held = 0  # of those, waiting for a replica, against limits.max_held
         self._session: aiohttp.ClientSession | None = None
 
@@ -158,10 +167,10 @@ class Router:
                                   time.monotonic() - exchange.received)
 
     async def _admit(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
-        if self._active >= self.limits.max_in_flight:
-            return error_response(429, f"the router is at its limit of {self._active} "
-                                  "requests in flight", "rate_limit_error", "rate_limit_exceeded")
-        self._active += 1
+        if not await self._take_place():
+            waiting = f" and {len(self._line)} waiting" if self.limits.max_queue else ""
+            return error_response(429, f"the router is at its limit of {self._active} requests "
+                                  f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
         try:
             try:
                 body = await request.read()
@@ -173,7 +182,37 @@ class Router:
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
         finally:
-            self._active -= 1
+            self._leave()
+
+    async def _take_place(self) -> bool:
+        """One of the max_in_flight places, after waiting in line behind at most max_queue
+        others; False if even the line is full. A client hanging up in line cancels the wait."""
+        if self._active < self.limits.max_in_flight and not self._line:
+            self._active += 1
+            return True
+        if len(self._line) >= self.limits.max_queue:
+            return False
+        turn = asyncio.get_running_loop().create_future()
+        self._line.append(turn)
+        try:
+            await turn  # _leave hands its place over: _active already counts this request
+        except asyncio.CancelledError:
+            if turn.cancelled():
+                with contextlib.suppress(ValueError):  # _leave may have dropped it already
+                    self._line.remove(turn)
+            else:
+                self._leave()  # handed a place just as the client left: pass it on
+            raise
+        return True
+
+    def _leave(self) -> None:
+        """A request is done: its place goes to the first in line, else it is free."""
+        while self._line:
+            turn = self._line.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._active -= 1
 
     async def _send(self, request: web.Request, body: bytes,
                     exchange: _Exchange) -> web.StreamResponse:

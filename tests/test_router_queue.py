@@ -1,0 +1,82 @@
+"""The router's line (`--max-queue`): past `--max-in-flight`, requests wait first come first
+served for a place, and past the line they get a 429 with Retry-After. A real router in front
+of fake engines (router_fakes); the real engine behind a real router is in test_overload.py."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from kiln.cli import main as kiln_main
+from kiln.router.proxy import Limits
+from router_fakes import metric, on_event_loop, parse_metrics, service, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def queued(router: aiohttp.ClientSession) -> float:
+    page = await (await router.get("/metrics")).text()
+    return metric(parse_metrics(page), "kiln_router_queued_requests")
+
+
+async def until_queued(router: aiohttp.ClientSession, count: int) -> None:
+    while await queued(router) != count:  # bounded by the test timeout, not timed
+        await asyncio.sleep(0.01)
+
+
+@on_event_loop
+async def test_requests_past_max_in_flight_wait_in_line_then_get_429_with_retry_after() -> None:
+    async with service(1, limits=Limits(max_in_flight=1, max_queue=2)) as svc:
+        first = asyncio.create_task(svc.complete("hold"))
+        await until(lambda: svc.hits() == [1])
+        line = [asyncio.create_task(svc.complete("hold")) for _ in range(2)]
+        await until_queued(svc.client, 2)
+        response = await svc.complete()
+        assert response.status == 429 and response.headers["Retry-After"] == "1"
+        assert await response.json() == {"error": {
+            "message": "the router is at its limit of 1 requests in flight and 2 waiting",
+            "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}}
+        assert svc.hits() == [1]  # the line never reached the engine
+        svc.engines[0].release.set()
+        assert [r.status for r in await asyncio.gather(first, *line)] == [200, 200, 200]
+        assert svc.hits() == [3] and await queued(svc.client) == 0
+        assert (await svc.complete()).status == 200  # places free again
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="none", code="429") == 1
+        assert metric(samples, "kiln_router_requests_total", revision="", code="200") == 4
+
+
+@on_event_loop
+async def test_a_client_leaving_the_line_is_never_forwarded_and_frees_its_spot() -> None:
+    async with service(1, limits=Limits(max_in_flight=1, max_queue=1)) as svc:
+        first = asyncio.create_task(svc.complete("hold"))
+        await until(lambda: svc.hits() == [1])
+        gone = asyncio.create_task(svc.complete("hold"))
+        await until_queued(svc.client, 1)
+        gone.cancel()  # the client gives up; its connection closes
+        await until_queued(svc.client, 0)
+        stays = asyncio.create_task(svc.complete("hold"))  # the spot it left is free
+        await until_queued(svc.client, 1)
+        svc.engines[0].release.set()
+        assert [r.status for r in await asyncio.gather(first, stays)] == [200, 200]
+        assert svc.hits() == [2]
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="none", code="499") == 1
+
+
+@on_event_loop
+async def test_without_a_line_the_429_comes_at_once_with_retry_after() -> None:
+    async with service(1, limits=Limits(max_in_flight=1)) as svc:
+        held = asyncio.create_task(svc.complete("hold"))
+        await until(lambda: svc.hits() == [1])
+        response = await svc.complete()
+        assert response.status == 429 and response.headers["Retry-After"] == "1"
+        assert (await response.json())["error"]["message"] == "the router is at its limit of 1 requests in flight"
+        svc.engines[0].release.set()
+        assert (await held).status == 200
+
+
+def test_cli_rejects_a_negative_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert kiln_main(["router", "--endpoints", "a:1", "--max-queue", "-1"]) == 2
+    assert "--max-queue must be 0 or more" in capsys.readouterr().err
