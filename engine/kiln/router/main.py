@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from kiln.router import auth
 from kiln.router.endpoints import EndpointSource, StaticEndpoints, parse_endpoints
 from kiln.router.proxy import Limits, build_app
 from kiln.router.traffic import InferenceServiceTraffic, TrafficSource
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-held", type=int, default=DEFAULTS.max_held,
                         help="requests held at once while no replica is ready (scaled to "
                              "zero); more get a 429 (default: %(default)s)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"demand Authorization: Bearer KEY (repeat for more tenants; also "
+                             f"${auth.ENV}, one per line); without any, the router is open")
     parser.add_argument("--activation-timeout", type=float,
                         default=DEFAULTS.activation_timeout,
                         help="seconds a held request waits for a replica to become ready, "
@@ -90,6 +94,20 @@ def _limits(args: argparse.Namespace) -> Limits:
                   max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                   max_held=args.max_held, activation_timeout=args.activation_timeout,
                   max_queue=args.max_queue)
+
+
+def _api_keys(args: argparse.Namespace) -> auth.ApiKeys | None:
+    """Raises ValueError with a message for the user: a key variable that is set but holds no
+    key must not leave the router open."""
+    keys = list(args.api_key)
+    if auth.ENV in os.environ:
+        from_env = auth.parse_keys(os.environ[auth.ENV])
+        if not from_env:
+            raise ValueError(f"${auth.ENV} is set but holds no API key")
+        keys += from_env
+    if any(not key.strip() or any(c.isspace() for c in key) for key in args.api_key):
+        raise ValueError("--api-key must not be empty or contain whitespace")
+    return auth.ApiKeys(keys) if keys else None
 
 
 def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | None]:
@@ -158,10 +176,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = _limits(args)
+        api_keys = _api_keys(args)
         source, traffic = _sources(args)
     except ValueError as exc:
         print(f"kiln router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(_serve_until_stopped(build_app(source, limits, traffic), args.host, args.port))
+    if api_keys is None:
+        log.warning("no API key: anyone who reaches the router can use the model")
+    asyncio.run(_serve_until_stopped(build_app(source, limits, traffic, api_keys), args.host, args.port))
     return 0

@@ -24,6 +24,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
+from kiln.router import auth
+from kiln.router.auth import ApiKeys
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.metrics import NO_REVISION, RouterMetrics
@@ -178,6 +180,7 @@ class Router:
                 return error_response(413, f"the request body is over the router's limit of "
                                       f"{self.limits.max_body_bytes} bytes",
                                       "invalid_request_error", "request_too_large")
+            body = auth.salted(body, request.get(auth.SALT))
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
@@ -376,10 +379,12 @@ class Router:
 
 
 def build_app(source: EndpointSource, limits: Limits = Limits(),
-              traffic: TrafficSource | None = None) -> web.Application:
-    """`traffic`: the rollout's split (None: no split, every ready replica alike)."""
+              traffic: TrafficSource | None = None, api_keys: ApiKeys | None = None) -> web.Application:
+    """`traffic`: the rollout's split (None: no split, every ready replica alike); `api_keys`:
+    demand one (None: open)."""
     router = Router(source, limits, traffic or StaticTraffic())
-    app = web.Application(client_max_size=limits.max_body_bytes)
+    app = web.Application(client_max_size=limits.max_body_bytes,
+                          middlewares=[auth.middleware(api_keys)] if api_keys else [])
     app.cleanup_ctx.append(router.lifecycle)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
