@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, float16, bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AVX512_BF16 "
+                        "or AMX, else float32), float32, float16, bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache budget in bytes")
     add_quantization_arguments(parser)

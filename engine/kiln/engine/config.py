@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kiln.engine.dtype_choice import auto_dtype, describe_dtype, host_cpu_flags
 from kiln.engine.kernels.backend import resolve_backend_name
 from kiln.engine.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
@@ -90,8 +91,16 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        # bf16 is the fast dtype on both sides: AVX-512 BF16 on the CPU, tensor cores on the GPU.
-        return torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype]
+        # auto: bf16 where it is fast (CUDA; CPUs with AVX512_BF16 or AMX), else float32 (dtype_choice).
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        device_type = self.torch_device.type
+        return auto_dtype(device_type, host_cpu_flags() if device_type == "cpu" else ())
+
+    @property
+    def dtype_reason(self) -> str:
+        """The dtype and why, for the start-up log."""
+        return describe_dtype(self.dtype, self.torch_dtype, self.torch_device.type, host_cpu_flags())
 
     @property
     def resolved_attention_backend(self) -> str:

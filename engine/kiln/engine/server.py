@@ -86,6 +86,7 @@ class Server:
         """Build the engine (weights + KV cache) and warm it up off the event loop."""
         with startup.timing(self.startup):  # the worker threads count their phases on it
             t0 = time.perf_counter()
+            log.info("dtype: %s", self.config.dtype_reason)
             core = await asyncio.to_thread(LLMEngine, self.config)  # weights_read, quantize, kv_alloc
             loaded = time.perf_counter() - t0
             self.metrics.model_load_seconds.set(loaded)
@@ -172,6 +173,7 @@ class Server:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}
         if self.serving is not None:
             card["max_model_len"] = self.serving.max_model_len
+            card["dtype"] = str(self.config.torch_dtype).removeprefix("torch.")  # what --dtype auto chose
         return web.json_response({"object": "list", "data": [card]})
 
     # A standby replica (warm pool) sleeps: its KV cache is released until it is woken, by
@@ -274,7 +276,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: bfloat16 on CUDA and on CPUs with AVX512_BF16 or AMX, else float32")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=_positive(int), default=None)
     parser.add_argument("--max-num-seqs", type=_positive(int), default=128)
