@@ -1,8 +1,8 @@
-"""Attention over the paged KV cache: the torch backend (reference, and the CPU path)
+"""Attention over the paged KV cache: the torch backend (reference, and the CPU fallback)
 and the `Attention` layer, which stores the step's K/V then attends.
 
-The Triton backend (kiln.engine.kernels) has the same two functions with the same
-signatures; `get_backend` picks one at model construction.
+The Triton backend (kiln.engine.kernels) and the fused CPU op (kiln.engine.cpu_attention)
+have the same two functions with the same signatures; `get_backend` picks one at model construction.
 """
 from __future__ import annotations
 
@@ -166,7 +166,10 @@ def get_backend(name: str) -> AttentionBackend:
         from kiln.engine.kernels.kv_store import store_kvcache as triton_store
         from kiln.engine.kernels.paged_attention import paged_attention as triton_attention
         return AttentionBackend("triton", triton_store, triton_attention)
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+    if name == "cpu":  # the fused C++ op (kiln.engine.cpu_attention); K/V stores stay torch's
+        from kiln.engine.cpu_attention import paged_attention as cpu_attention
+        return AttentionBackend("cpu", store_kvcache, cpu_attention)
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'triton' or 'cpu'")
 
 
 class Attention(nn.Module):
@@ -192,11 +195,14 @@ class Attention(nn.Module):
                                        self.v_scales)
         # A plain prefill attends to its own exact K/V, even over an int8/fp8 cache: only later
         # steps read the quantized copies back (as in vLLM).
-        if self.backend.name == "torch" and ctx.no_cached_prefix or not has_cache:
+        # The CPU op reads a float cache only: an int8/fp8 one takes the torch path.
+        torch_path = self.backend.name == "torch" or self.backend.name == "cpu" and self.k_scales is not None
+        # A plain prefill on CPU is one causal SDPA per sequence (flash attention) on the fresh K/V.
+        if self.backend.name in ("torch", "cpu") and ctx.no_cached_prefix or not has_cache:
             if not ctx.no_cached_prefix:
                 raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
             return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
-        if self.backend.name == "torch":
+        if torch_path:
             plan = ctx.derived.get("paged_plan")
             if plan is None:
                 plan = ctx.derived["paged_plan"] = plan_paged_attention(

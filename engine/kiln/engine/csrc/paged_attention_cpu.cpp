@@ -1,0 +1,255 @@
+// Fused paged attention for the CPU: one call per layer reads K/V straight from the block pool
+// through the block tables, for decodes and chunked prefills over the cache in one varlen batch.
+// The torch path (kiln/engine/attention.py) gathers every sequence's K/V padded to the longest
+// context and calls SDPA; this op gathers nothing and pads nothing.
+//
+// Layout (the same as the Triton kernel, kiln/engine/kernels/paged_attention.py):
+//   q [N, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; cu_seqlens_q int32 [B+1];
+//   seq_lens int32 [B]; block_tables int32 [B, max_blocks]. Query token i of sequence b sits at
+//   position seq_lens[b] - q_len_b + i and attends to keys 0..that position.
+//
+// Work is cut into items of (sequence, KV head, tile of query tokens, context split):
+//  - a KV head's K/V rows are converted to fp32 once per item and shared by all query heads of
+//    its GQA group and all tokens of the tile (rows = token x group head);
+//  - softmax is online (running max and sum in fp32), so no score matrix is ever materialised;
+//  - when there are fewer (sequence, head, tile) triples than threads (decode at small batch,
+//    long contexts), the context is split so every thread gets work; each split leaves its
+//    unnormalised output, max and sum in a scratch buffer, and a second pass merges them.
+// Items run on OpenMP threads (torch's libgomp; as many as torch.get_num_threads()), pulled
+// dynamically because their lengths differ.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: scores stay in L1
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+// bf16 is the top half of an fp32: a shift the compiler vectorises (c10's conversion does not).
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct Item {
+  int64_t seq, head, tok0, ntok, key0, key1;
+  int64_t slot;  // scratch slot of a split's partial result; -1 = the only split, write out directly
+};
+
+struct Group {  // a (sequence, head, tile) whose context was split: merged after all items ran
+  int64_t seq, head, tok0, ntok, slot0, nsplits;
+};
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* cu,
+         const int32_t* lens, const int32_t* tables, int64_t table_stride, double scale,
+         const std::vector<Item>& items, const std::vector<Group>& groups, int64_t tile_tokens,
+         at::Tensor& out) {
+  const int64_t hq = q.size(1), d = q.size(2), bs = k_cache.size(1), hkv = k_cache.size(2);
+  const int64_t group = hq / hkv, rows_max = tile_tokens * group;
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);  // q may be a view into the fused qkv
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t tok_stride = hkv * d, block_stride = bs * hkv * d;  // cache strides in elements
+  // Scratch for split items: unnormalised output [slot, row, D] and (max, sum) [slot, row, 2].
+  int64_t nslots = 0;
+  for (const Group& g : groups) nslots += g.nsplits;
+  std::vector<float> part(nslots * rows_max * d), stats(nslots * rows_max * 2);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int nthreads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(items.size())));
+
+#pragma omp parallel num_threads(nthreads)
+  {
+    // Per-thread buffers, reused by every item the thread runs.
+    std::vector<float> qf(rows_max * d), acc(rows_max * d), kf(bs * d), vf(bs * d), s(bs), m(rows_max), l(rows_max);
+#pragma omp for schedule(dynamic, 1)
+    for (size_t it = 0; it < items.size(); ++it) {
+      const Item& w = items[it];
+      const int64_t q0 = cu[w.seq], first_pos = lens[w.seq] - (cu[w.seq + 1] - q0);
+      const int64_t rows = w.ntok * group;
+      for (int64_t r = 0; r < rows; ++r) {  // row r = token r / group, query head head*group + r % group
+        const T* src = qp + (q0 + w.tok0 + r / group) * q_tok + (w.head * group + r % group) * q_head;
+        for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * static_cast<float>(scale);
+      }
+      std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
+      std::fill(m.begin(), m.begin() + rows, neg_inf);
+      std::fill(l.begin(), l.begin() + rows, 0.f);
+      // key0 is a multiple of block_size, so each step covers (part of) one cache block.
+      for (int64_t k0 = w.key0; k0 < w.key1; k0 += bs) {
+        const int64_t n = std::min(bs, w.key1 - k0);
+        const int64_t block = tables[w.seq * table_stride + k0 / bs];
+        const T* kb = kp + block * block_stride + w.head * d;
+        const T* vb = vp + block * block_stride + w.head * d;
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t i = 0; i < d; ++i) {
+            kf[j * d + i] = to_float(kb[j * tok_stride + i]);
+            vf[j * d + i] = to_float(vb[j * tok_stride + i]);
+          }
+        for (int64_t r = 0; r < rows; ++r) {
+          // Causal: this row's token sees keys up to its own position.
+          const int64_t visible = std::min(n, first_pos + w.tok0 + r / group - k0 + 1);
+          if (visible <= 0) continue;
+          const float* qr = &qf[r * d];
+          float mx = m[r];
+          for (int64_t j = 0; j < visible; ++j) {
+            const float* kr = &kf[j * d];
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t i = 0; i < d; ++i) dot += qr[i] * kr[i];
+            s[j] = dot;
+            mx = std::max(mx, dot);
+          }
+          // Online softmax: rescale what was accumulated under the old max (exp(-inf) = 0 at first).
+          const float alpha = std::exp(m[r] - mx);
+          float sum = 0.f;
+          for (int64_t j = 0; j < visible; ++j) {
+            s[j] = std::exp(s[j] - mx);
+            sum += s[j];
+          }
+          float* ar = &acc[r * d];
+          for (int64_t i = 0; i < d; ++i) ar[i] *= alpha;
+          for (int64_t j = 0; j < visible; ++j) {
+            const float p = s[j];
+            const float* vr = &vf[j * d];
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) ar[i] += p * vr[i];
+          }
+          l[r] = l[r] * alpha + sum;
+          m[r] = mx;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        if (w.slot < 0) {  // every row sees key 0, so l[r] > 0
+          T* dst = op + ((q0 + w.tok0 + r / group) * hq + w.head * group + r % group) * d;
+          const float inv = 1.f / l[r];
+          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv);
+        } else {  // a split wholly past a row's position leaves m = -inf, l = 0: weight 0 in the merge
+          std::copy(&acc[r * d], &acc[r * d] + d, &part[(w.slot * rows_max + r) * d]);
+          stats[(w.slot * rows_max + r) * 2] = m[r];
+          stats[(w.slot * rows_max + r) * 2 + 1] = l[r];
+        }
+      }
+    }
+    // Merge the splits of each split (sequence, head, tile): rescale each to the common max.
+#pragma omp for schedule(dynamic, 1)
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const Group& g = groups[gi];
+      const int64_t q0 = cu[g.seq];
+      for (int64_t r = 0; r < g.ntok * group; ++r) {
+        float mx = neg_inf;
+        for (int64_t sp = 0; sp < g.nsplits; ++sp) mx = std::max(mx, stats[((g.slot0 + sp) * rows_max + r) * 2]);
+        float* ar = &acc[0];
+        std::fill(ar, ar + d, 0.f);
+        float total = 0.f;
+        for (int64_t sp = 0; sp < g.nsplits; ++sp) {
+          const int64_t at = (g.slot0 + sp) * rows_max + r;
+          if (stats[at * 2 + 1] == 0.f) continue;
+          const float wgt = std::exp(stats[at * 2] - mx);
+          total += wgt * stats[at * 2 + 1];
+          for (int64_t i = 0; i < d; ++i) ar[i] += wgt * part[at * d + i];
+        }
+        T* dst = op + ((q0 + g.tok0 + r / group) * hq + g.head * group + r % group) * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(ar[i] / total);
+      }
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
+                           const at::Tensor& block_tables, double scale, int64_t partition_size) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "kiln::paged_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [N, Hq, D] and k_cache, v_cache [num_blocks, block_size, Hkv, D] alike, got q ",
+              q.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q, k_cache and v_cache must share a float dtype, got ", q.scalar_type(), ", ",
+              k_cache.scalar_type(), ", ", v_cache.scalar_type());
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q must have contiguous heads and k_cache, v_cache must be contiguous");
+  const int64_t hq = q.size(1), d = q.size(2), num_blocks = k_cache.size(0), bs = k_cache.size(1);
+  const int64_t hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d, "head_dim of q (", d, ") and the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
+  for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_tables})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
+                "cu_seqlens_q, seq_lens and block_tables must be contiguous int32 CPU tensors");
+  const int64_t num_seqs = seq_lens.size(0), max_blocks = block_tables.size(1);
+  TORCH_CHECK(cu_seqlens_q.numel() == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "expected cu_seqlens_q [B+1] and block_tables [B, max_blocks] for B = ", num_seqs, " sequences");
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[num_seqs] == q.size(0), "cu_seqlens_q must run from 0 to N = ", q.size(0));
+
+  // Validate every index the kernel will follow (a bad one would read outside the pool), and
+  // find the longest context, which sizes the splits.
+  const int64_t group = hq / hkv, tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
+  int64_t triples = 0, longest = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b], len = lens[b];
+    TORCH_CHECK(q_len >= 0 && len >= q_len, "sequence ", b, " has ", q_len, " query tokens but a context of ", len);
+    TORCH_CHECK((len + bs - 1) / bs <= max_blocks, "sequence ", b, " needs ", (len + bs - 1) / bs,
+                " blocks but block_tables has ", max_blocks);
+    for (int64_t i = 0; i < (len + bs - 1) / bs; ++i)
+      TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks, "block_tables[", b,
+                  ", ", i, "] = ", tables[b * max_blocks + i], " is outside the pool of ", num_blocks, " blocks");
+    triples += (q_len + tile_tokens - 1) / tile_tokens * hkv;
+    longest = std::max(longest, len);
+  }
+  // Split contexts only when (sequence, head, tile) triples leave threads idle; a split under
+  // 256 keys costs more to merge than it saves. partition_size > 0 forces a size (tests).
+  int64_t part = partition_size;
+  if (part <= 0) {
+    const int64_t threads = at::get_num_threads();
+    const int64_t splits = triples >= threads ? 1 : (threads + triples - 1) / std::max<int64_t>(triples, 1);
+    part = std::max<int64_t>((longest + splits - 1) / splits, 256);
+  }
+  part = std::max<int64_t>((part + bs - 1) / bs * bs, bs);  // whole blocks
+
+  std::vector<Item> items;
+  std::vector<Group> groups;
+  int64_t slot = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = cu[b + 1] - cu[b], first_pos = lens[b] - q_len;
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
+      const int64_t ntok = std::min(tile_tokens, q_len - t0), key_end = first_pos + t0 + ntok;
+      const int64_t nsplits = (key_end + part - 1) / part;
+      for (int64_t h = 0; h < hkv; ++h) {
+        if (nsplits > 1) groups.push_back({b, h, t0, ntok, slot, nsplits});
+        for (int64_t sp = 0; sp < nsplits; ++sp)
+          items.push_back({b, h, t0, ntok, sp * part, std::min(key_end, (sp + 1) * part), nsplits > 1 ? slot++ : -1});
+      }
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
+  if (items.empty()) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kiln_paged_attention", [&] {
+    run<scalar_t>(q, k_cache, v_cache, cu, lens, tables, max_blocks, scale, items, groups, tile_tokens, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
+        "Tensor block_tables, float scale, int partition_size=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", &paged_attention); }
