@@ -6,10 +6,13 @@ back from its blocks after any interleaving of allocate / append / preempt / fre
 of one block, or a prefix-cache hit on the wrong block, would break that."""
 from __future__ import annotations
 
+import time
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kiln.engine import block_manager
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
@@ -153,6 +156,51 @@ def test_cached_blocks_are_shared_only_within_one_cache_salt() -> None:
         return bm.match_prefix(Sequence("b", list(range(10)), SamplingParams(cache_salt=salt), 1))
     assert prefix("tenant-a") == first.block_table[:2]
     assert prefix("tenant-b") == [] and prefix(None) == []
+
+
+def _published(bm: BlockManager, request_id: str, tokens: list[int], salt: str | None) -> Sequence:
+    seq = Sequence(request_id, tokens, SamplingParams(cache_salt=salt), 0)
+    bm.allocate(seq, bm.match_prefix(seq))
+    bm.append_slots(seq, len(tokens) - seq.num_computed_tokens)
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(seq)
+    return seq
+
+
+def test_block_keys_do_not_depend_on_pythons_hash(monkeypatch) -> None:
+    """Python's hash() of an int tuple is deterministic, so prompts can be crafted to collide. Here
+    every hash() call collides (a stand-in for a crafted collision): two tenants with the same
+    prompt still share nothing, and a squatter's colliding block keeps no one's prefix out."""
+    monkeypatch.setattr(block_manager, "hash", lambda _value: 0, raising=False)
+    bm = BlockManager(16, BLOCK)
+    victim = _published(bm, "victim", list(range(10)), "tenant-a")
+    keys = {bm.blocks[b].hash for b in victim.block_table[:2]}
+    print("keys:", [k.hex() for k in keys])
+    assert len(keys) == 2 and all(isinstance(k, bytes) and len(k) == block_manager.HASH_BYTES for k in keys)
+    attacker = Sequence("attacker", list(range(10)), SamplingParams(cache_salt="tenant-b"), 1)
+    assert bm.match_prefix(attacker) == []
+    # The key is a cryptographic function of the salt and the tokens: any change moves it.
+    root = block_manager.first_parent_hash("tenant-a")
+    assert victim.block_hashes[0] == block_manager.block_hash(root, list(range(BLOCK)))
+    assert len({block_manager.first_parent_hash(s) for s in (None, "tenant-a", "tenant-b", "tenant-a:x")}) == 4
+    assert block_manager.block_hash(root, [1, 2, 3, 4]) != block_manager.block_hash(root, [1, 2, 3, 5])
+    # A squatter publishing first under another salt does not stop the next prompt from caching.
+    bm2 = BlockManager(16, BLOCK)
+    _published(bm2, "squatter", [7] * 10, "tenant-b")
+    owner = _published(bm2, "owner", [7] * 10, "tenant-a")
+    assert all(bm2.blocks[b].hash is not None for b in owner.block_table[:2])
+    again = Sequence("again", [7] * 10, SamplingParams(cache_salt="tenant-a"), 2)
+    assert bm2.match_prefix(again) == owner.block_table[:2]
+
+
+def test_block_hashing_stays_cheap() -> None:
+    bm = BlockManager(4096, 16)
+    seq = Sequence("long", list(range(32768)), SamplingParams(cache_salt="t"), 0)
+    started = time.perf_counter()
+    bm._block_hash(seq, 2047)
+    per_block_us = (time.perf_counter() - started) / 2048 * 1e6
+    print(f"{per_block_us:.2f} us per 16-token block")
+    assert per_block_us < 50  # a decode step takes milliseconds; hashing must stay a rounding error
 
 
 def _run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_tokens: list[int]) -> int:

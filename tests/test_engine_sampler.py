@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine.sampler import Sampler, apply_penalties, filter_logits
+from kiln.engine.sampler import Sampler, apply_penalties, filter_logits, finite_logits
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
@@ -114,3 +114,48 @@ def test_sampling_follows_the_distribution() -> None:
     tokens, _ = sampler(probs.log().repeat(4000, 1), seqs)
     freq = torch.bincount(torch.tensor(tokens), minlength=3)[:3].float() / 4000
     torch.testing.assert_close(freq, probs[0, :3], atol=0.03, rtol=0)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_non_finite_logits_give_valid_tokens_and_finite_logprobs(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(3)
+    clean = torch.randn(5, VOCAB) * 3
+    broken = clean.clone()
+    broken[0] = NAN  # a whole row lost (overflowed activations)
+    broken[1, clean[1].argmax()] = NAN  # one NaN where the best token was
+    broken[2, 7] = INF
+    broken[3] = -INF  # everything masked
+    broken[4, :10] = -INF
+    samplings = {
+        "greedy": SamplingParams(temperature=0, logprobs=3),
+        "plain": SamplingParams(temperature=1.0, logprobs=3, seed=1),
+        "filtered": SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=3, seed=1),
+        "penalized": SamplingParams(temperature=0.9, repetition_penalty=1e-30, frequency_penalty=2.0, logprobs=3, seed=1),
+    }
+    for name, p in samplings.items():
+        caplog.clear()
+        sampler = Sampler(seed=0)
+        with caplog.at_level("WARNING", logger="kiln.engine.sampler"):
+            tokens, entries = sampler(broken, make_seqs([p] * 5, output=[7, 7]))
+            sampler(broken, make_seqs([p] * 5))
+        print(name, tokens, [round(e["logprob"], 1) for e in entries])
+        assert all(0 <= t < VOCAB for t in tokens)
+        assert all(torch.isfinite(torch.tensor([e["logprob"]] + [v for _, v in e["top"]])).all() for e in entries)
+        assert tokens[1] != clean[1].argmax().item()  # the NaN token is never preferred
+        assert tokens[4] >= 10  # -inf stays out of reach while anything finite is left
+        assert len(caplog.records) == 1 and "request 0" in caplog.text  # warned once, naming a broken request
+    greedy, _ = Sampler()(broken, make_seqs([SamplingParams(temperature=0)] * 5))
+    assert greedy[2] == 7  # +inf is the clear favourite, as it was
+
+
+def test_probabilities_are_never_nan() -> None:
+    rows = torch.tensor([[NAN] * 4, [-INF] * 4, [INF, INF, 0.0, 1.0], [NAN, -INF, INF, 2.0]])
+    for top_k, top_p, min_p in ((0, 1.0, 0.0), (2, 0.5, 0.3)):
+        n = len(rows)
+        out = filter_logits(finite_logits(rows) / 1e-5, torch.full((n,), top_k), torch.full((n,), top_p),
+                            torch.full((n,), min_p))
+        probs = out.softmax(dim=-1)
+        assert not probs.isnan().any(), probs
+        torch.testing.assert_close(probs.sum(dim=-1), torch.ones(n))

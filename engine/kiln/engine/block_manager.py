@@ -1,19 +1,36 @@
 """The paged KV cache's bookkeeping: one pool of fixed-size blocks, a block table per sequence,
 and prefix caching of full blocks.
 
-A full block is named by a chained hash, hash(parent block's hash, its tokens), so equal hashes
-mean equal prefixes; the first block's parent is the request's cache salt (vLLM's `cache_salt`),
-so requests of different salts (tenants) never share a block. Blocks that fall free keep their contents and their hash: a later request
-with the same prefix takes them back instead of recomputing. Free blocks that hold nothing are
-handed out first; cached free blocks are evicted least recently used first.
+A full block is named by a chained hash, blake2b(parent block's hash + its tokens), so equal
+hashes mean equal prefixes; the first block's parent is a hash of the request's cache salt (vLLM's
+`cache_salt`), so requests of different salts (tenants) never share a block. The hash is
+cryptographic, not Python's hash(): that one is deterministic for ints, so a crafted prompt could
+be made to collide with another tenant's prefix. Blocks that fall free keep their contents and
+their hash: a later request with the same prefix takes them back instead of recomputing. Free
+blocks that hold nothing are handed out first; cached free blocks are evicted least recently used
+first.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 
 from kiln.engine.sequence import Sequence
 
 NO_HASH = None
+HASH_BYTES = 16  # 128 bits: collisions out of reach, and half the dict key of a 32-byte digest
+
+
+def first_parent_hash(cache_salt: str | None) -> bytes:
+    """The chain's root: a distinct value per salt, and for no salt at all."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+    return hashlib.blake2b(salt, digest_size=HASH_BYTES, person=b"kiln-cache-salt").digest()
+
+
+def block_hash(parent: bytes, tokens: list[int] | tuple[int, ...]) -> bytes:
+    """A full block's key: the parent's digest and the token ids as int32 bytes."""
+    return hashlib.blake2b(parent + array("i", tokens).tobytes(), digest_size=HASH_BYTES).digest()
 
 
 class Block:
@@ -22,7 +39,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = NO_HASH
+        self.hash: bytes | None = NO_HASH
         self.token_ids: tuple[int, ...] = ()  # kept with the hash to rule out collisions
 
 
@@ -35,7 +52,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.empty_free: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         # Counted in tokens, as vLLM does: tokens looked up and tokens found.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -56,14 +73,13 @@ class BlockManager:
 
     # --- prefix caching -------------------------------------------------------------------
 
-    def _block_hash(self, seq: Sequence, index: int) -> int:
+    def _block_hash(self, seq: Sequence, index: int) -> bytes:
         """Chained hash of the sequence's full block `index`, memoized on the sequence."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
             # The first block's parent is the request's cache salt: no chain crosses salts.
-            parent = seq.block_hashes[i - 1] if i else hash(("cache_salt", seq.params.cache_salt))
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            seq.block_hashes.append(hash((parent, tokens)))
+            parent = seq.block_hashes[i - 1] if i else first_parent_hash(seq.params.cache_salt)
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size]))
         return seq.block_hashes[index]
 
     def match_prefix(self, seq: Sequence) -> list[int]:

@@ -84,7 +84,7 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=token_ids)
         if self.is_sleeping:  # a request wakes a sleeping engine: it is never refused for sleeping
             self.wake_up()
         self.requests[request_id] = seq
@@ -188,10 +188,14 @@ class LLMEngine:
         if token in (params.stop_token_ids or ()) or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
         ):
+            seq.text += seq.detokenizer.flush()  # a character left unfinished comes out as U+FFFD
             seq.finish("stop")  # the stop token itself adds no text
             return
         old_len = len(seq.text)
         seq.text += seq.detokenizer.add([token])
+        at_limit = seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
+        if at_limit:
+            seq.text += seq.detokenizer.flush()
         if params.stop and len(seq.text) > old_len:
             # Only a stop string ending in the new text can be new; it may start a little before it.
             lookback = max(len(s) for s in params.stop) - 1
@@ -201,7 +205,7 @@ class LLMEngine:
                 seq.text = seq.text[: min(hits)]
                 seq.finish("stop")
                 return
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+        if at_limit:
             seq.finish("length")
 
     @staticmethod

@@ -5,15 +5,29 @@ by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the expone
 (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
 noise from its own torch.Generator while the rest of the batch shares the engine's.
 Logprobs are those of the model's raw distribution, before any of this.
+Non-finite logits are made finite first (finite_logits), so a broken row still yields a valid
+token and finite logprobs, never NaN probabilities.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# Real logits stay within a few hundred; these bounds only ever bite on overflowed or NaN rows.
+LOGIT_LIMIT = 1e4
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -LOGIT_LIMIT (never preferred), +-inf -> +-LOGIT_LIMIT: every row keeps a finite
+    maximum, so its softmax is never NaN (softmax of a NaN, or of a row all -inf, is)."""
+    return logits.nan_to_num(nan=-LOGIT_LIMIT).clamp_(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -70,21 +84,29 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.warned_non_finite = False
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[str, Any] | None]]:
         """logits: [M, vocab] float32, one row per sequence. Returns the tokens and, per sequence,
         its logprob entry (None when it asked for none)."""
         params = [seq.params for seq in seqs]
+        if not self.warned_non_finite:
+            broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+            if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
+                self.warned_non_finite = True
+                log.warning("the model produced NaN or infinite logits (request %s); sampling clamps them, "
+                            "but the output is unlikely to mean anything", seqs[broken[0]].request_id)
+        logits = finite_logits(logits)
         logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.penalized for p in params):
-            logits = apply_penalties(
+            logits = finite_logits(apply_penalties(
                 logits,
                 [seq.token_ids[: seq.num_prompt_tokens] for seq in seqs],
                 [seq.output_token_ids for seq in seqs],
                 self._column(params, "repetition_penalty"),
                 self._column(params, "presence_penalty"),
                 self._column(params, "frequency_penalty"),
-            )
+            ))
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
             tokens = logits.argmax(dim=-1)

@@ -27,7 +27,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks, filled lazily by the block manager.
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None

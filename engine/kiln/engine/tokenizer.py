@@ -82,26 +82,46 @@ class Tokenizer:
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas. Text is released only once the bytes
-    decode cleanly, so a multi-byte UTF-8 character split across tokens is never cut."""
+    decode cleanly, so a multi-byte UTF-8 character split across tokens is never cut; flush()
+    releases what is left at the end (a character the model never finished, as U+FFFD).
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    Seeded with the prompt's last tokens (as vLLM does), a character whose first bytes end the
+    prompt is emitted whole by the output token that completes it."""
+
+    PROMPT_TAIL = 4  # a UTF-8 character is at most 4 bytes: at most 3 of them end the prompt
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = list((prompt_ids or [])[-self.PROMPT_TAIL:])
         self.text = ""
         self._prefix_offset = 0  # decode window start: earlier tokens never affect the delta
-        self._read_offset = 0  # ids up to here are already in self.text
+        self._read_offset = len(self.ids)  # ids up to here are already in self.text (or the prompt)
+        # Where the released text ends within the window's decoding. Only a prompt tail can end in
+        # a partial character (its U+FFFD is not released; the character comes out whole later).
+        self._released = len(self._decode(self.ids).rstrip("\ufffd"))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
         self.ids.extend(new_ids)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
-        prefix = decode(self.ids[self._prefix_offset:self._read_offset])
-        full = decode(self.ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        full = self._decode(self.ids[self._prefix_offset:])
+        if len(full) <= self._released or full.endswith("\ufffd"):
             return ""  # nothing new, or an incomplete UTF-8 sequence: wait for more bytes
-        delta = full[len(prefix):]
+        return self._release(full)
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        full = self._decode(self.ids[self._prefix_offset:])
+        return self._release(full) if len(full) > self._released else ""
+
+    def _release(self, full: str) -> str:
+        delta = full[self._released:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self._released = len(self._decode(self.ids[self._prefix_offset:]))
         self.text += delta
         return delta
 

@@ -1,0 +1,79 @@
+"""Streaming text at character boundaries (issue 16 item 5), with SmolLM2's real tokenizer and a
+real `kiln serve`: a character the model leaves unfinished at the end is flushed (as U+FFFD, as a
+full decode shows it) instead of dropped; a prompt ending in half a character has its completion
+streamed whole."""
+from __future__ import annotations
+
+import pytest
+
+from kiln.engine.tokenizer import IncrementalDetokenizer
+from test_server import MODEL, ServerProcess
+
+ROCKETS = "🚀🚀🚀🚀🚀🚀"  # 🚀 is three tokens in SmolLM2 (F0 9F | 9A | 80): easy to cut in half
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_fp32):
+    return smollm2_fp32.tokenizer
+
+
+def test_an_unfinished_character_is_flushed_at_the_end(tokenizer) -> None:
+    ids = tokenizer.encode("Grüße 🚀", add_special_tokens=False)[:-1]  # the rocket's last byte missing
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([i]) for i in ids]
+    tail = detok.flush()
+    print("deltas", deltas, "flush", repr(tail))
+    assert "".join(deltas) == "Grüße"  # the rest (" " and the rocket's first bytes) held back
+    assert tail == " \ufffd" and detok.text == tokenizer.decode(ids)  # flushed, as a full decode shows it
+    assert detok.flush() == ""  # nothing twice
+
+
+def test_a_character_begun_in_the_prompt_comes_out_whole(tokenizer) -> None:
+    ids = tokenizer.encode("Grüße 🚀 done", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd")
+               and tokenizer.decode(ids[:i]).startswith("Grüße "))  # inside the rocket
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids[:cut])
+    deltas = [detok.add([i]) for i in ids[cut:]] + [detok.flush()]
+    print("prompt", repr(tokenizer.decode(ids[:cut])), "deltas", deltas)
+    assert "".join(deltas) == "🚀 done" and "\ufffd" not in "".join(deltas)
+    # A prompt that ends cleanly adds nothing to the first delta.
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=tokenizer.encode("Grüße", add_special_tokens=False))
+    assert detok.add(tokenizer.encode(" 🚀", add_special_tokens=False)[:1]) == ""
+    assert detok.add(tokenizer.encode(" 🚀", add_special_tokens=False)[1:]) == " 🚀"
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "256", "--kv-cache-memory", "64Mi")
+    yield s
+    s.stop()
+
+
+def _stream(server: ServerProcess, prompt, max_tokens: int) -> tuple[list[str], list[int]]:
+    chunks = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              stream=True, extra_body={"return_token_ids": True})
+    texts, token_ids = [], []
+    for chunk in chunks:
+        texts.append(chunk.choices[0].text)
+        token_ids += (chunk.choices[0].model_extra or {}).get("token_ids") or []
+    return [t for t in texts if t], token_ids
+
+
+def test_the_stream_flushes_an_unfinished_character(server, tokenizer) -> None:
+    """Cut off mid-rocket by max_tokens, the stream ends with U+FFFD rather than nothing."""
+    for max_tokens in (1, 2, 3):
+        texts, token_ids = _stream(server, ROCKETS, max_tokens)
+        print(max_tokens, token_ids, texts)
+        assert "".join(texts) == tokenizer.decode(token_ids)  # the stream says what the tokens say
+    cut_short, _ = _stream(server, ROCKETS, 1)
+    assert cut_short == ["\ufffd"]  # was [] before: the unfinished character vanished
+
+
+def test_a_prompt_ending_in_half_a_character_streams_it_whole(server, tokenizer) -> None:
+    prompt_ids = tokenizer.encode(ROCKETS, add_special_tokens=False)[:-2]  # ends after the rocket's first byte
+    assert tokenizer.decode(prompt_ids).endswith("\ufffd")
+    texts, token_ids = _stream(server, prompt_ids, 2)
+    print("prompt ends", prompt_ids[-3:], "->", token_ids, texts)
+    # Greedy SmolLM2 finishes the rocket (the premise; the assertion shows what it did if not).
+    assert tokenizer.decode(prompt_ids + token_ids).endswith(ROCKETS), token_ids
+    assert texts == ["🚀"]  # was nothing: the two continuation bytes alone never decode
