@@ -65,13 +65,14 @@ def reference(batch: dict) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("partition_size", [0, 32, 96])  # 0: the op's choice; else splits of 1-3 blocks
-def test_op_equals_torch_path(dtype: torch.dtype, block_size: int, partition_size: int) -> None:
+@pytest.mark.parametrize("sdpa_above", [16, 1 << 30])  # the default split with SDPA; the op alone
+def test_op_equals_torch_path(dtype: torch.dtype, block_size: int, partition_size: int, sdpa_above: int) -> None:
     batch = make_batch(MIXED, block_size, dtype)
-    out = cpu_attention.paged_attention(**batch, partition_size=partition_size)
+    out = cpu_attention.paged_attention(**batch, partition_size=partition_size, sdpa_above=sdpa_above)
     ref = reference(batch)
     torch_out = torch_paged_attention(**batch)  # the torch path in the same dtype, for scale
     err, torch_err = (out.float() - ref).abs().max().item(), (torch_out.float() - ref).abs().max().item()
-    print(f"{dtype} block {block_size} partition {partition_size}: max |op - ref| {err:.2e}, "
+    print(f"{dtype} block {block_size} partition {partition_size} sdpa_above {sdpa_above}: max |op - ref| {err:.2e}, "
           f"torch path in {dtype} {torch_err:.2e}")
     assert out.dtype == dtype and out.shape == batch["q"].shape
     assert not out.isnan().any()
@@ -80,7 +81,9 @@ def test_op_equals_torch_path(dtype: torch.dtype, block_size: int, partition_siz
     assert err <= 2 * torch_err + 2e-6  # no worse than the torch path it replaces
     # The model's q is a view into the fused qkv projection: strided rows, contiguous heads.
     fused = torch.cat([batch["q"], torch.zeros_like(batch["q"])], dim=1)
-    assert torch.equal(cpu_attention.paged_attention(**{**batch, "q": fused[:, :HQ]}, partition_size=partition_size), out)
+    strided = cpu_attention.paged_attention(**{**batch, "q": fused[:, :HQ]}, partition_size=partition_size,
+                                            sdpa_above=sdpa_above)
+    assert torch.equal(strided, out)
 
 
 def test_long_context_split_across_threads() -> None:

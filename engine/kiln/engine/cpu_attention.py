@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# Sequences with more query tokens than this (prefill chunks) go to SDPA, whose GEMMs beat the op's
+# per-row loops there: 256 tokens over 1024 cached, 2x (bench/results/cpu-attention-*.json).
+SDPA_ABOVE = 16
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}  # "loaded": True, or "error": why the op could not be had
 
@@ -103,15 +106,29 @@ def resolve(name: str, device: torch.device) -> str:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_seqlen_q: int, max_seqlen_k: int, *, k_scales: torch.Tensor | None = None,
-                    v_scales: torch.Tensor | None = None, partition_size: int = 0) -> torch.Tensor:
+                    v_scales: torch.Tensor | None = None, partition_size: int = 0,
+                    sdpa_above: int = SDPA_ABOVE) -> torch.Tensor:
     """Causal attention of q [N,Hq,D] over the paged cache -> [N,Hq,D], the Triton kernel's
-    signature (max_seqlen_* unused: the op reads the lengths). An int8/fp8 cache runs the torch
-    path. partition_size > 0 forces the keys per context split (tests); 0 lets the op choose."""
+    signature (max_seqlen_* unused: the lengths are read from the tensors). The op attends to every
+    sequence with at most `sdpa_above` query tokens; longer prefill chunks go to SDPA over their
+    gathered keys, as on the torch path. An int8/fp8 cache runs the torch path.
+    partition_size > 0 forces the keys per context split (tests); 0 lets the op choose."""
+    from kiln.engine import attention
     if k_scales is not None or v_scales is not None:
-        from kiln.engine.attention import paged_attention as torch_paged_attention
-        return torch_paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                                     max_seqlen_q, max_seqlen_k, k_scales=k_scales, v_scales=v_scales)
+        return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                                         max_seqlen_q, max_seqlen_k, k_scales=k_scales, v_scales=v_scales)
     if not available():
         raise RuntimeError(f"the CPU paged-attention op is unavailable: {unavailable_reason()}")
-    return torch.ops.kiln.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                          float(scale), int(partition_size))
+    bounds = cu_seqlens_q.tolist()
+    long = [b for b in range(len(bounds) - 1) if bounds[b + 1] - bounds[b] > sdpa_above]
+    out = torch.ops.kiln.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                         float(scale), int(partition_size), sdpa_above if long else 0)
+    block_size = k_cache.shape[1]
+    for b in long:
+        lo, hi, seq_len = bounds[b], bounds[b + 1], int(seq_lens[b])
+        slots = attention._key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size)
+        q_pos = torch.arange(seq_len - (hi - lo), seq_len)
+        mask = None if hi - lo == seq_len else torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        keys, values = (attention._gather(cache, slots, None, q.dtype) for cache in (k_cache, v_cache))
+        out[lo:hi] = attention._attend(q[None, lo:hi], keys, values, scale, mask, mask is None)[0]
+    return out

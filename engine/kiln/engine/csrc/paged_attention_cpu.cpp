@@ -15,6 +15,9 @@
 //  - when there are fewer (sequence, head, tile) triples than threads (decode at small batch,
 //    long contexts), the context is split so every thread gets work; each split leaves its
 //    unnormalised output, max and sum in a scratch buffer, and a second pass merges them.
+// Sequences with more than max_q_len query tokens (when > 0) are left out, their rows unwritten:
+// a long prefill chunk is a matrix product, which SDPA's GEMMs do ~2x faster than these per-row
+// loops (bench/cpu_attention.py), so the Python wrapper gives those to SDPA.
 // Items run on OpenMP threads (torch's libgomp; as many as torch.get_num_threads()), pulled
 // dynamically because their lengths differ.
 #include <ATen/ATen.h>
@@ -171,7 +174,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
-                           const at::Tensor& block_tables, double scale, int64_t partition_size) {
+                           const at::Tensor& block_tables, double scale, int64_t partition_size,
+                           int64_t max_q_len) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "kiln::paged_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -227,6 +231,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   int64_t slot = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], first_pos = lens[b] - q_len;
+    if (max_q_len > 0 && q_len > max_q_len) continue;  // the caller attends to this one (see cpu_attention.py)
     for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int64_t ntok = std::min(tile_tokens, q_len - t0), key_end = first_pos + t0 + ntok;
       const int64_t nsplits = (key_end + part - 1) / part;
@@ -249,7 +254,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(kiln, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
-        "Tensor block_tables, float scale, int partition_size=0) -> Tensor");
+        "Tensor block_tables, float scale, int partition_size=0, int max_q_len=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", &paged_attention); }
