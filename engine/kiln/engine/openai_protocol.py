@@ -1,19 +1,39 @@
 """OpenAI-compatible request validation and response shapes for `kiln serve`.
 
 Requests are pydantic models that forbid unknown fields, so a parameter Kiln does not
-implement is a clear 400 rather than something silently ignored."""
+implement is a clear 400 rather than something silently ignored. They are also the request
+schemas of the OpenAPI document (kiln.engine.openapi): where code checks a field (a validator,
+single_prompt), its json_schema says what that code accepts, so generated clients and fuzzers
+see the real contract."""
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from kiln.engine import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+# Integers that reach torch (seed, top_k) must fit its int64; larger ones overflowed inside the
+# engine loop, which killed the engine (found while fuzzing the API: tests/test_fuzz_api.py).
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# JSON numbers only: no NaN or Infinity, which no field means (a penalty of Infinity made NaN logits).
+STRICT_NUMBERS = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TEXT = {"type": "string", "minLength": 1}
+# What single_prompt accepts: one prompt, as text or token ids, or a batch of exactly one.
+_PROMPT_SCHEMA = {"anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 1},
+                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]}
+_STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4}, {"type": "null"}],
+                "default": None}
+# What ChatMessage.text accepts: a string or text parts.
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"]}}]}
 
 
 class APIError(Exception):
@@ -29,33 +49,33 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT_NUMBERS
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT_NUMBERS
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # -1 and 0 both mean "off"
+    top_k: int = Field(default=0, ge=-1, le=INT64_MAX)  # -1 and 0 both mean "off"
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     ignore_eos: bool = False
     # vLLM's extension: the choice also carries prompt_token_ids (what the engine ran) and token_ids.
     return_token_ids: bool = False
     # vLLM's extension: requests share cached prefix blocks only with requests of the same salt
     # (the router sets one per API key, so tenants cannot time each other's prompts).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    n: int = 1
+    n: int = Field(default=1, json_schema_extra={"const": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -90,7 +110,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension (completions only): score every prompt token, with this many alternatives.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -112,9 +132,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT_NUMBERS
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: Annotated[str | list[dict[str, Any]], WithJsonSchema(_CONTENT_SCHEMA)]
     name: str | None = None
 
     def text(self) -> str:
@@ -151,9 +171,18 @@ class ChatCompletionRequest(_SamplingFields):
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     """Parse a JSON body into `model`, turning every failure into a 400 naming the field."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_constant=_not_json)
+    except ValueError as e:  # UnicodeDecodeError is one
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    try:
+        # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text: the tokenizer
+        # failed on it with a 500 (found while fuzzing the API).
+        json.dumps(data, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"request body has a string that is not valid Unicode: {e.reason} at "
+                            f"{e.object[max(0, e.start - 20):e.end]!r}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     try:
@@ -165,6 +194,10 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
             raise APIError(400, f"unsupported parameter: {param}", param=param,
                            code="unsupported_parameter") from None
         raise APIError(400, f"invalid value for {param}: {err['msg']}", param=param) from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
 
 
 def new_id(prefix: str) -> str:

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 # Beyond this many alternatives per token the response gets huge for no use (OpenAI caps at 20).
 MAX_LOGPROBS = 20
+# Below this temperature sampling is greedy (vLLM's epsilon): dividing logits by a temperature
+# near 0 overflows them to inf, and the softmax of inf is NaN, which drew token 0 every time.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -69,7 +72,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kiln.engine import Config, LLMEngine, SamplingParams
+from kiln.engine import Config, LLMEngine, SamplingParams, openapi
 from kiln.engine.async_engine import AsyncEngine, fault_step_from_env
 from kiln.engine.cli import add_quantization_arguments
 from kiln.engine.metrics import ServerMetrics
@@ -71,7 +71,8 @@ class Server:
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-            web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping)])
+            web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping),
+            web.get("/openapi.json", openapi.handler(openapi.engine_document))])
 
     @property
     def is_ready(self) -> bool:

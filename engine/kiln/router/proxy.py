@@ -24,12 +24,14 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
+from kiln.engine.openapi import handler
 from kiln.router import auth
 from kiln.router.auth import ApiKeys
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
+from kiln.router.openapi import router_document
 from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 
 log = logging.getLogger("kiln.router")
@@ -389,5 +391,6 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_page)
+    app.router.add_get("/openapi.json", handler(router_document))
     app.router.add_route("*", "/v1/{tail:.*}", router.forward)
     return app
