@@ -83,5 +83,8 @@ def salted(body: bytes, salt: str | None) -> bytes:
     if not isinstance(request, dict):
         return body
     own = request.get("cache_salt")
-    request["cache_salt"] = salt if not isinstance(own, str) or not own else f"{salt}:{own}"
+    # The client's own salt goes in as a digest, so the joined salt stays within the engine's
+    # 256-character limit whatever length the client sent.
+    request["cache_salt"] = salt if not isinstance(own, str) or not own else \
+        f"{salt}:{hashlib.sha256(own.encode(errors='surrogatepass')).hexdigest()[:32]}"
     return json.dumps(request).encode()
