@@ -167,7 +167,11 @@ class Runtime:
                 if uid not in self.pods and kwok.EXTERNAL_READINESS in (pod.metadata.annotations or {}):
                     self.remove(pod)  # nothing (left) running: what a kubelet does after stopping it
             elif uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip:
-                self.start(pod)
+                # kwok may hand a terminating pod's address to its replacement while the old
+                # process still runs its preStop pause: two namespaces with one address would
+                # split that address's traffic between them. The new pod starts once it is free.
+                if not any(run.ip == pod.status.pod_ip for run in self.pods.values()):
+                    self.start(pod)
         for run in list(self.pods.values()):
             if not run.stopping:
                 self.check(run)
