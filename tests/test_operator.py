@@ -119,7 +119,7 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     owner = Owner("steady", ns, obj["metadata"]["uid"])
     observed = observe(api, owner)
     assert {kind for kind, _ in observed.objects} == {"Deployment", "Service", "PodDisruptionBudget",
-                                                       "ServiceAccount", "RoleBinding", "Pod"}
+                                                       "ServiceAccount", "RoleBinding", "NetworkPolicy", "Pod"}
     spec = InferenceServiceSpec.model_validate(obj["spec"])
     assert plan(desired(owner, spec, observed, "kiln/engine:test", {}), observed) == []
     if os.environ.get("KILN_RECORD"):
