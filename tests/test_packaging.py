@@ -1,0 +1,107 @@
+"""The packaging split: `kiln[operator]` runs the operator and the router without torch.
+
+The operator image installs only `.[operator]`; these tests run the operator's and the router's
+entry points in a fresh interpreter where the engine's libraries cannot be imported (a
+sys.meta_path finder refuses them), so any import chain that drags torch in fails here."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from pathlib import Path
+
+from kiln.local.testing import eventually
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_ONLY = ("torch", "triton", "transformers", "numpy", "safetensors", "tokenizers", "gguf", "jinja2")
+# Prepended to each child's code: after it, `import torch` (or any ENGINE_ONLY) raises ImportError.
+BLOCK = f"""
+import importlib.abc, sys
+class _Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {ENGINE_ONLY!r}:
+            raise ImportError(f"{{name}} is blocked: the operator image has no engine libraries")
+sys.meta_path.insert(0, _Blocked())
+"""
+
+
+def run_blocked(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def requirement_names(reqs: list[str]) -> set[str]:
+    return {r.split(";")[0].split("[")[0].split(">")[0].split("<")[0].split("=")[0].strip().lower() for r in reqs}
+
+
+def test_the_blocker_blocks() -> None:
+    done = run_blocked("import torch")
+    assert done.returncode != 0 and "torch is blocked" in done.stderr
+
+
+def test_extras_split_engine_from_operator() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    base, engine, operator = (requirement_names(project["dependencies"]), requirement_names(extras["engine"]),
+                              requirement_names(extras["operator"]))
+    assert {"torch", "numpy", "safetensors", "tokenizers", "gguf", "jinja2"} <= engine
+    assert {"kopf", "kubernetes", "pydantic", "aiohttp", "prometheus-client", "pyyaml"} <= base | operator
+    assert not (base | operator) & set(ENGINE_ONLY)
+    assert "kiln[engine,operator]" in extras["test"]
+
+
+def test_operator_modules_and_cli_without_torch() -> None:
+    code = """
+import pkgutil, importlib, kiln.operator, kiln.router
+for pkg in (kiln.operator, kiln.router):
+    for mod in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(mod.name)
+from kiln.operator import main
+from kiln.operator.reconcile import Settings
+registry = main.build_registry(None, Settings("engine:test", {}, 60.0, "http://prometheus"))
+assert len(registry._watching.get_all_handlers()) == 1 + len(main.CHILDREN)
+from kiln.cli import main as cli
+for command in ("operator", "router", "crds"):
+    try:
+        cli([command, "--help"])
+    except SystemExit as exit:
+        assert exit.code == 0, (command, exit.code)
+assert "torch" not in sys.modules
+print("ok")
+"""
+    done = run_blocked(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("usage: kiln") == 3 and done.stdout.endswith("ok\n")
+
+
+def test_crds_generate_without_torch(tmp_path: Path) -> None:
+    done = run_blocked(f"from kiln.cli import main; sys.exit(main(['crds', '--out-dir', {str(tmp_path)!r}]))")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "inferenceservices.kiln.dev.yaml").read_text() == \
+        (ROOT / "crds" / "inferenceservices.kiln.dev.yaml").read_text()
+
+
+def test_router_serves_without_torch() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = f"from kiln.cli import main; sys.exit(main(['router', '--host', '127.0.0.1', '--port', '{port}', " \
+           f"'--endpoints', '127.0.0.1:9']))"
+    proc = subprocess.Popen([sys.executable, "-c", BLOCK + code], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        health = eventually(lambda: urllib.request.urlopen(f"{url}/health", timeout=5).status, "the router's /health",
+                            timeout=60, ignore=(OSError,))
+        assert health == 200
+        document = json.load(urllib.request.urlopen(f"{url}/openapi.json", timeout=5))
+        assert "/v1/chat/completions" in document["paths"]
+        assert b"kiln_router" in urllib.request.urlopen(f"{url}/metrics", timeout=5).read()
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert "blocked" not in out, out[-3000:]
