@@ -11,9 +11,10 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from . import images
 from .models import GROUP, KIND, VERSION, Auth, InferenceServiceSpec
 
-DEFAULT_ENGINE_IMAGE = "ghcr.io/kiln/engine:0.1.0"
+DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
 PORT = 8000
 ROUTER_PORT = 8080
 LABEL_ISVC = "kiln.dev/inferenceservice"
