@@ -10,8 +10,9 @@ from kiln.local import build, cluster, processes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("build", "up", "down", "status", "runtime"),
-                        help="runtime: run the test pod runtime in the foreground (`up` starts it)")
+    parser.add_argument("action", choices=("build", "up", "down", "status", "runtime", "images"),
+                        help="runtime: run the test pod runtime in the foreground (`up` starts it); "
+                             "images: build the engine and operator images with podman (`make images`)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
     parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE,
@@ -20,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET)")
     parser.add_argument("--force", action="store_true", help="down even while test sessions use the cluster")
     parser.add_argument("--jobs", type=int, default=2, help="parallel Go compile jobs for build")
+    parser.add_argument("--image", action="append", choices=("engine", "operator"),
+                        help="images: build only this one (repeatable; default both)")
+    parser.add_argument("--torch", default=None,
+                        help="images: the engine's torch requirement, e.g. 'torch --index-url URL' "
+                             "(default: PyPI's torch, CUDA libraries included)")
+    parser.add_argument("--rebuild", action="store_true", help="images: build even when cached")
 
 
 def check_network(bridge: str, subnet: str) -> str | None:
@@ -54,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         elif args.action == "down":
             removed = cluster.down(directory, args.force)
             print("stopped and removed" if removed else f"no local cluster in {directory}")
+        elif args.action == "images":
+            from kiln.local import images
+            return images.run(tuple(args.image or ("engine", "operator")), args.torch, args.rebuild)
         elif args.action == "runtime":
             from kiln.local import runtime  # needs the kubernetes client; the rest does not
             return runtime.run(directory)

@@ -1,7 +1,9 @@
 """`kiln local runtime`: a TEST pod runtime for the local cluster, standing in for the kubelet.
 
-It is not a container runtime: no images, no isolation beyond a network namespace, no
-resource limits, no volumes, no liveness probes. It exists so that the whole system
+By default it is not a container runtime: no images, no isolation beyond a network namespace, no
+resource limits, no volumes. A pod annotated `kiln.dev/local-runtime: container` is run from its
+image instead, with podman and runc (kiln.local.containers: limits, securityContext, volumes).
+It exists so that the whole system
 (operator -> Deployments -> engine and router pods -> Services) can run for real on one
 machine. Only pods that opt in are run: an `kiln.dev/readiness` annotation (which also tells
 kwok to leave readiness alone, see kiln.local.kwok) and a container command that is
@@ -13,6 +15,7 @@ kwok to leave readiness alone, see kiln.local.kwok) and a container command that
   mounts a token (reached through a relay on the bridge gateway: the apiserver listens on
   loopback only, which a namespace cannot see),
 - probes the readiness probe's HTTP endpoint and writes Ready/ContainersReady into the pod status,
+  and the liveness probe's (after the startup probe's first success): a live-probe failure restarts it,
 - on pod deletion runs the preStop sleep, then SIGTERM, the grace period, SIGKILL.
 
 Everything lives under the cluster's state directory, so `kiln local down` removes it.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import signal
 import sys
 import threading
@@ -34,7 +38,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from kiln.local import kwok, processes
+from kiln.local import containers, images, kwok, processes
 from kiln.local.cluster import Cluster
 from kiln.local.network import PodNetwork
 from kiln.local.relay import Relay
@@ -83,8 +87,8 @@ class Probe:
     failures: int
 
     @classmethod
-    def of(cls, container: Any, ip: str) -> Probe | None:
-        spec = container.readiness_probe
+    def of(cls, container: Any, ip: str, kind: str = "readiness") -> Probe | None:
+        spec = getattr(container, f"{kind}_probe")
         if spec is None or spec.http_get is None:
             return None
         port = resolve_port(container, spec.http_get.port)
@@ -113,10 +117,16 @@ class PodRun:
     probe: Probe | None
     grace: float
     prestop: float
+    liveness: Probe | None = None
+    startup: Probe | None = None
+    container_id: str | None = None  # container mode: podman's name for it
     record: dict | None = None
     ready: bool | None = None
     failures: int = 0
     next_probe: float = 0.0
+    started: bool = False  # the startup probe passed (or there is none): liveness counts from then
+    live_failures: int = 0
+    next_live: float = 0.0
     restarts: int = 0
     restart_at: float | None = None
     stopping: bool = False
@@ -221,11 +231,17 @@ class Runtime:
                 env[var.name] = self.secret_value(pod.metadata.namespace, var.value_from.secret_key_ref)
             else:
                 raise ValueError(f"env {var.name}: only value, fieldRef and secretKeyRef are supported")
-        if pod.spec.automount_service_account_token is not False:
-            env["KUBECONFIG"] = str(self.service_account_kubeconfig(pod))
-        # `kiln` is this venv's CLI; the image named in the pod spec is not used.
-        argv = [*self.net.exec_prefix(f"p{pod.metadata.uid[:8]}"), sys.executable, "-m", "kiln.cli",
-                *container.command[1:], *(container.args or [])]
+        kubeconfig = (self.service_account_kubeconfig(pod)
+                      if pod.spec.automount_service_account_token is not False else None)
+        if containers.wants_container(pod):
+            argv, name = self.container_argv(pod, env, kubeconfig), containers.container_name(pod.metadata.uid)
+        else:
+            if kubeconfig is not None:
+                env["KUBECONFIG"] = str(kubeconfig)
+            # `kiln` is this venv's CLI; the image named in the pod spec is not used.
+            argv = [*self.net.exec_prefix(f"p{pod.metadata.uid[:8]}"), sys.executable, "-m", "kiln.cli",
+                    *container.command[1:], *(container.args or [])]
+            name = None
         prestop = 0.0
         hook = container.lifecycle.pre_stop if container.lifecycle else None
         if hook is not None and getattr(hook, "sleep", None) is not None:
@@ -234,19 +250,45 @@ class Runtime:
                       pod.status.pod_ip, argv, env,
                       self.cluster.dir / "logs" / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}.log",
                       Probe.of(container, pod.status.pod_ip),
-                      float(pod.spec.termination_grace_period_seconds or 30), prestop)
+                      float(pod.spec.termination_grace_period_seconds or 30), prestop,
+                      *((Probe.of(container, pod.status.pod_ip, "liveness"), Probe.of(container, pod.status.pod_ip, "startup"))
+                        if name else (None, None)), name)
+
+    def container_argv(self, pod: Any, env: dict[str, str], kubeconfig: Path | None) -> list[str]:
+        """`podman run` for the pod (container mode): its image as it is in local storage."""
+        container = pod.spec.containers[0]
+        if not images.exists(container.image):
+            raise ValueError(f"image {container.image} is not in local storage: build it (`make images`)")
+        image_user = images.inspect(container.image, "{{.Config.User}}")
+        pod_sc, container_sc = containers.security(pod, container)
+        uid = container_sc.get("run_as_user", pod_sc.get("run_as_user"))
+        volumes = self.workdir / pod.metadata.uid / "volumes"
+        for name in containers.empty_dirs(pod, container):
+            (volumes / name).mkdir(parents=True, exist_ok=True)
+            (volumes / name).chmod(0o777)  # as the kubelet makes an emptyDir
+        if kubeconfig is not None and uid is not None:
+            os.chown(kubeconfig, int(uid), -1)  # a projected token is readable by the pod's user
+        env = {k: v for k, v in env.items() if k not in ("PATH", "HOSTNAME")}  # the image's own
+        return ["podman", *containers.podman_argv(pod, env, self.net.netns_name(f"p{pod.metadata.uid[:8]}"),
+                                                   image_user, volumes, containers.cgroup_controllers(),
+                                                   kubeconfig)]
 
     def service_account_kubeconfig(self, pod: Any) -> Path:
         """What the kubelet's projected token volume gives a pod, as a kubeconfig."""
         return service_account_kubeconfig(
             self.admin, pod.metadata.namespace, pod.spec.service_account_name or "default",
-            self.workdir / pod.metadata.uid / "kubeconfig", expiration_s=TOKEN_SECONDS,
+            self.workdir / pod.metadata.uid / "token" / "kubeconfig", expiration_s=TOKEN_SECONDS,
             server=f"https://{self.relay.address[0]}:{self.relay.address[1]}",
             bound_to={"kind": "Pod", "apiVersion": "v1", "name": pod.metadata.name, "uid": pod.metadata.uid})
 
     def launch(self, run: PodRun) -> None:
-        run.record = processes.launch(run.argv, run.log_path, env=run.env)
+        if run.container_id is not None:  # one left by a killed podman would hold the name
+            images.podman("rm", "--force", "--time", "0", run.container_id, check=False)
+        # podman runs with Kiln's containers.conf (runc; see kiln.local.images); the pod's env is in argv
+        env = images.podman_env() if run.container_id is not None else run.env
+        run.record = processes.launch(run.argv, run.log_path, env=env)
         run.restart_at, run.failures, run.next_probe = None, 0, 0.0
+        run.started, run.live_failures, run.next_live = run.startup is None, 0, 0.0
         log.info("started %s (pid %d) at %s", run.key, run.record["pid"], run.ip)
 
     # -- readiness and restarts --
@@ -263,6 +305,8 @@ class Runtime:
             if run.restart_at is not None and now >= run.restart_at:
                 self.launch(run)
             return
+        if not self.live(run, now):
+            return
         if run.probe is None:
             self.report(run, True)
             return
@@ -277,6 +321,33 @@ class Runtime:
             # Unready from the start until the first success; afterwards after `failures` misses.
             if run.ready is None or run.failures >= run.probe.failures:
                 self.report(run, False)
+
+    def live(self, run: PodRun, now: float) -> bool:
+        """The startup probe until it passes, then the liveness probe (container mode only: process
+        mode keeps its old behaviour). False once they failed `failureThreshold` times in a row:
+        the container is stopped, and restarted as any exited one."""
+        probe = run.liveness if run.started else run.startup
+        if probe is None or now < run.next_live:
+            return True
+        run.next_live = now + probe.period
+        if probe.check():
+            run.started, run.live_failures = True, 0
+            return True
+        run.live_failures += 1
+        if run.live_failures < probe.failures:
+            return True
+        log.warning("%s failed its %s probe %d times: restarting it", run.key,
+                    "liveness" if run.started else "startup", run.live_failures)
+        run.next_live = float("inf")  # until the restart's launch()
+        threading.Thread(target=self.halt, args=(run, min(run.grace, SHUTDOWN_GRACE_S)), daemon=True).start()
+        return False
+
+    def halt(self, run: PodRun, grace: float) -> None:
+        """Stop the pod's process (and its container, in container mode)."""
+        if run.record is not None:
+            processes.stop(run.record, grace=max(grace, 0.1))
+        if run.container_id is not None:  # podman killed before its container
+            images.podman("rm", "--force", "--time", "0", run.container_id, check=False)
 
     def report(self, run: PodRun, ready: bool) -> None:
         if run.ready == ready:
@@ -306,8 +377,7 @@ class Runtime:
     def stop(self, run: PodRun, grace: float, prestop: float | None = None) -> None:
         """preStop sleep (the Endpoints drop the pod meanwhile), SIGTERM, grace, SIGKILL."""
         time.sleep(run.prestop if prestop is None else prestop)
-        if run.record is not None:
-            processes.stop(run.record, grace=max(grace, 0.1))
+        self.halt(run, grace)
         self.net.delete_namespace(run.netns)
         self.pods.pop(run.uid, None)
         log.info("stopped %s", run.key)
