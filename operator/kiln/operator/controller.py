@@ -6,7 +6,9 @@ the loop of the InferenceService it concerns. Wake-ups that arrive while a pass 
 one more pass, so a burst of pod updates costs a pass or two, never one each, and two passes
 over one object never overlap. Each pass says when the next one is due regardless (the
 builtin autoscaler's tick, or the resync). Passes run in threads (the Kubernetes client blocks), at most
-`workers` at once across all objects."""
+`workers` at once across all objects. With leader election, passes wait until this replica leads
+(`leading`, set by leader.campaign); wake-ups seen meanwhile are kept, so the new leader passes
+over every object it has heard of at once."""
 from __future__ import annotations
 
 import asyncio
@@ -20,10 +22,13 @@ MAX_BACKOFF_S = 60.0
 
 
 class Controller:
-    def __init__(self, run_pass: Callable[[str, str], Optional[float]], workers: int = 4) -> None:
+    def __init__(self, run_pass: Callable[[str, str], Optional[float]], workers: int = 4,
+                 leading: asyncio.Event | None = None) -> None:
         """`run_pass(namespace, name)` reconciles once and returns the seconds until the next
-        pass is due even if nothing wakes it (None: the object is gone)."""
+        pass is due even if nothing wakes it (None: the object is gone). `leading`: run passes
+        only while it is set (None: always)."""
         self._run_pass = run_pass
+        self._leading = leading
         self._slots = asyncio.Semaphore(workers)
         self._wake: dict[Key, asyncio.Event] = {}
         self._loops: dict[Key, asyncio.Task] = {}
@@ -62,6 +67,8 @@ class Controller:
                 if self._wake.get(key) is not wake:
                     break
                 wake.clear()
+                if self._leading is not None:
+                    await self._leading.wait()
                 async with self._slots:
                     log.debug("%s/%s: pass starts", *key)
                     try:

@@ -6,17 +6,21 @@ reconcile loop (controller.py); --interval is a slow resync as a safety net."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import faulthandler
 import functools
 import logging
+import os
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 import kubernetes
 
-from . import metrics
+from . import leader, metrics, placement
 from .controller import Controller
 from .models import GROUP, PLURAL, VERSION
 from .reconcile import DEFAULT_PROMETHEUS, Api, Settings, reconcile
@@ -26,15 +30,30 @@ CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "servi
             ("autoscaling", "v2", "horizontalpodautoscalers"), ("networking.k8s.io", "v1", "networkpolicies")]
 
 
-def build_registry(api: Api, settings: Settings) -> kopf.OperatorRegistry:
+def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | None = None,
+                   on_lost: Callable[[], None] = lambda: None) -> kopf.OperatorRegistry:
+    """kopf's handlers; with `elector`, reconcile passes run only while this replica holds the
+    Lease, and `on_lost` is called if it stops holding it."""
     registry = kopf.OperatorRegistry()
-    controller = Controller(functools.partial(reconcile, api, settings=settings))
+    leading = asyncio.Event() if elector else None
+    controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading)
+    election: list[asyncio.Task] = []
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
+    async def elect(**_: Any) -> None:
+        election.append(asyncio.create_task(leader.campaign(elector, leading, on_lost)))
+
     async def stop(**_: Any) -> None:
+        for task in election:
+            task.cancel()
         await controller.stop()
+        if elector is not None and leading.is_set():
+            try:
+                await asyncio.to_thread(elector.release)
+            except Exception as err:  # noqa: BLE001 - the Lease then expires on its own
+                logging.getLogger("kiln.operator").warning("leader election: release failed: %s", err)
 
     async def on_service(event: kopf.RawEvent, namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
         if event["type"] == "DELETED":
@@ -49,6 +68,8 @@ def build_registry(api: Api, settings: Settings) -> kopf.OperatorRegistry:
 
     kopf.on.login(registry=registry, id="login")(login)
     kopf.on.cleanup(registry=registry, id="stop")(stop)
+    if elector is not None:
+        kopf.on.startup(registry=registry, id="leader-election")(elect)
     kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="inferenceservice")(on_service)
     for group, version, plural in CHILDREN:
         kopf.on.event(group, version, plural, registry=registry, id=f"child-{plural}",
@@ -93,7 +114,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve the operator's Prometheus metrics on this port (default: off)")
+    for kind, which in (("gpu", "that ask for GPUs"), ("cpu", "that run on CPU (gpus: 0)")):
+        parser.add_argument(f"--{kind}-node-selector", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"node label for engine pods {which} (repeatable); a service's own "
+                                 "nodeSelector wins per key")
+        parser.add_argument(f"--{kind}-toleration", action="append", default=[], metavar="KEY[=VALUE][:EFFECT]",
+                            help=f"taint tolerated by engine pods {which} (repeatable), e.g. "
+                                 "nvidia.com/gpu:NoSchedule; added to a service's own")
+    parser.add_argument("--leader-elect", action="store_true",
+                        help="one of several replicas: only the holder of the Lease reconciles; "
+                             f"another takes over within {leader.LEASE_S + leader.RETRY_S:g} s of its death")
+    parser.add_argument("--lease-name", default="kiln-operator", help="the Lease (default: %(default)s)")
+    parser.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "kiln-system"),
+                        help="the Lease's namespace (default: $POD_NAMESPACE or kiln-system)")
     parser.add_argument("--verbose", "-v", action="store_true")
+
+
+def placements(args: argparse.Namespace) -> placement.Placements:
+    """Raises ValueError with a message for the user."""
+    def one(kind: str) -> placement.Placement:
+        labels = getattr(args, f"{kind}_node_selector")
+        taints = getattr(args, f"{kind}_toleration")
+        return placement.Placement(
+            dict(placement.parse_label(text, f"--{kind}-node-selector") for text in labels),
+            tuple(placement.parse_toleration(text, f"--{kind}-toleration") for text in taints))
+    return placement.Placements(gpu=one("gpu"), cpu=one("cpu"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
         print("kiln operator: --pod-annotation takes KEY=VALUE", file=sys.stderr)
         return 2
     pod_annotations = {key: value for key, _, value in pairs}
+    try:
+        where = placements(args)
+    except ValueError as err:
+        print(f"kiln operator: {err}", file=sys.stderr)
+        return 2
     if not 0 <= args.metrics_port < 65536:
         print(f"kiln operator: --metrics-port {args.metrics_port} is not a port number", file=sys.stderr)
         return 2
@@ -118,10 +168,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln operator: no cluster to talk to ({err}); set KUBECONFIG or run in a pod",
               file=sys.stderr)
         return 1
-    # standalone: one replica (Recreate), so no peering objects and no RBAC for them.
+    # standalone: no kopf peering (it needs its own CRDs); replicas elect a leader on a Lease.
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack: for a stuck pass
-    settings = Settings(args.engine_image, pod_annotations, args.interval, args.prometheus_url)
-    kopf.run(registry=build_registry(api, settings),
+    settings = Settings(args.engine_image, pod_annotations, args.interval, args.prometheus_url, placements=where)
+    lost = asyncio.Event()  # kopf waits on a threading.Event in a thread that would outlive its loop
+    elector = None
+    if args.leader_elect:
+        elector = leader.LeaseElector(kubernetes.client.CoordinationV1Api(api.client), args.lease_namespace,
+                                      args.lease_name, f"{socket.gethostname()}-{os.getpid()}")
+    kopf.run(registry=build_registry(api, settings, elector, lost.set), stop_flag=lost,
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
+    if lost.is_set():
+        print("kiln operator: lost the leader Lease; exiting so a fresh start follows again", file=sys.stderr)
+        return 1
     return 0

@@ -22,6 +22,7 @@ from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready
+from .placement import Placements, placed
 from .plan import CREATE, DELETE, SCALE, Action, plan
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
 from .rollout import dump
@@ -113,6 +114,8 @@ class Settings:
     own_writes: dict[tuple[str, str], str] = field(default_factory=dict)
     # Where each rollout's current analysis interval began (memory of this process only).
     baselines: dict[tuple[str, str], Baseline] = field(default_factory=dict)
+    # Where engine pods go unless their spec says otherwise (--gpu-node-selector, ...).
+    placements: Placements = field(default_factory=Placements)
 
 
 def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
@@ -218,7 +221,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     previous = dict(body.get("status") or {})
     generation = meta.get("generation") or 0
     try:
-        spec = parse_spec(body)
+        spec = placed(parse_spec(body), settings.placements)
     except ValueError as err:
         report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()), settings)
         return settings.interval

@@ -1,0 +1,118 @@
+"""Leader election on a coordination.k8s.io Lease, so that of several operator replicas only one
+reconciles (client-go's leaderelection, in small).
+
+Every replica runs kopf and its watches; only the Lease's holder runs reconcile passes
+(controller.py waits on `leading`). The holder renews every RETRY_S; a follower takes the Lease
+once it has seen the same record unchanged for LEASE_S by its own clock (never by comparing the
+holder's timestamps to its clock, so skewed clocks are harmless). A holder that cannot renew for
+RENEW_DEADLINE_S (< LEASE_S) stops leading before anyone else may start. A holder that stops
+cleanly releases the Lease, so the next one takes over on its next try.
+
+Hand-over after the leader dies: at most LEASE_S + RETRY_S (17 s). After a clean stop: RETRY_S."""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Callable
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+log = logging.getLogger("kiln.operator")
+
+LEASE_S = 15
+RENEW_DEADLINE_S = 10.0
+RETRY_S = 2.0
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+class LeaseElector:
+    """One candidate for the Lease namespace/name; `identity` must be unique among candidates."""
+
+    def __init__(self, coordination: client.CoordinationV1Api, namespace: str, name: str, identity: str,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.api, self.namespace, self.name, self.identity = coordination, namespace, name, identity
+        self._clock = clock
+        self._seen: tuple[str | None, object] | None = None  # (holder, renewTime) last read
+        self._seen_at = 0.0
+
+    def try_acquire_or_renew(self) -> bool:
+        """One attempt; True when this candidate holds the Lease afterwards. A conflicting
+        write (another candidate won the race) is a plain False."""
+        try:
+            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            return self._write(None)
+        spec = lease.spec or client.V1LeaseSpec()
+        record = (spec.holder_identity, spec.renew_time)
+        if record != self._seen:
+            self._seen, self._seen_at = record, self._clock()
+        holder = spec.holder_identity
+        if holder and holder != self.identity and self._clock() - self._seen_at < (spec.lease_duration_seconds or LEASE_S):
+            return False
+        return self._write(lease)
+
+    def _write(self, lease: client.V1Lease | None) -> bool:
+        now = _now()
+        spec = lease.spec if lease is not None and lease.spec else client.V1LeaseSpec()
+        if spec.holder_identity != self.identity:  # taking it over
+            spec.acquire_time = now
+            spec.lease_transitions = (spec.lease_transitions or 0) + (lease is not None)
+        spec.holder_identity, spec.renew_time, spec.lease_duration_seconds = self.identity, now, LEASE_S
+        try:
+            if lease is None:
+                self.api.create_namespaced_lease(self.namespace, client.V1Lease(
+                    metadata=client.V1ObjectMeta(name=self.name), spec=spec))
+            else:  # replace carries resourceVersion: a write that raced another fails with 409
+                lease.spec = spec
+                self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+        return True
+
+    def release(self) -> None:
+        """Give the Lease up if held, so a follower need not wait for it to expire."""
+        lease = self.api.read_namespaced_lease(self.name, self.namespace)
+        if lease.spec is None or lease.spec.holder_identity != self.identity:
+            return
+        lease.spec.holder_identity, lease.spec.lease_duration_seconds = None, 1
+        try:
+            self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+
+
+async def campaign(elector: LeaseElector, leading: asyncio.Event, lost: Callable[[], None]) -> None:
+    """Take the Lease and keep it: `leading` is set while held. When renewal fails for
+    RENEW_DEADLINE_S, clear `leading` and call `lost()` (the operator then exits, as client-go's
+    controllers do: a fresh start is the only safe way back to following)."""
+    log.info("leader election: %s waits for Lease %s/%s", elector.identity, elector.namespace, elector.name)
+    renewed = 0.0
+    while True:
+        try:
+            held = await asyncio.to_thread(elector.try_acquire_or_renew)
+        except Exception as err:  # noqa: BLE001 - an unreachable API server is a failed try
+            log.warning("leader election: Lease %s/%s: %s", elector.namespace, elector.name, err)
+            held = False
+        if held:
+            renewed = time.monotonic()
+            if not leading.is_set():
+                log.info("leader election: %s leads (Lease %s/%s)", elector.identity, elector.namespace, elector.name)
+                leading.set()
+        elif leading.is_set() and time.monotonic() - renewed > RENEW_DEADLINE_S:
+            leading.clear()
+            log.error("leader election: %s lost Lease %s/%s; stopping", elector.identity, elector.namespace,
+                      elector.name)
+            lost()
+            return
+        await asyncio.sleep(RETRY_S)

@@ -1,0 +1,53 @@
+"""Cluster-wide placement defaults for engine pods, set by whoever installs the operator
+(manifests/overlays/{cpu,gpu}, the Helm chart's `engine.placement`) rather than in every
+InferenceService: where GPU engines go (node labels, the taints GPU node pools carry) and where
+CPU engines go. An InferenceService's own nodeSelector and tolerations are kept and win."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .models import InferenceServiceSpec, Toleration
+
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[Toleration, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placements:
+    gpu: Placement = Placement()  # engines with resources.gpus > 0
+    cpu: Placement = Placement()  # engines with resources.gpus == 0
+
+
+def parse_label(text: str, flag: str) -> tuple[str, str]:
+    """KEY=VALUE; raises ValueError naming the flag."""
+    key, sep, value = text.partition("=")
+    if not key or not sep:
+        raise ValueError(f"{flag} takes KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def parse_toleration(text: str, flag: str) -> Toleration:
+    """KEY[=VALUE][:EFFECT]: tolerate the taint KEY (any value unless VALUE is given)."""
+    taint, _, effect = text.partition(":")
+    key, sep, value = taint.partition("=")
+    if not key or (effect and effect not in EFFECTS):
+        raise ValueError(f"{flag} takes KEY[=VALUE][:EFFECT] with EFFECT one of {', '.join(EFFECTS)}, got {text!r}")
+    return Toleration(key=key, operator="Equal" if sep else "Exists", value=value if sep else None,
+                      effect=effect or None)
+
+
+def placed(spec: InferenceServiceSpec, placements: Placements) -> InferenceServiceSpec:
+    """The spec with the defaults for its kind of engine merged under its own choices."""
+    default = placements.gpu if spec.resources.gpus > 0 else placements.cpu
+    if not default.node_selector and not default.tolerations:
+        return spec
+    own = spec.resources
+    tolerations = [*own.tolerations, *(t for t in default.tolerations if t not in own.tolerations)]
+    resources = own.model_copy(update={"nodeSelector": {**default.node_selector, **own.nodeSelector},
+                                       "tolerations": tolerations})
+    return spec.model_copy(update={"resources": resources})

@@ -1,0 +1,98 @@
+"""Two `kiln operator --leader-elect` replicas against the real local control plane: one holds
+the Lease and reconciles, the other waits; killing the leader hands over, and a spec change
+made right after the kill is reconciled by the new leader. The hand-over times are printed
+(figures, not limits: the assertion is only the design's bound, leader.LEASE_S + RETRY_S)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import kubernetes
+import pytest
+
+from kiln.local.testing import OperatorProcess, service_account_kubeconfig
+from kiln.operator import leader
+from operator_support import apply, engine_deployments, ready, smollm2, until
+
+LEASE_NAMESPACE = "kiln-system"  # where manifests/ grant the operator its Lease
+
+
+@pytest.fixture
+def replicas(local_cluster, kiln_installed, namespace, tmp_path):
+    """Two operators for `namespace`, electing on a Lease of their own (other tests' operators
+    do not elect)."""
+    kubeconfig = service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
+                                            tmp_path / "kubeconfig")
+    args = ("-n", namespace, "--leader-elect", "--lease-name", f"ha-{namespace}", "--lease-namespace", LEASE_NAMESPACE)
+    procs = [OperatorProcess(kubeconfig, tmp_path / f"operator-{i}.log", args, env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
+             for i in range(2)]
+    for proc in procs:
+        proc.start()
+    yield procs
+    for i, proc in enumerate(procs):
+        proc.stop()
+        print(f"[replica {i}]", proc.tail(15))
+
+
+def holder(coordination: kubernetes.client.CoordinationV1Api, name: str) -> str | None:
+    try:
+        return coordination.read_namespaced_lease(name, LEASE_NAMESPACE).spec.holder_identity
+    except kubernetes.client.ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def by_identity(procs: list[OperatorProcess], identity: str) -> OperatorProcess:
+    (proc,) = [p for p in procs if p.proc and identity.endswith(f"-{p.proc.pid}")]
+    return proc
+
+
+def max_num_seqs(apis, ns: str, name: str) -> list[str]:
+    """--max-num-seqs of each engine Deployment."""
+    found = []
+    for dep in engine_deployments(apis, ns, name):
+        command = dep.spec.template.spec.containers[0].command
+        found.append(command[command.index("--max-num-seqs") + 1])
+    return found
+
+
+def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replicas, local_cluster, apis, namespace,
+                                                                          kubectl):
+    coordination = kubernetes.client.CoordinationV1Api(local_cluster.api_client)
+    lease = f"ha-{namespace}"
+    first = until(lambda: holder(coordination, lease), "a leader", timeout=60)
+    chief = by_identity(replicas, first)
+    (standby,) = [p for p in replicas if p is not chief]
+
+    apply(kubectl, namespace, smollm2("ha"))
+    until(lambda: ready(apis, namespace, "ha"), "ha Ready under the first leader")
+    assert "leads" in chief.text() and "leads" not in standby.text()
+    assert "waits for Lease" in standby.text()
+
+    # A crash: no chance to release the Lease, so the standby must see it expire.
+    killed = time.monotonic()
+    chief.stop(signal.SIGKILL)
+    kubectl("patch", "isvc/ha", "-n", namespace, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":16}}}')
+    second = until(lambda: (h := holder(coordination, lease)) != first and h, "a new leader", timeout=60)
+    handed_over = time.monotonic() - killed
+    assert by_identity(replicas, second) is standby
+    until(lambda: "16" in max_num_seqs(apis, namespace, "ha"), "the change reconciled by the new leader", timeout=60)
+    reconciled = time.monotonic() - killed
+    print(f"leader SIGKILLed: Lease taken over after {handed_over:.1f} s, change reconciled after {reconciled:.1f} s")
+    assert handed_over <= leader.LEASE_S + leader.RETRY_S + 3  # + the test's own polling and a busy CPU
+
+    # A clean stop releases the Lease: the restarted replica (now the standby) takes it at its next try.
+    mark = len(chief.text())
+    chief.start()
+    until(lambda: "waits for Lease" in chief.text()[mark:], "the restarted standby")
+    stopped = time.monotonic()
+    standby.proc.send_signal(signal.SIGTERM)
+    third = until(lambda: (h := holder(coordination, lease)) not in (second, None) and h, "the restarted replica to lead",
+                  timeout=60)
+    released = time.monotonic() - stopped
+    assert by_identity(replicas, third) is chief
+    kubectl("patch", "isvc/ha", "-n", namespace, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":8}}}')
+    until(lambda: "8" in max_num_seqs(apis, namespace, "ha"), "a change reconciled after the clean hand-over")
+    print(f"leader stopped cleanly (SIGTERM, Lease released): taken over after {released:.1f} s")
+    assert released < leader.LEASE_S  # it did not wait for the Lease to expire
