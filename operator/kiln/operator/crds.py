@@ -16,6 +16,7 @@ from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec, Inferenc
 
 CRD_FILE = f"{PLURAL}.{GROUP}.yaml"
 REPO_CRDS = Path(__file__).resolve().parents[3] / "crds"
+CHART_CRDS = REPO_CRDS.parent / "charts" / "kiln" / "crds"  # Helm's copy, byte for byte (tests/test_install.py)
 NAME_RULE = cel(
     "self.metadata.name.size() <= 50 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
     "metadata.name must be at most 50 lowercase letters, digits or '-', start with a letter and "
@@ -160,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{args.out_dir / name} is stale: run `kiln crds`", file=sys.stderr)
         return 1 if stale else 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in render().items():
-        (args.out_dir / name).write_text(text)
-        print(f"wrote {args.out_dir / name}")
+    written = {args.out_dir / name: text for name, text in render().items()}
+    if args.out_dir.resolve() == REPO_CRDS and CHART_CRDS.is_dir():
+        written[CHART_CRDS / CRD_FILE] = render()[CRD_FILE]
+    for path, text in written.items():
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0

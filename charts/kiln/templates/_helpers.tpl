@@ -1,0 +1,16 @@
+{{/* Labels every object gets (the selectors use app.kubernetes.io/name only: engine pods'
+NetworkPolicy admits the operator by that label). */}}
+{{- define "kiln.labels" -}}
+app.kubernetes.io/name: kiln-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{- define "kiln.subject" -}}
+subjects:
+  - kind: ServiceAccount
+    name: kiln-operator
+    namespace: {{ .Release.Namespace }}
+{{- end }}

@@ -1,0 +1,215 @@
+"""The install paths besides `kubectl apply -k manifests/` (tests/test_operator.py): the kustomize
+overlays manifests/overlays/{cpu,gpu} and the Helm chart charts/kiln.
+
+helm (built from the Go module proxy by `kiln local build`) lints and renders the chart; what
+it renders, and what kustomize renders for the overlays, goes to the local API server with a
+server-side dry run (admission and schema validation run, nothing is stored). Each value of
+the chart is shown to change what it should."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kiln.local import build
+from kiln.operator import images, main
+from kiln.operator.models import InferenceServiceSpec
+from kiln.operator.placement import placed
+from kiln.operator.render import Owner, render_deployment
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "kiln"
+NAMESPACE = "kiln-system"
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([str(build.binary("helm")), *args], capture_output=True, text=True, timeout=120)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def template(values: dict[str, Any] | None = None, tmp_path: Path | None = None, crds: bool = False) -> str:
+    args = ["template", "kiln", str(CHART), "-n", NAMESPACE, *(["--include-crds"] if crds else [])]
+    if values:
+        assert tmp_path is not None
+        (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+        args += ["-f", str(tmp_path / "values.yaml")]
+    return helm(*args).stdout
+
+
+def objects(text: str) -> dict[tuple[str, str, str], dict]:
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    return {(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]): d for d in docs}
+
+
+def rendered(values: dict[str, Any], tmp_path: Path) -> dict[tuple[str, str, str], dict]:
+    return objects(template(values, tmp_path))
+
+
+def operator_container(objs: dict) -> dict:
+    return objs[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["template"]["spec"]["containers"][0]
+
+
+def kustomize(kubectl, path: Path) -> str:
+    return kubectl("kustomize", str(path)).stdout
+
+
+def test_helm_lint_passes() -> None:
+    done = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in done.stdout
+
+
+def test_the_charts_crd_is_byte_identical_to_crds() -> None:
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    assert chart_crds == ["inferenceservices.kiln.dev.yaml"]  # helm applies every file there
+    assert (CHART / "crds" / chart_crds[0]).read_bytes() == (REPO / "crds" / chart_crds[0]).read_bytes()
+
+
+def test_the_chart_version_is_the_package_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == images.version()
+    assert operator_container(objects(template()))["image"] == images.image("operator")
+
+
+def test_the_chart_installs_what_manifests_install(kubectl) -> None:
+    """Defaults: the same objects as `kubectl apply -k manifests/` but the Namespace (Helm's
+    release namespace), labels aside."""
+    def unlabelled(objs: dict) -> dict:
+        for obj in objs.values():
+            obj["metadata"].pop("labels", None)
+        return objs
+    chart = unlabelled(objects(template(crds=True)))
+    manifests = unlabelled(objects(kustomize(kubectl, REPO / "manifests")))
+    manifests.pop(("Namespace", "", NAMESPACE))
+    assert chart.keys() == manifests.keys()
+    for key, obj in manifests.items():
+        assert chart[key] == obj, key
+
+
+@pytest.mark.parametrize("values", [None, {"watchNamespaces": ["default"], "operator": {"replicas": 1,
+                                           "leaderElection": False}, "engine": {"gpu": {"tolerations":
+                                           ["nvidia.com/gpu:NoSchedule"]}}}], ids=["defaults", "changed"])
+def test_the_rendered_chart_passes_a_server_side_dry_run(kubectl, kiln_installed, tmp_path, values) -> None:
+    done = kubectl("apply", "--dry-run=server", "-f", "-", input=template(values, tmp_path, crds=True))
+    assert "(server dry run)" in done.stdout and "deployment.apps/kiln-operator" in done.stdout
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_overlays_pass_a_server_side_dry_run(kubectl, kiln_installed, overlay) -> None:
+    text = kustomize(kubectl, REPO / "manifests" / "overlays" / overlay)
+    done = kubectl("apply", "--dry-run=server", "-f", "-", input=text)
+    assert "deployment.apps/kiln-operator configured (server dry run)" in done.stdout
+
+
+def engine_pod(command: list[str], gpus: int) -> dict:
+    """The pod spec the operator started with `command` gives an engine with `gpus` GPUs."""
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    where = main.placements(parser.parse_args(command[2:]))
+    spec = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"},
+                                                "resources": {"gpus": gpus}})
+    return render_deployment(Owner("chat", "ml", "uid"), placed(spec, where), "engine:test")["spec"]["template"]["spec"]
+
+
+def test_the_gpu_overlay_sends_gpu_engines_to_tolerated_gpu_nodes(kubectl) -> None:
+    command = operator_container(objects(kustomize(kubectl, REPO / "manifests/overlays/gpu")))["command"]
+    gpu = engine_pod(command, 1)
+    assert gpu["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert gpu["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert engine_pod(command, 0)["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
+
+
+def test_the_cpu_overlay_places_cpu_engines(kubectl) -> None:
+    command = operator_container(objects(kustomize(kubectl, REPO / "manifests/overlays/cpu")))["command"]
+    cpu = engine_pod(command, 0)
+    assert cpu["nodeSelector"] == {"kubernetes.io/arch": "amd64"}
+    assert cpu["tolerations"] == [{"key": "kiln.dev/inference", "operator": "Exists", "effect": "NoSchedule"}]
+    assert "nodeSelector" not in engine_pod(command, 1)
+
+
+# One test per value: each changes what it should, and only that.
+
+def test_value_image(tmp_path) -> None:
+    objs = rendered({"image": {"repository": "registry.example/kiln-operator", "tag": "9.9.9"}}, tmp_path)
+    assert operator_container(objs)["image"] == "registry.example/kiln-operator:9.9.9"
+
+
+def test_value_image_pull_policy(tmp_path) -> None:
+    assert "imagePullPolicy" not in operator_container(objects(template()))
+    assert operator_container(rendered({"image": {"pullPolicy": "Always"}}, tmp_path))["imagePullPolicy"] == "Always"
+
+
+def test_value_operator_replicas(tmp_path) -> None:
+    default = objects(template())
+    assert default[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["replicas"] == 2
+    assert ("PodDisruptionBudget", NAMESPACE, "kiln-operator") in default
+    three = rendered({"operator": {"replicas": 3}}, tmp_path)
+    assert three[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["replicas"] == 3
+    one = rendered({"operator": {"replicas": 1}}, tmp_path)
+    assert one[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["replicas"] == 1
+    assert ("PodDisruptionBudget", NAMESPACE, "kiln-operator") not in one  # it would block every drain
+
+
+def test_value_leader_election(tmp_path) -> None:
+    default = objects(template())
+    assert "--leader-elect" in operator_container(default)["command"]
+    assert ("Role", NAMESPACE, "kiln-operator-leader") in default
+    off = rendered({"operator": {"replicas": 1, "leaderElection": False}}, tmp_path)
+    assert "--leader-elect" not in operator_container(off)["command"]
+    assert ("Role", NAMESPACE, "kiln-operator-leader") not in off
+    assert off[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["strategy"] == {"type": "Recreate"}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"operator": {"replicas": 2, "leaderElection": False}}))
+    refused = helm("template", "kiln", str(CHART), "-f", str(tmp_path / "bad.yaml"), check=False)
+    assert refused.returncode != 0 and "needs operator.leaderElection" in refused.stderr
+
+
+def test_value_operator_resources(tmp_path) -> None:
+    resources = {"requests": {"cpu": "250m", "memory": "300Mi"}, "limits": {"memory": "1Gi"}}
+    assert operator_container(rendered({"operator": {"resources": resources}}, tmp_path))["resources"] == resources
+
+
+def test_value_watch_namespaces(tmp_path) -> None:
+    default = objects(template())
+    assert ("ClusterRoleBinding", "", "kiln-operator") in default
+    assert not any(a.startswith("--namespace") for a in operator_container(default)["command"])
+    objs = rendered({"watchNamespaces": ["team-a", "team-b"]}, tmp_path)
+    assert [a for a in operator_container(objs)["command"] if a.startswith("--namespace")] == \
+        ["--namespace=team-a", "--namespace=team-b"]
+    assert ("ClusterRoleBinding", "", "kiln-operator") not in objs
+    for ns in ("team-a", "team-b"):
+        binding = objs[("RoleBinding", ns, "kiln-operator")]
+        assert binding["roleRef"]["name"] == "kiln-operator"
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kiln-operator", "namespace": NAMESPACE}]
+    assert ("ClusterRoleBinding", "", "kiln-operator-cluster") in objs  # kopf's cluster-scoped reads
+
+
+def test_value_rbac_create(tmp_path) -> None:
+    rbac_kinds = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert {k[0] for k in objects(template())} >= rbac_kinds
+    objs = rendered({"rbac": {"create": False}}, tmp_path)
+    assert not {k[0] for k in objs} & rbac_kinds
+    assert ("ServiceAccount", NAMESPACE, "kiln-operator") in objs and ("Deployment", NAMESPACE, "kiln-operator") in objs
+
+
+def test_value_engine_image(tmp_path) -> None:
+    assert "KILN_ENGINE_IMAGE" not in {e["name"] for e in operator_container(objects(template()))["env"]}
+    env = operator_container(rendered({"engine": {"image": "registry.example/engine:1"}}, tmp_path))["env"]
+    assert {"name": "KILN_ENGINE_IMAGE", "value": "registry.example/engine:1"} in env
+
+
+def test_value_engine_placement(tmp_path) -> None:
+    values = {"engine": {"gpu": {"nodeSelector": {"nvidia.com/gpu.present": "true"},
+                                 "tolerations": ["nvidia.com/gpu:NoSchedule"]},
+                         "cpu": {"nodeSelector": {"pool": "cpu"}, "tolerations": ["dedicated=ml:NoExecute"]}}}
+    command = operator_container(rendered(values, tmp_path))["command"]
+    gpu, cpu = engine_pod(command, 1), engine_pod(command, 0)
+    assert gpu["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert gpu["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert cpu["nodeSelector"] == {"pool": "cpu"}
+    assert cpu["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
