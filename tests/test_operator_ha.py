@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 
 import kubernetes
 import pytest
@@ -18,12 +19,17 @@ LEASE_NAMESPACE = "kiln-system"  # where manifests/ grant the operator its Lease
 
 
 @pytest.fixture
-def replicas(local_cluster, kiln_installed, namespace, tmp_path):
+def lease() -> str:
+    return f"ha-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def replicas(local_cluster, kiln_installed, namespace, lease, tmp_path):
     """Two operators for `namespace`, electing on a Lease of their own (other tests' operators
     do not elect)."""
     kubeconfig = service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
                                             tmp_path / "kubeconfig")
-    args = ("-n", namespace, "--leader-elect", "--lease-name", f"ha-{namespace}", "--lease-namespace", LEASE_NAMESPACE)
+    args = ("-n", namespace, "--leader-elect", "--lease-name", lease, "--lease-namespace", LEASE_NAMESPACE)
     procs = [OperatorProcess(kubeconfig, tmp_path / f"operator-{i}.log", args, env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
              for i in range(2)]
     for proc in procs:
@@ -57,10 +63,9 @@ def max_num_seqs(apis, ns: str, name: str) -> list[str]:
     return found
 
 
-def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replicas, local_cluster, apis, namespace,
-                                                                          kubectl):
+def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replicas, lease, local_cluster, apis,
+                                                                          namespace, kubectl):
     coordination = kubernetes.client.CoordinationV1Api(local_cluster.api_client)
-    lease = f"ha-{namespace}"
     first = until(lambda: holder(coordination, lease), "a leader", timeout=60)
     chief = by_identity(replicas, first)
     (standby,) = [p for p in replicas if p is not chief]
@@ -96,3 +101,28 @@ def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replica
     until(lambda: "8" in max_num_seqs(apis, namespace, "ha"), "a change reconciled after the clean hand-over")
     print(f"leader stopped cleanly (SIGTERM, Lease released): taken over after {released:.1f} s")
     assert released < leader.LEASE_S  # it did not wait for the Lease to expire
+
+
+def test_a_frozen_leader_steps_down_when_it_wakes(replicas, lease, local_cluster, apis, namespace, kubectl):
+    """SIGSTOP the leader past its Lease, let the other take over and then die too: the frozen
+    one, resumed with a change waiting for it, must run no pass (its Lease is not its own any
+    more) and exit to start again as a follower."""
+    coordination = kubernetes.client.CoordinationV1Api(local_cluster.api_client)
+    first = until(lambda: holder(coordination, lease), "a leader", timeout=60)
+    frozen = by_identity(replicas, first)
+    (other,) = [p for p in replicas if p is not frozen]
+    apply(kubectl, namespace, smollm2("frozen"))
+    until(lambda: ready(apis, namespace, "frozen"), "frozen Ready under the first leader")
+    before = max_num_seqs(apis, namespace, "frozen")
+
+    frozen.proc.send_signal(signal.SIGSTOP)
+    until(lambda: (h := holder(coordination, lease)) != first and h, "the other replica to lead", timeout=60)
+    other.stop(signal.SIGKILL)
+    kubectl("patch", "isvc/frozen", "-n", namespace, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":12}}}')
+    mark = len(frozen.text())
+    frozen.proc.send_signal(signal.SIGCONT)
+    assert frozen.proc.wait(timeout=60) == 1
+    woke = frozen.text()[mark:]
+    assert "lost Lease" in woke and "lost the leader Lease" in woke
+    assert f"{namespace}/frozen:" not in woke, woke  # no pass ran after waking
+    assert max_num_seqs(apis, namespace, "frozen") == before

@@ -7,13 +7,15 @@ one more pass, so a burst of pod updates costs a pass or two, never one each, an
 over one object never overlap. Each pass says when the next one is due regardless (the
 builtin autoscaler's tick, or the resync). Passes run in threads (the Kubernetes client blocks), at most
 `workers` at once across all objects. With leader election, passes wait until this replica leads
-(`leading`, set by leader.campaign); wake-ups seen meanwhile are kept, so the new leader passes
+(`leading`, kept by leader.campaign); wake-ups seen meanwhile are kept, so the new leader passes
 over every object it has heard of at once."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from typing import Callable, Optional
+
+from .leader import Leadership
 
 log = logging.getLogger("kiln.operator")
 
@@ -23,7 +25,7 @@ MAX_BACKOFF_S = 60.0
 
 class Controller:
     def __init__(self, run_pass: Callable[[str, str], Optional[float]], workers: int = 4,
-                 leading: asyncio.Event | None = None) -> None:
+                 leading: Leadership | None = None) -> None:
         """`run_pass(namespace, name)` reconciles once and returns the seconds until the next
         pass is due even if nothing wakes it (None: the object is gone). `leading`: run passes
         only while it is set (None: always)."""

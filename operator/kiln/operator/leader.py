@@ -92,12 +92,41 @@ class LeaseElector:
                 raise
 
 
-async def campaign(elector: LeaseElector, leading: asyncio.Event, lost: Callable[[], None]) -> None:
-    """Take the Lease and keep it: `leading` is set while held. When renewal fails for
-    RENEW_DEADLINE_S, clear `leading` and call `lost()` (the operator then exits, as client-go's
-    controllers do: a fresh start is the only safe way back to following)."""
+class Leadership:
+    """Whether this replica may reconcile now: it renewed the Lease less than RENEW_DEADLINE_S
+    ago by the monotonic clock. Judged at each pass, not only when the campaign next runs, so a
+    replica frozen past its Lease (SIGSTOP, a stalled node) runs no pass when it wakes."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._renewed: float | None = None
+        self._changed = asyncio.Event()
+
+    def renewed(self) -> None:
+        self._renewed = self._clock()
+        self._changed.set()
+
+    def held(self) -> bool:
+        return self._renewed is not None and self._clock() - self._renewed < RENEW_DEADLINE_S
+
+    def ever(self) -> bool:
+        return self._renewed is not None
+
+    async def wait(self) -> None:
+        """Until held()."""
+        while not self.held():
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), RETRY_S)
+            except TimeoutError:
+                pass
+
+
+async def campaign(elector: LeaseElector, leading: Leadership, lost: Callable[[], None]) -> None:
+    """Take the Lease and keep it renewed. When a leader's renewal fails past RENEW_DEADLINE_S,
+    call `lost()` (the operator then exits, as client-go's controllers do: a fresh start is the
+    only safe way back to following)."""
     log.info("leader election: %s waits for Lease %s/%s", elector.identity, elector.namespace, elector.name)
-    renewed = 0.0
     while True:
         try:
             held = await asyncio.to_thread(elector.try_acquire_or_renew)
@@ -105,12 +134,10 @@ async def campaign(elector: LeaseElector, leading: asyncio.Event, lost: Callable
             log.warning("leader election: Lease %s/%s: %s", elector.namespace, elector.name, err)
             held = False
         if held:
-            renewed = time.monotonic()
-            if not leading.is_set():
+            if not leading.held():
                 log.info("leader election: %s leads (Lease %s/%s)", elector.identity, elector.namespace, elector.name)
-                leading.set()
-        elif leading.is_set() and time.monotonic() - renewed > RENEW_DEADLINE_S:
-            leading.clear()
+            leading.renewed()
+        elif leading.ever() and not leading.held():
             log.error("leader election: %s lost Lease %s/%s; stopping", elector.identity, elector.namespace,
                       elector.name)
             lost()

@@ -35,7 +35,7 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
     """kopf's handlers; with `elector`, reconcile passes run only while this replica holds the
     Lease, and `on_lost` is called if it stops holding it."""
     registry = kopf.OperatorRegistry()
-    leading = asyncio.Event() if elector else None
+    leading = leader.Leadership() if elector else None
     controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading)
     election: list[asyncio.Task] = []
 
@@ -49,7 +49,7 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
         for task in election:
             task.cancel()
         await controller.stop()
-        if elector is not None and leading.is_set():
+        if elector is not None and leading.held():
             try:
                 await asyncio.to_thread(elector.release)
             except Exception as err:  # noqa: BLE001 - the Lease then expires on its own
