@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -33,6 +34,25 @@ BASE = "docker.io/library/debian:bookworm-slim"
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 PACKAGES = {"podman": "podman", "buildah": "buildah", "runc": "runc", "debootstrap": "debootstrap"}
 INPUTS_LABEL = "dev.kiln.inputs"
+BASE_LABEL, BASE_RECIPE = "dev.kiln.base", "2"  # bump when ensure_base() makes a different image
+# What debian:*-slim configures (debuerreotype's --slimify): dpkg leaves docs, man pages and
+# locales out of every later install, and apt deletes the .debs it downloaded.
+SLIM_DPKG = """\
+path-exclude /usr/share/doc/*
+path-include /usr/share/doc/*/copyright
+path-exclude /usr/share/man/*
+path-exclude /usr/share/groff/*
+path-exclude /usr/share/info/*
+path-exclude /usr/share/lintian/*
+path-exclude /usr/share/linda/*
+path-exclude /usr/share/locale/*
+"""
+SLIM_APT = """\
+DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+APT::Update::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/archives/partial/*.deb /var/cache/apt/*.bin || true"; };
+Dir::Cache::pkgcache "";
+Dir::Cache::srcpkgcache "";
+"""
 CONTAINERS_CONF = """\
 # Written by kiln.local.images; podman reads it through CONTAINERS_CONF.
 [containers]
@@ -96,8 +116,9 @@ def inspect(reference: str, template: str) -> str:
 
 
 def ensure_base() -> bool:
-    """Make BASE from Debian's archive when it is not in local storage; True if made now."""
-    if exists(BASE):
+    """Make BASE from Debian's archive unless local storage holds it (pulled from a registry: no
+    label of ours; or made here by this recipe); True if made now."""
+    if exists(BASE) and inspect(BASE, f'{{{{index .Labels "{BASE_LABEL}"}}}}') in ("<no value>", "", BASE_RECIPE):
         return False
     with tempfile.TemporaryDirectory(dir=build.cache_root()) as tmp:
         root = Path(tmp) / "rootfs"
@@ -110,8 +131,11 @@ def ensure_base() -> bool:
             for path in root.glob(pattern):
                 if path.name != "locale.alias" and path.name != "partial":
                     shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        (root / "etc/dpkg/dpkg.cfg.d/docker").write_text(SLIM_DPKG)
+        (root / "etc/apt/apt.conf.d/docker-clean").write_text(SLIM_APT)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
-        subprocess.run(["podman", "import", "--change", 'CMD ["bash"]', "-", BASE], stdin=tar.stdout,
+        subprocess.run(["podman", "import", "--change", 'CMD ["bash"]', "--change", f"LABEL {BASE_LABEL}={BASE_RECIPE}",
+                        "-", BASE], stdin=tar.stdout,
                        env=podman_env(), check=True, stdout=subprocess.DEVNULL)
         tar.stdout.close()
         if tar.wait() != 0:
@@ -133,7 +157,7 @@ def context_files() -> list[Path]:
 
 
 def inputs_digest(component: str, build_args: dict[str, str]) -> str:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(inspect(BASE, "{{.Id}}").encode())
     for path in [containerfile(component), *context_files()]:
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     digest.update(repr(sorted(build_args.items())).encode())
@@ -176,15 +200,31 @@ def build_image(component: str, torch: str | None = None, force: bool = False) -
                capture=False)
         podman(*common, "--label", f"{INPUTS_LABEL}={digest}", "-t", reference, str(REPO), capture=False)
     finally:
-        podman("image", "prune", "--force", check=False)  # failed steps and superseded images
+        clean_up()
     return Built(component, reference, int(inspect(reference, "{{.Size}}")), time.monotonic() - start, False)
+
+
+def clean_up() -> None:
+    """What failed or superseded builds leave: a killed build's working containers (each holds its
+    layer's files, GBs for torch) and dangling images. Tagged images and their layers stay."""
+    listed = subprocess.run(["buildah", "containers", "--format", "{{.ContainerID}} {{.ContainerName}}"],
+                            env=podman_env(), capture_output=True, text=True)
+    stale = [line.split()[0] for line in listed.stdout.splitlines() if line.endswith("-working-container")
+             or "-working-container-" in line]
+    if stale:
+        subprocess.run(["buildah", "rm", *stale], env=podman_env(), capture_output=True)
+    podman("image", "prune", "--force", check=False)
 
 
 def build_all(components: tuple[str, ...] = images.COMPONENTS, torch: str | None = None,
               force: bool = False) -> list[Built]:
     ensure_tools()
-    ensure_base()
-    return [build_image(c, torch if c == "engine" else None, force) for c in components]
+    lock = build.cache_root() / "images.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # one build at a time: test sessions may ask at once
+        ensure_base()
+        return [build_image(c, torch if c == "engine" else None, force) for c in components]
 
 
 def run(components: tuple[str, ...], torch: str | None, force: bool) -> int:
