@@ -1,7 +1,8 @@
 """Two `kiln operator --leader-elect` replicas against the real local control plane: one holds
 the Lease and reconciles, the other waits; killing the leader hands over, and a spec change
 made right after the kill is reconciled by the new leader. The hand-over times are printed
-(figures, not limits: the assertion is only the design's bound, leader.LEASE_S + RETRY_S)."""
+(figures, not limits: the assertion is only the design's bound, leader.HANDOVER_S; the figures
+over many rounds: bench/operator_handover.py)."""
 from __future__ import annotations
 
 import signal
@@ -85,7 +86,7 @@ def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replica
     until(lambda: "16" in max_num_seqs(apis, namespace, "ha"), "the change reconciled by the new leader", timeout=60)
     reconciled = time.monotonic() - killed
     print(f"leader SIGKILLed: Lease taken over after {handed_over:.1f} s, change reconciled after {reconciled:.1f} s")
-    assert handed_over <= leader.LEASE_S + leader.RETRY_S + 3  # + the test's own polling and a busy CPU
+    assert handed_over <= leader.HANDOVER_S + 2  # + the test's own polling and a busy CPU
 
     # A clean stop releases the Lease: the restarted replica (now the standby) takes it at its next try.
     mark = len(chief.text())

@@ -8,7 +8,10 @@ holder's timestamps to its clock, so skewed clocks are harmless). A holder that 
 RENEW_DEADLINE_S (< LEASE_S) stops leading before anyone else may start. A holder that stops
 cleanly releases the Lease, so the next one takes over on its next try.
 
-Hand-over after the leader dies: at most LEASE_S + RETRY_S (17 s). After a clean stop: RETRY_S."""
+Hand-over after the leader dies: at most HANDOVER_S. The follower first sees the leader's last
+record within a retry of the kill (either side: renewals are a retry apart), waits LEASE_S from
+that sight, then up to a retry for its next try: 13-19 s from the kill. After a clean stop: one
+retry."""
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +28,7 @@ log = logging.getLogger("kiln.operator")
 LEASE_S = 15
 RENEW_DEADLINE_S = 10.0
 RETRY_S = 2.0
+HANDOVER_S = LEASE_S + 2 * RETRY_S  # the bound after a crash (above)
 
 
 def _now() -> datetime.datetime:

@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "nvidia.com/gpu:NoSchedule; added to a service's own")
     parser.add_argument("--leader-elect", action="store_true",
                         help="one of several replicas: only the holder of the Lease reconciles; "
-                             f"another takes over within {leader.LEASE_S + leader.RETRY_S:g} s of its death")
+                             f"another takes over within {leader.HANDOVER_S:g} s of its death")
     parser.add_argument("--lease-name", default="kiln-operator", help="the Lease (default: %(default)s)")
     parser.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "kiln-system"),
                         help="the Lease's namespace (default: $POD_NAMESPACE or kiln-system)")
