@@ -2,18 +2,22 @@
 and the `Attention` layer, which stores the step's K/V then attends.
 
 The Triton backend (kiln.engine.kernels) and the fused CPU op (kiln.engine.cpu_attention)
-have the same two functions with the same signatures; `get_backend` picks one at model construction.
+have the same two functions with the same signatures; kiln.engine.kernels.backend picks one
+(with the norm and RoPE) at model construction. What the torch and cpu paths derive from the
+step's metadata, host syncs included, is built once per step before the layer loop
+(`prepare_step`), never per layer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.engine.context import get_context
+from kiln.engine.context import Context, get_context
+from kiln.engine.kernels.backend import Backend
 from kiln.engine.kv_quant import check_scales, dequantize_kv, quantize_kv
 
 
@@ -26,6 +30,13 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    write_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+
+
+def write_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> None:
+    """store_kvcache for slots already known to be >= 0 (checked once per step): no host sync."""
     writes = [(k_cache, k), (v_cache, v)]
     if k_scales is not None:
         (k, k_scale), (v, v_scale) = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
@@ -44,10 +55,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+                            bounds: list[int], scale: float) -> torch.Tensor:
     """Causal attention of each sequence over its own fresh tokens (plain prefill, no cached
-    prefix): no cache read at all. One SDPA call per sequence; prefill batches are few."""
-    bounds = cu_seqlens.tolist()
+    prefix): no cache read at all. One SDPA call per sequence; prefill batches are few.
+    bounds: cu_seqlens_q on the host."""
     if len(bounds) == 2:
         return _attend(q[None], k[None], v[None], scale, None, True)[0]
     out = torch.empty_like(q)
@@ -80,6 +91,17 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, scales: torch.Tensor | Non
     return rows_at(cache) if scales is None else dequantize_kv(rows_at(cache), rows_at(scales), dtype)
 
 
+def sequence_keys(bounds: list[int], lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  b: int, block_size: int) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """Sequence b's query rows (lo, hi), the cache slots of all its keys [1, S] and its causal mask
+    over them (None: no cached prefix, so plain causal SDPA, which also skips the masked half)."""
+    lo, hi, seq_len = bounds[b], bounds[b + 1], lens[b]
+    device = seq_lens.device
+    q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=device)
+    mask = None if hi - lo == seq_len else torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+    return lo, hi, _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size), mask
+
+
 @dataclass
 class PagedPlan:
     """What paged attention derives from the step's metadata alone: the same for every layer,
@@ -98,13 +120,9 @@ def plan_paged_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, blo
     decode = (q_lens == 1).nonzero().flatten()
     lens = seq_lens[decode].long()
     num_keys = int(lens.max()) if decode.numel() else 0
-    multi = []
-    for b in (q_lens > 1).nonzero().flatten().tolist():
-        lo, hi, seq_len = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seq_lens[b])
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=device)
-        # Without a cached prefix plain causal SDPA applies, which also skips the masked half.
-        mask = None if hi - lo == seq_len else torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
-        multi.append((lo, hi, _key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size), mask))
+    bounds, lens_host = cu_seqlens_q.tolist(), seq_lens.tolist()
+    multi = [sequence_keys(bounds, lens_host, seq_lens, block_tables, b, block_size)
+             for b in (q_lens > 1).nonzero().flatten().tolist()]
     return PagedPlan(
         decode_rows=cu_seqlens_q[:-1][decode].long(),
         decode_slots=_key_slots(block_tables[decode], lens, num_keys, block_size),
@@ -152,24 +170,41 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return run_paged_attention(q, k_cache, v_cache, plan, scale, k_scales, v_scales)
 
 
-@dataclass(frozen=True)
-class AttentionBackend:
-    name: str
-    store_kvcache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
+@dataclass
+class StepAttention:
+    """What the torch and cpu paths of every layer read from the step, derived once before the
+    layer loop: the host syncs happen here, never per layer."""
+    bounds: list[int]  # cu_seqlens_q on the host
+    no_cached_prefix: bool  # every sequence attends only to its own new tokens (a plain prefill)
+    keep: torch.Tensor | None  # rows whose K/V are stored (slot >= 0); None: all of them
+    slots: torch.Tensor  # their cache slots, all >= 0
+    plan: Any  # PagedPlan (torch path) or cpu_attention.CpuPlan; None for a plain prefill
 
 
-def get_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        return AttentionBackend("torch", store_kvcache, paged_attention)
-    if name == "triton":
-        from kiln.engine.kernels.kv_store import store_kvcache as triton_store
-        from kiln.engine.kernels.paged_attention import paged_attention as triton_attention
-        return AttentionBackend("triton", triton_store, triton_attention)
-    if name == "cpu":  # the fused C++ op (kiln.engine.cpu_attention); K/V stores stay torch's
-        from kiln.engine.cpu_attention import paged_attention as cpu_attention
-        return AttentionBackend("cpu", store_kvcache, cpu_attention)
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch', 'triton' or 'cpu'")
+def prepare_step(ctx: Context, layer: Attention) -> StepAttention | None:
+    """Build (once per step, cached on the context) what `layer`'s backend derives from the step's
+    metadata; every layer shares backend, block size and cache dtype. None for Triton, which reads
+    the metadata on the device (and must not sync: CUDA graphs)."""
+    if layer.backend.name == "triton" and layer.k_cache.numel() > 0:
+        return None
+    step = ctx.derived.get("attention")
+    if step is not None:
+        return step
+    bounds, lens = ctx.cu_seqlens_q.tolist(), ctx.seq_lens.tolist()
+    no_cached_prefix = all(hi - lo == n for lo, hi, n in zip(bounds[:-1], bounds[1:], lens))
+    keep = ctx.slot_mapping >= 0
+    keep = None if bool(keep.all()) else keep.nonzero().flatten()
+    slots = ctx.slot_mapping if keep is None else ctx.slot_mapping[keep]
+    plan = None
+    if not no_cached_prefix and layer.k_cache.numel() > 0:
+        block_size = layer.k_cache.shape[1]
+        if layer.backend.name == "cpu" and layer.k_scales is None:  # the op reads a float cache only
+            from kiln.engine.cpu_attention import plan_cpu_attention
+            plan = plan_cpu_attention(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, block_size, bounds=bounds)
+        else:
+            plan = plan_paged_attention(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, block_size)
+    step = ctx.derived["attention"] = StepAttention(bounds, no_cached_prefix, keep, slots, plan)
+    return step
 
 
 class Attention(nn.Module):
@@ -178,7 +213,7 @@ class Attention(nn.Module):
     k_scales/v_scales too, for an int8/fp8 cache; None for a float one."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: AttentionBackend) -> None:
+                 backend: Backend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
@@ -190,24 +225,25 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         has_cache = self.k_cache.numel() > 0
-        if has_cache:
+        step = prepare_step(ctx, self)
+        if step is None:  # Triton over the cache: its kernels read the metadata on the device
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scales,
                                        self.v_scales)
-        # A plain prefill attends to its own exact K/V, even over an int8/fp8 cache: only later
-        # steps read the quantized copies back (as in vLLM).
-        # The CPU op reads a float cache only: an int8/fp8 one takes the torch path.
-        torch_path = self.backend.name == "torch" or self.backend.name == "cpu" and self.k_scales is not None
-        # A plain prefill on CPU is one causal SDPA per sequence (flash attention) on the fresh K/V.
-        if self.backend.name in ("torch", "cpu") and ctx.no_cached_prefix or not has_cache:
-            if not ctx.no_cached_prefix:
+            return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+                                                ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                                k_scales=self.k_scales, v_scales=self.v_scales)
+        if has_cache:
+            stored = (k, v) if step.keep is None else (k[step.keep], v[step.keep])
+            write_kvcache(*stored, self.k_cache, self.v_cache, step.slots, self.k_scales, self.v_scales)
+        # A plain prefill is one causal SDPA per sequence (flash attention) on its own exact K/V,
+        # even over an int8/fp8 cache: only later steps read the quantized copies back (as in vLLM).
+        if step.no_cached_prefix or not has_cache:
+            if not step.no_cached_prefix:
                 raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
-            return varlen_causal_attention(q, k, v, ctx.cu_seqlens_q, self.scale)
-        if torch_path:
-            plan = ctx.derived.get("paged_plan")
-            if plan is None:
-                plan = ctx.derived["paged_plan"] = plan_paged_attention(
-                    ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, self.k_cache.shape[1])
-            return run_paged_attention(q, self.k_cache, self.v_cache, plan, self.scale, self.k_scales, self.v_scales)
-        return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                                            ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                            k_scales=self.k_scales, v_scales=self.v_scales)
+            return varlen_causal_attention(q, k, v, step.bounds, self.scale)
+        if isinstance(step.plan, PagedPlan):  # the torch path (also the cpu backend's int8/fp8 caches)
+            return run_paged_attention(q, self.k_cache, self.v_cache, step.plan, self.scale, self.k_scales,
+                                       self.v_scales)
+        from kiln.engine.cpu_attention import run_cpu_attention
+        return run_cpu_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables,
+                                 self.scale, step.plan)

@@ -8,11 +8,10 @@ from typing import Any
 import torch
 
 from kiln.engine.dtype_choice import auto_dtype, describe_dtype, host_cpu_flags
-from kiln.engine.kernels.backend import resolve_backend_name
+from kiln.engine.kernels.backend import BACKENDS, resolve_backend_name
 from kiln.engine.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")  # "cpu": the fused C++ op (cpu_attention.py)
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 # Weight-only quantization at load (kiln.engine.quantization); "int4" is AWQ-scaled, "int4-rtn" plain.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "int4-rtn", "fp8")
@@ -57,8 +56,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -104,11 +103,9 @@ class Config:
 
     @property
     def resolved_attention_backend(self) -> str:
-        # "auto" -> triton on CUDA, the fused C++ op on CPU where it builds (else torch); a clear
-        # error for triton without CUDA or "cpu" without a CPU or a build.
-        if self.attention_backend == "cpu" or self.attention_backend == "auto" and self.torch_device.type == "cpu":
-            from kiln.engine.cpu_attention import resolve
-            return resolve(self.attention_backend, self.torch_device)
+        # The engine's one backend (attention, norm, RoPE): "auto" -> triton on CUDA, the fused C++
+        # op on CPU where it builds (else torch); a clear error for triton without CUDA or "cpu"
+        # without a CPU or a build.
         return resolve_backend_name(self.attention_backend, self.torch_device)
 
     @property

@@ -3,7 +3,6 @@ Attention layer reads it, so the model's forward signature stays (input_ids, pos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -16,16 +15,9 @@ class Context:
     max_seqlen_k: int
     slot_mapping: torch.Tensor  # int64 [N]: cache slot of each new token's K/V (-1 = skip)
     block_tables: torch.Tensor  # int32 [B, max_blocks], padded
-    # values a backend derives from the metadata once per step and reuses in every layer
+    # what the backend derives from the metadata once per step, before the layer loop, and every
+    # layer reuses (kiln.engine.attention.prepare_step)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @cached_property
-    def no_cached_prefix(self) -> bool:
-        """True when every sequence attends only to its own new tokens (a plain prefill),
-        so attention can run on the fresh K/V without reading the cache.
-        Computed once per step; it syncs, so only the torch backend asks."""
-        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
-        return bool(torch.equal(q_lens.to(self.seq_lens.dtype), self.seq_lens))
 
 
 _CONTEXT: Context | None = None

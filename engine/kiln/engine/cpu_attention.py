@@ -18,6 +18,7 @@ import logging
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -91,18 +92,6 @@ def unavailable_reason() -> str | None:
     return None if available() else str(_state["error"])
 
 
-def resolve(name: str, device: torch.device) -> str:
-    """attention_backend "auto" or "cpu" on `device` -> "cpu" or "torch"."""
-    if device.type != "cpu":
-        if name == "cpu":
-            raise ValueError(f"attention_backend='cpu' needs a CPU device, got {device.type!r}")
-        return name
-    if name == "cpu" and not available():
-        raise ValueError(f"attention_backend='cpu' could not build its op ({unavailable_reason()}); "
-                         "use attention_backend='torch'")
-    return "cpu" if available() else "torch"
-
-
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                     scale: float, max_seqlen_q: int, max_seqlen_k: int, *, k_scales: torch.Tensor | None = None,
@@ -117,18 +106,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_scales is not None or v_scales is not None:
         return attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                                          max_seqlen_q, max_seqlen_k, k_scales=k_scales, v_scales=v_scales)
+    plan = plan_cpu_attention(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], sdpa_above)
+    return run_cpu_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, plan, partition_size)
+
+
+@dataclass
+class CpuPlan:
+    """What the op's call derives from the step's metadata alone, built once per step
+    (kiln.engine.attention.prepare_step): the sequences SDPA takes, with their keys and masks."""
+    sdpa_above: int  # passed to the op: it skips sequences with more query tokens (0: none are)
+    long: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # (lo, hi, slots [1, S], mask or None=causal)
+
+
+def plan_cpu_attention(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       block_size: int, sdpa_above: int = SDPA_ABOVE, bounds: list[int] | None = None) -> CpuPlan:
+    from kiln.engine.attention import sequence_keys
+    bounds = cu_seqlens_q.tolist() if bounds is None else bounds
+    long = [b for b in range(len(bounds) - 1) if bounds[b + 1] - bounds[b] > sdpa_above]
+    lens = seq_lens.tolist() if long else []
+    return CpuPlan(sdpa_above if long else 0,
+                   [sequence_keys(bounds, lens, seq_lens, block_tables, b, block_size) for b in long])
+
+
+def run_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, plan: CpuPlan,
+                      partition_size: int = 0) -> torch.Tensor:
+    """The op over a float cache, then SDPA for the plan's long sequences: no host sync."""
+    from kiln.engine import attention
     if not available():
         raise RuntimeError(f"the CPU paged-attention op is unavailable: {unavailable_reason()}")
-    bounds = cu_seqlens_q.tolist()
-    long = [b for b in range(len(bounds) - 1) if bounds[b + 1] - bounds[b] > sdpa_above]
     out = torch.ops.kiln.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                         float(scale), int(partition_size), sdpa_above if long else 0)
-    block_size = k_cache.shape[1]
-    for b in long:
-        lo, hi, seq_len = bounds[b], bounds[b + 1], int(seq_lens[b])
-        slots = attention._key_slots(block_tables[b:b + 1], seq_lens[b:b + 1].long(), seq_len, block_size)
-        q_pos = torch.arange(seq_len - (hi - lo), seq_len)
-        mask = None if hi - lo == seq_len else torch.arange(seq_len)[None, :] <= q_pos[:, None]
+                                         float(scale), int(partition_size), plan.sdpa_above)
+    for lo, hi, slots, mask in plan.long:
         keys, values = (attention._gather(cache, slots, None, q.dtype) for cache in (k_cache, v_cache))
         out[lo:hi] = attention._attend(q[None, lo:hi], keys, values, scale, mask, mask is None)[0]
     return out

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.engine.attention import Attention, get_backend
+from kiln.engine.attention import Attention, prepare_step
 from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.context import get_context
+from kiln.engine.kernels.backend import Backend, get_backend
 
 
 class Linear(nn.Module):
@@ -29,21 +31,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """The backend's fused residual-add + RMSNorm. With a residual, x (a layer's fresh output) may be
+    overwritten with the sum, which is returned as the next residual."""
+
+    def __init__(self, hidden_size: int, eps: float, backend: Backend) -> None:
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise x; with a residual, first add it and also return the sum (the next residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
-        return out if residual is None else (out, residual)
+        out, summed = self.backend.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, summed)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -70,39 +71,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves). cos/sin are computed in float32 for every position and
-    stored in the model's dtype (as HF does), so the rotation itself runs without upcasts."""
+    stored in the model's dtype (as HF does), so the rotation itself runs without upcasts.
+    `prepare` gathers the step's rows once; each layer then rotates with the backend's `rope`."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 backend: Backend) -> None:
         super().__init__()
+        self.backend = backend
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
         cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.get_default_dtype())
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [N, H, D] by each token's position."""
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def prepare(self, positions: torch.Tensor) -> object:
+        return self.backend.rope_prepare(positions, self.cos_sin)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend_name: str) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              get_backend(backend_name))
+        self.backend = backend
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: object) -> torch.Tensor:
+        """rope: this step's RotaryEmbedding.prepare."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv, so one rotary call covers both.
-        qk = self.rotary(positions, qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.backend.rope(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), self.num_heads, rope)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(n, self.q_size))
@@ -120,38 +120,42 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend_name: str) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, backend_name)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: object
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(x, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int, backend_name: str) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: Backend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend_name) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Everything the layers share is derived here, once per step: the attention metadata
+        # (with its host syncs) and the tokens' RoPE rows. The layer loop never syncs.
+        prepare_step(get_context(), self.layers[0].self_attn.attn)
+        rope = self.rotary.prepare(positions)
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
 
@@ -166,9 +170,12 @@ _NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None, attention_backend: str = "torch") -> None:
+        """attention_backend: the engine's one backend switch (kiln.engine.kernels.backend), resolved
+        for the default device, under which the model is built."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, attention_backend)
+        self.backend = get_backend(attention_backend, torch.get_default_device())
+        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings, self.backend)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -21,21 +22,44 @@ from kiln.engine.sequence import Sequence
 from kiln.engine.tokenizer import IncrementalDetokenizer
 
 
-@dataclass
 class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated so far
-    text: str  # all generated so far
-    new_token_ids: list[int]  # this step
-    new_text: str  # this step
-    logprobs: list[dict[str, Any]] | None
-    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), all
-    # of them from a request's first output on (kiln.engine.prompt_logprobs).
-    prompt_logprobs: list[PromptLogprob | None] | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_cached_tokens: int
+    """A request's state after a step. new_token_ids and new_text are this step's. The cumulative
+    fields (prompt_token_ids, token_ids, text, logprobs: all so far) are read from the sequence's
+    append-only lists, cut at this step's lengths, only when asked: a step copies nothing that
+    grows with the request (copied every step, they made a request cost O(length^2))."""
+
+    def __init__(self, seq: Sequence, new_token_ids: list[int], new_text: str, visible_chars: int) -> None:
+        self.request_id = seq.request_id
+        self.new_token_ids = new_token_ids
+        self.new_text = new_text
+        # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), all
+        # of them from a request's first output on (kiln.engine.prompt_logprobs); never changed again.
+        self.prompt_logprobs: list[PromptLogprob | None] | None = seq.prompt_logprobs
+        self.finished = seq.is_finished
+        self.finish_reason = seq.finish_reason  # "stop" | "length" | "abort" | None
+        self.num_cached_tokens = seq.num_cached_tokens
+        self._seq, self._num_tokens, self._text, self._visible = seq, len(seq), seq.text, visible_chars
+        self._num_logprobs = None if seq.logprobs is None else len(seq.logprobs)
+
+    @cached_property
+    def prompt_token_ids(self) -> list[int]:
+        return self._seq.token_ids[:self._seq.num_prompt_tokens]
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        return self._seq.token_ids[self._seq.num_prompt_tokens:self._num_tokens]
+
+    @cached_property
+    def text(self) -> str:
+        return self._text[:self._visible]  # str is immutable: the step's own value
+
+    @cached_property
+    def logprobs(self) -> list[dict[str, Any]] | None:
+        return None if self._num_logprobs is None else self._seq.logprobs[:self._num_logprobs]
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput({self.request_id!r}, token_ids={self.token_ids}, text={self.text!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")
 
 
 @dataclass
@@ -216,20 +240,7 @@ class LLMEngine:
         new_text = seq.text[seq.num_emitted_chars : visible]
         new_token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
         seq.num_emitted_chars, seq.num_emitted_tokens = visible, seq.num_output_tokens
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=seq.text[:visible],
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            # Complete by now (a sequence samples only after its whole prompt ran) and never changed again.
-            prompt_logprobs=seq.prompt_logprobs,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
+        return RequestOutput(seq, new_token_ids, new_text, visible)
 
 
 class LLM:

@@ -287,7 +287,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache budget, e.g. 4Gi")
     add_quantization_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+                        help="the engine's one backend for attention, norm and RoPE: auto = triton on CUDA, "
+                             "cpu (the fused C++ attention op) on CPU where it builds, else torch (the reference)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "

@@ -1,37 +1,55 @@
-"""Kernel backend switch: one namespace of ops, Triton kernels or their torch references.
+"""The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm and RoPE,
+chosen together by one name (Config.attention_backend, `--attention-backend`). Quantized GEMMs
+follow the weights' device (kiln.engine.quantization): Triton's W8A16/W4A16 on CUDA, torch's
+packed ops on CPU, which is what "auto" pairs them with.
 
-"auto" picks Triton on CUDA and torch elsewhere. The torch attention ops are the model's
-own CPU path (kiln.engine.attention); the other torch ops are the kernels' references.
+  torch   the reference: pure torch everywhere (kiln.engine.attention, kiln.engine.cpu_ops)
+  cpu     torch's norm, RoPE and GEMMs with the fused C++ paged-attention op (kiln.engine.cpu_attention)
+  triton  the Triton kernels of this package (CUDA, or the interpreter in tests)
+  auto    triton on CUDA; on CPU "cpu" where its op builds, else torch
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 @dataclass(frozen=True)
-class KernelBackend:
+class Backend:
     name: str
+    # the kernels' own signatures (tests call them directly)
     store_kvcache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # (x, weight, eps, residual=None) -> (norm(x + residual) * weight, x + residual)
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    w8a16_gemm: Callable[..., torch.Tensor]
-    w4a16_gemm: Callable[..., torch.Tensor]
+    # rope_prepare(positions, cos_sin table) once per step; rope(qk [N, Hq+Hkv, D], Hq, prepared) -> (q, k)
+    rope_prepare: Callable[[torch.Tensor, torch.Tensor], Any]
+    rope: Callable[[torch.Tensor, int, Any], tuple[torch.Tensor, torch.Tensor]]
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
-    """'auto' -> 'triton' on CUDA, else 'torch'; rejects Triton where it cannot run."""
+    """'auto' -> 'triton' on CUDA, on CPU 'cpu' where its op builds (else 'torch'); a clear error
+    for a backend that cannot run on `device`."""
     device = torch.device(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+    if name == "auto" and device.type == "cuda":
+        return "triton"
+    if name in ("auto", "cpu"):
+        if device.type != "cpu":
+            if name == "cpu":
+                raise ValueError(f"attention_backend='cpu' needs a CPU device, got {device.type!r}")
+            return "torch"
+        from kiln.engine import cpu_attention
+        if name == "cpu" and not cpu_attention.available():
+            raise ValueError(f"attention_backend='cpu' could not build its op ({cpu_attention.unavailable_reason()}); "
+                             "use attention_backend='torch'")
+        return "cpu" if cpu_attention.available() else "torch"
     # The interpreter (tests) runs Triton kernels on CPU tensors.
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the triton backend needs a CUDA device, got {device.type!r}; "
@@ -39,15 +57,29 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
     return name
 
 
-def get_backend(name: str, device: torch.device | str) -> KernelBackend:
-    """The ops of backend `name` ("auto" | "torch" | "triton") for `device`."""
+def get_backend(name: str, device: torch.device | str) -> Backend:
+    """The ops of backend `name` (see the module docstring) for `device`."""
     name = resolve_backend_name(name, device)
-    # Imported here: kiln.engine.attention imports this module, and Triton modules must be
-    # defined after a test has set TRITON_INTERPRET.
-    from kiln.engine.kernels import kv_store, norm_rope, paged_attention, quant_gemm
+    # Imported here: Triton modules must be defined after a test has set TRITON_INTERPRET.
+    from kiln.engine import attention, cpu_ops
     if name == "triton":
-        return KernelBackend("triton", kv_store.store_kvcache, paged_attention.paged_attention,
-                             norm_rope.rms_norm, norm_rope.rope, quant_gemm.w8a16_gemm, quant_gemm.w4a16_gemm)
-    from kiln.engine import attention
-    return KernelBackend("torch", attention.store_kvcache, attention.paged_attention, norm_rope.rms_norm_ref,
-                         norm_rope.rope_ref, quant_gemm.w8a16_gemm_ref, quant_gemm.w4a16_gemm_ref)
+        from kiln.engine.kernels import kv_store, norm_rope, paged_attention
+        return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
+                       _triton_rope_prepare, _triton_rope)
+    if name == "cpu":
+        from kiln.engine import cpu_attention
+        paged = cpu_attention.paged_attention
+    else:
+        paged = attention.paged_attention
+    return Backend(name, attention.store_kvcache, paged, cpu_ops.rms_norm, cpu_ops.rope_prepare, cpu_ops.rope)
+
+
+def _triton_rope_prepare(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return positions, cos_sin  # the kernel reads each token's row of the table itself
+
+
+def _triton_rope(qk: torch.Tensor, num_q_heads: int, prepared: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    from kiln.engine.kernels.norm_rope import rope
+    positions, cos_sin = prepared
+    return rope(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], cos_sin)
