@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln.engine import Config, LLMEngine, SamplingParams, openapi
 from kiln.engine.async_engine import AsyncEngine, fault_step_from_env
 from kiln.engine.cli import add_quantization_arguments
+from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
 from kiln.engine.openai_serving import OpenAIServing
@@ -243,6 +244,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         return 2
     if fault_step is not None:
         log.warning("test-only fault hook: engine step %d will raise and kill the engine", fault_step)
+    configure_torch_threads()  # before the engine builds its thread pool; logged
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
