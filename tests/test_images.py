@@ -82,6 +82,17 @@ def test_an_engine_pod_becomes_podman_run_with_its_command_security_and_limits()
     assert a[-3:] == ["ghcr.io/kiln/engine:0.1.0", "--port", "8000"]
 
 
+def test_the_injected_service_account_volume_becomes_the_kubeconfig_mount():
+    """ServiceAccount admission adds a projected token volume to a pod that automounts its token."""
+    p = pod({"volumeMounts": [{"name": "kube-api-access-x", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                               "readOnly": True}]},
+            {"volumes": [{"name": "kube-api-access-x", "projected": {"sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}}]})
+    a = argv(p, kubeconfig=Path("/state/pods/u/token/kubeconfig"))
+    assert option(a, "--volume") == [f"/state/pods/u/token:{containers.TOKEN_DIR}:ro"]
+
+
 def test_limits_need_the_hosts_cgroup_controllers_and_no_command_keeps_the_entrypoint():
     p = pod({"args": ["--help"], "resources": {"limits": {"memory": "1Gi", "cpu": "2"}}})
     a = argv(p, controllers=frozenset())

@@ -98,6 +98,9 @@ def volume_options(pod: Any, container: Any, volume_dir: Path) -> list[str]:
         if volume is None:
             raise ValueError(f"volumeMount {mount.name} names no volume")
         ro = ":ro" if mount.read_only else ""
+        if volume.projected is not None and any(source.service_account_token is not None
+                                                for source in volume.projected.sources or []):
+            continue  # the ServiceAccount's token: given as the kubeconfig instead (TOKEN_DIR)
         if volume.empty_dir is not None and volume.empty_dir.medium == "Memory":
             opts += ["--mount", f"type=tmpfs,destination={mount.mount_path}"]
         elif volume.empty_dir is not None:

@@ -287,6 +287,9 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
         "livenessProbe": probe("/health", 10, 3),
         "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_S}}},
         "securityContext": HARDENED,
+        # The Kubernetes client writes the API server's CA to a temporary file: on a read-only
+        # root filesystem it needs a writable /tmp.
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
     pod_labels = labels(owner.name, "router")
     return {
@@ -303,6 +306,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
                 "automountServiceAccountToken": True,  # to watch EndpointSlices and its InferenceService
                 "enableServiceLinks": False,
                 "containers": [container],
+                "volumes": [{"name": "tmp", "emptyDir": {}}],
                 "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_S,
                 "securityContext": POD_SECURITY,
             }},
