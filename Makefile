@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test up down e2e bench clean-venv local-bins
+.PHONY: test up down e2e bench clean-venv local-bins images
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml | $(PY)
 local-bins: $(STAMP)
 	$(PY) -m kiln.cli local build
 
-test: $(STAMP) local-bins
+# The engine and operator images (podman + runc, from Debian's packages; kiln.local.images): rebuilt
+# only when their inputs change, so a second run costs seconds. Prints their sizes.
+images: $(STAMP)
+	$(PY) -m kiln.cli local images
+
+test: $(STAMP) local-bins images
 	$(PY) -m pytest -q tests e2e
 
 # The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
