@@ -34,7 +34,6 @@ def forget_images() -> None:
         images.podman("rmi", "--force", names.image(component), f"localhost/kiln-build/{component}-deps:latest",
                       check=False)
     images.podman("image", "prune", "--force", check=False)
-    images.podman("system", "prune", "--force", "--build", check=False)  # buildah's RUN cache mounts
 
 
 def build(force: bool = False) -> dict:

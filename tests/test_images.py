@@ -47,7 +47,7 @@ def pod(container: dict, spec: dict | None = None) -> object:
 def argv(p: object, image_user: str = "10001:10001", controllers: frozenset = frozenset({"memory", "cpu"}),
          kubeconfig: Path | None = None) -> list[str]:
     return containers.podman_argv(p, {"A": "1"}, "kiln0-p01234567", image_user, Path("/vol"), set(controllers),
-                                  kubeconfig)
+                                  kubeconfig, "/state")
 
 
 def option(args: list[str], name: str) -> list[str]:
@@ -67,6 +67,7 @@ def test_an_engine_pod_becomes_podman_run_with_its_command_security_and_limits()
     a = argv(p, kubeconfig=Path("/state/pods/u/token/kubeconfig"))
     assert a[:3] == ["--runtime", "runc", "run"]
     assert option(a, "--network") == ["ns:/run/netns/kiln0-p01234567"]
+    assert option(a, "--label") == [f"{containers.CLUSTER_LABEL}=/state"]  # what `kiln local down` removes
     assert option(a, "--user") == [f"{render.RUN_AS}:{render.RUN_AS}"]
     assert option(a, "--group-add") == [str(render.RUN_AS)]
     assert "--read-only" in a and "--read-only-tmpfs=false" in a

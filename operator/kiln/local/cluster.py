@@ -309,6 +309,9 @@ def teardown(c: Cluster) -> None:
     # pods' processes), then the control plane.
     for record in reversed(list(state.get("processes", {}).values())):
         processes.stop(record)
+    # Containers of container-mode pods outlive a runtime that was killed rather than stopped.
+    from kiln.local import containers, images  # podman's, not needed before
+    images.remove_containers(f"{containers.CLUSTER_LABEL}={c.dir}")
     if "bridge" in state:
         net = c.network(state)
         for name in net.namespaces():

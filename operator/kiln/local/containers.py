@@ -20,6 +20,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 MODE_ANNOTATION = "kiln.dev/local-runtime"  # "container": run this pod from its image
+CLUSTER_LABEL = "dev.kiln.local-cluster"  # on each container: the state directory of its cluster
 TOKEN_DIR = "/var/run/secrets/kiln.dev/serviceaccount"  # where the kubeconfig is mounted
 
 
@@ -119,10 +120,11 @@ def empty_dirs(pod: Any, container: Any) -> list[str]:
 
 
 def podman_argv(pod: Any, env: dict[str, str], netns: str, image_user: str, volume_dir: Path,
-                cgroup_controllers: set[str], kubeconfig: Path | None) -> list[str]:
+                cgroup_controllers: set[str], kubeconfig: Path | None, cluster: str = "") -> list[str]:
     """The `podman run` command line (without the leading `podman`) for the pod's only container."""
     container = pod.spec.containers[0]
     argv = ["--runtime", "runc", "run", "--rm", "--name", container_name(pod.metadata.uid),
+            "--label", f"{CLUSTER_LABEL}={cluster}",
             "--network", f"ns:/run/netns/{netns}", "--hostname", pod.metadata.name[:63],
             "--pull", "never",
             *user_option(pod, container, image_user), *security_options(pod, container),

@@ -216,6 +216,15 @@ def clean_up() -> None:
     podman("image", "prune", "--force", check=False)
 
 
+def remove_containers(label: str) -> None:
+    """Remove (killing) the containers carrying `label` (KEY=VALUE): what a killed runtime left."""
+    if shutil.which("podman") is None:
+        return
+    ids = podman("ps", "--all", "--quiet", "--filter", f"label={label}", check=False).stdout.split()
+    if ids:
+        podman("rm", "--force", "--time", "0", *ids, check=False)
+
+
 def build_all(components: tuple[str, ...] = images.COMPONENTS, torch: str | None = None,
               force: bool = False) -> list[Built]:
     ensure_tools()

@@ -271,7 +271,7 @@ class Runtime:
         env = {k: v for k, v in env.items() if k not in ("PATH", "HOSTNAME")}  # the image's own
         return ["podman", *containers.podman_argv(pod, env, self.net.netns_name(f"p{pod.metadata.uid[:8]}"),
                                                    image_user, volumes, containers.cgroup_controllers(),
-                                                   kubeconfig)]
+                                                   kubeconfig, str(self.cluster.dir))]
 
     def service_account_kubeconfig(self, pod: Any) -> Path:
         """What the kubelet's projected token volume gives a pod, as a kubeconfig."""
