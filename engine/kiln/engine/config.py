@@ -44,6 +44,8 @@ class Config:
     # Where quantized variants are cached (kiln.engine.variants): None = $KILN_CACHE/variants
     # (~/.cache/kiln/variants), "off" = never cached, else a directory.
     quantization_cache: str | None = None
+    # Ranks the model is split over (kiln.engine.tensor_parallel): 1 = one process, no collectives.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -52,7 +54,8 @@ class Config:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

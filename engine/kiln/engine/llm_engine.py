@@ -82,7 +82,11 @@ class LLMEngine:
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
-        self.runner = ModelRunner(self.config, loaded.model, loaded.model_config)
+        if self.config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.config, loaded.model, loaded.model_config)
+        else:  # rank 0 of N: spawns the other ranks, which run the forward only
+            from kiln.engine.tp_ranks import start_tensor_parallel
+            self.runner = start_tensor_parallel(self.config, loaded)
         pool_tokens = self.runner.num_blocks * self.config.block_size
         if pool_tokens < self.config.max_model_len:
             # Otherwise one long request could never fit, even alone, and would wait forever.

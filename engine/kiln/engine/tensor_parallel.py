@@ -1,0 +1,184 @@
+"""Megatron-style tensor parallelism for a loaded Llama-family model, applied after load as a
+module swap (the way quantization swaps its Linears): every rank loads the full weights, then
+keeps its slice.
+
+  qkv_proj, gate_up_proj  column-parallel: this rank's query heads (and KV heads), its slice of I
+  o_proj, down_proj       row-parallel: a partial sum, all-reduced across the ranks
+  embed_tokens, lm_head   vocabulary-parallel: each rank a contiguous slice of the vocabulary
+                          (padded to equal slices); logits are all-gathered
+
+With fewer KV heads than ranks, each KV head is replicated on tp / num_kv_heads ranks: a rank's
+query heads all read the one KV head their group shares.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.engine.config import ModelConfig
+from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
+
+log = logging.getLogger(__name__)
+
+
+class ShardingError(ValueError):
+    """A model shape the tensor-parallel size cannot split."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+
+
+def check_shardable(cfg: ModelConfig, tp: int) -> None:
+    """One clear error naming the dimension that tp cannot split."""
+    if cfg.num_attention_heads % tp:
+        raise ShardingError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by "
+                            f"tensor_parallel_size ({tp})")
+    kv = cfg.num_key_value_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ShardingError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}): one must divide "
+                            f"the other (KV heads are split, or replicated when fewer than the ranks)")
+    if cfg.intermediate_size % tp:
+        raise ShardingError(f"intermediate_size ({cfg.intermediate_size}) is not divisible by "
+                            f"tensor_parallel_size ({tp})")
+
+
+def local_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The shapes one rank holds: what its KV cache is sized from."""
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                   num_key_value_heads=max(1, cfg.num_key_value_heads // tp))
+
+
+def _kv_heads(cfg: ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(first KV head, count) this rank holds."""
+    kv = cfg.num_key_value_heads
+    if kv >= shard.size:
+        n = kv // shard.size
+        return shard.rank * n, n
+    return shard.rank * kv // shard.size, 1  # replicated: the KV head of this rank's query heads
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous().clone(), requires_grad=False)  # a copy: the full tensor is freed
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: x arrives split along the input features."""
+
+    def __init__(self, full: Linear, shard: Shard, start: int, size: int) -> None:
+        super().__init__()
+        self.weight = _param(full.weight.narrow(1, start, size))
+        self.bias = full.bias  # added once, after the sum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the vocabulary (padded with zeros to an equal slice); the other ranks'
+    tokens embed as zeros here and the all-reduce fills them in."""
+
+    def __init__(self, weight: torch.Tensor, shard: Shard) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(vocab_slice(weight, shard), requires_grad=False)
+        self.start = shard.rank * self.weight.shape[0]
+        self.end = min(self.start + self.weight.shape[0], weight.shape[0])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        out = F.embedding((ids - self.start).masked_fill_(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        dist.all_reduce(out)
+        return out
+
+
+def vocab_slice(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Rows [r*s, (r+1)*s) of a [V, H] weight, s = ceil(V / tp), zero-padded past V."""
+    rows = -(-weight.shape[0] // shard.size)
+    start = shard.rank * rows
+    out = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    part = weight[start:start + rows]
+    out[:part.shape[0]] = part
+    return out
+
+
+def _shard_attention(attn: LlamaAttention, cfg: ModelConfig, shard: Shard) -> None:
+    d = cfg.head_dim
+    hq = cfg.num_attention_heads // shard.size
+    kv_start, hkv = _kv_heads(cfg, shard)
+    q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's q, k, v rows of the fused weight/bias
+        q, k, v = t[:q_size], t[q_size:q_size + kv_size], t[q_size + kv_size:]
+        return torch.cat([q.narrow(0, shard.rank * hq * d, hq * d),
+                          k.narrow(0, kv_start * d, hkv * d), v.narrow(0, kv_start * d, hkv * d)])
+
+    qkv = attn.qkv_proj
+    qkv.weight = _param(rows(qkv.weight))
+    if qkv.bias is not None:
+        qkv.bias = _param(rows(qkv.bias))
+    attn.o_proj = RowParallelLinear(attn.o_proj, shard, shard.rank * hq * d, hq * d)
+    attn.num_heads, attn.num_kv_heads = hq, hkv
+    attn.q_size, attn.kv_size = hq * d, hkv * d
+    attn.attn.num_heads, attn.attn.num_kv_heads = hq, hkv
+
+
+def _shard_mlp(mlp: LlamaMLP, cfg: ModelConfig, shard: Shard) -> None:
+    i = cfg.intermediate_size // shard.size
+    w = mlp.gate_up_proj.weight
+    mlp.gate_up_proj.weight = _param(torch.cat([w.narrow(0, shard.rank * i, i),
+                                                w.narrow(0, cfg.intermediate_size + shard.rank * i, i)]))
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, shard, shard.rank * i, i)
+
+
+class ShardedModel(nn.Module):
+    """A rank's slice of the model, with the interface of LlamaForCausalLM the runner uses. Every
+    rank must call forward and compute_logits together (they hold collectives)."""
+
+    def __init__(self, model: LlamaForCausalLM, shard: Shard) -> None:
+        super().__init__()
+        self.inner, self.shard = model, shard
+        self.vocab_size = model.config.vocab_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] (the same on every rank) -> logits [M, vocab] float32, on every rank."""
+        local = self.inner.compute_logits(hidden)
+        parts = [torch.empty_like(local) for _ in range(self.shard.size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=1)[:, :self.vocab_size]
+
+
+def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
+    """Cut a loaded float model down to this rank's slice, in place; ShardingError for shapes tp
+    cannot split or weights it cannot shard (quantized ones)."""
+    cfg = model.config
+    check_shardable(cfg, shard.size)
+    unsupported = sorted({type(m).__name__ for name, m in model.named_modules()
+                          if name.endswith(("_proj", "lm_head")) and not isinstance(m, Linear)})
+    if unsupported:
+        raise ShardingError(f"tensor parallelism shards float Linear weights only; this model holds "
+                            f"{', '.join(unsupported)} (quantized or packed weights)")
+    if cfg.num_key_value_heads < shard.size and shard.rank == 0:
+        log.warning("%d KV heads for %d ranks: each KV head is replicated on %d ranks",
+                    cfg.num_key_value_heads, shard.size, shard.size // cfg.num_key_value_heads)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            _shard_attention(layer.self_attn, cfg, shard)
+            _shard_mlp(layer.mlp, cfg, shard)
+        embed = model.model.embed_tokens
+        model.model.embed_tokens = VocabParallelEmbedding(embed.weight, shard)
+        if model.lm_head is not None:
+            model.lm_head.weight = _param(vocab_slice(model.lm_head.weight, shard))
+    return ShardedModel(model, shard)

@@ -1,0 +1,276 @@
+"""The processes of a tensor-parallel engine. Rank 0 is the engine's own process: it runs the
+scheduler and the sampler and sends each step's inputs to the worker ranks, which run the
+forward only. Workers are spawned (torch.multiprocessing) and joined into one torch.distributed
+group: gloo on CPU, NCCL on CUDA (rank r on cuda:r).
+
+Commands go down a pipe per worker: a worker blocks on it while the engine idles (no
+collective timeout runs out between requests) and sees the pipe close when rank 0 dies, so no
+worker outlives it. The tensors a step computes move by collectives, under a timeout. A worker
+that exits is fatal: a watchdog on its process sentinel reports it at once (on_failure), even
+while the engine idles, and the next step raises instead of waiting on a dead peer.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kiln.engine.config import Config
+from kiln.engine.context import Context, get_context, reset_context, set_context
+from kiln.engine.loader import LoadedModel, load_model
+from kiln.engine.model_runner import ModelRunner
+from kiln.engine.tensor_parallel import Shard, ShardedModel, check_shardable, local_model_config, shard_model
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_ENV = "KILN_TP_JOIN_TIMEOUT"  # seconds for a spawned rank to join the group (default 120)
+COLLECTIVE_TIMEOUT_ENV = "KILN_TP_COLLECTIVE_TIMEOUT"  # seconds one collective may wait (default 120)
+_STOP_GRACE_S = 10.0
+
+
+class TensorParallelError(RuntimeError):
+    """A rank failed: it did not join in time, could not load, or died."""
+
+
+def _seconds(env: str, default: float) -> float:
+    return float(os.environ.get(env, default))
+
+
+def _context_fields(ctx: Context) -> tuple:
+    return (ctx.cu_seqlens_q, ctx.seq_lens, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.slot_mapping, ctx.block_tables)
+
+
+def _to_host(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+class WorkerGroup:
+    """Rank 0's handle on the worker ranks."""
+
+    def __init__(self, config: Config) -> None:
+        self.size = config.tensor_parallel_size
+        self.failure: TensorParallelError | None = None
+        self.on_failure: Callable[[TensorParallelError], None] | None = None
+        self._closing = False
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        device = config.torch_device
+        if device.type == "cuda" and self.size > torch.cuda.device_count():
+            raise TensorParallelError(f"tensor_parallel_size {self.size} is larger than the "
+                                      f"{torch.cuda.device_count()} GPU(s) this process sees")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=_seconds(JOIN_TIMEOUT_ENV, 120)))
+        ctx = mp.get_context("spawn")
+        atexit.register(self.close)
+        for rank in range(1, self.size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
+                               args=(rank, config, store.port, child, torch.get_num_threads()))
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._await("joined", _seconds(JOIN_TIMEOUT_ENV, 120))
+        dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
+                                timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
+        self._store = store
+
+    def _await(self, what: str, timeout: float | None) -> list[Any]:
+        """Each worker's next message, which must be `what`; a clear error for a rank that exits,
+        fails or (with a timeout) does not answer in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        answers = []
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not wait([conn, proc.sentinel], left):
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank} did not join within {timeout:g} s "
+                                          f"({JOIN_TIMEOUT_ENV})")
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                proc.join()
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
+                                          f"before it was {what}") from None
+            if kind != what:
+                self.close()
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed: {payload}")
+            answers.append(payload)
+        return answers
+
+    def wait_ready(self, num_blocks: int) -> None:
+        """Block until every worker loaded and sharded its model and allocated its KV cache."""
+        blocks = self._await("ready", None)
+        if any(b != num_blocks for b in blocks):
+            self.close()
+            raise TensorParallelError(f"KV pools differ across ranks: {[num_blocks, *blocks]} blocks")
+        threading.Thread(target=self._watch, name="kiln-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
+        ready = wait(list(sentinels))
+        if self._closing:
+            return
+        rank, proc = sentinels[ready[0]]
+        proc.join()
+        self.failure = TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                           f"{proc.exitcode}")
+        log.critical("%s: the engine cannot step any more", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
+
+    def send(self, *message: Any) -> None:
+        if self.failure is not None:
+            raise self.failure
+        data = pickle.dumps(tuple(_to_host(v) for v in message), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            conn.send_bytes(data)
+
+    def close(self) -> None:
+        """Stop every worker (asked first, killed past a grace period); safe to call again."""
+        if self._closing:
+            return
+        self._closing = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass  # already gone
+        deadline = time.monotonic() + _STOP_GRACE_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        if dist.is_initialized() and self.failure is None:
+            dist.destroy_process_group()
+        atexit.unregister(self.close)
+
+
+class LeaderModel(ShardedModel):
+    """Rank 0's model: each forward and logits call is first sent to the workers, which then run
+    the same collectives."""
+
+    def __init__(self, sharded: ShardedModel, group: WorkerGroup) -> None:
+        super().__init__(sharded.inner, sharded.shard)
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.group.send("forward", input_ids, positions, *_context_fields(get_context()))
+        return super().forward(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.send("logits", hidden)
+        return super().compute_logits(hidden)
+
+
+class LeaderRunner(ModelRunner):
+    """ModelRunner on rank 0 of a tensor-parallel engine: the workers' KV caches follow its own
+    (sleep, wake), and a failed group stops every rank."""
+
+    def __init__(self, config: Config, model: LeaderModel, loaded: LoadedModel) -> None:
+        self.group, self._started = model.group, False
+        super().__init__(config, model, local_model_config(loaded.model_config, self.group.size))
+        self._started = True
+
+    def allocate_kv_cache(self) -> None:
+        if self._started:  # a wake-up; at start each worker allocates its own
+            self.group.send("allocate")
+        super().allocate_kv_cache()
+
+    def release_kv_cache(self) -> None:
+        if self.group.failure is None:
+            self.group.send("release")
+        else:
+            self.group.close()  # after a failure: the engine is discarded, every rank goes
+        super().release_kv_cache()
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def start_tensor_parallel(config: Config, loaded: LoadedModel) -> LeaderRunner:
+    """Spawn ranks 1..N-1, shard rank 0's loaded model, and return rank 0's runner once every rank
+    holds its shard and its KV cache."""
+    check_shardable(loaded.model_config, config.tensor_parallel_size)
+    group = WorkerGroup(config)
+    try:
+        sharded = shard_model(loaded.model, Shard(0, group.size))
+        runner = LeaderRunner(config, LeaderModel(sharded, group), loaded)
+        group.wait_ready(runner.num_blocks)
+    except BaseException:
+        group.close()
+        raise
+    log.info("tensor parallel: %d ranks (%s), %d KV blocks each", group.size,
+             dist.get_backend(), runner.num_blocks)
+    return runner
+
+
+def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads: int) -> None:
+    # Rank 0 drains on SIGTERM/SIGINT and then stops the workers; a signal sent to the whole
+    # process group must not take a worker away mid-drain.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    size = config.tensor_parallel_size
+    if config.torch_device.type == "cuda":
+        torch.cuda.set_device(rank)
+        config = replace(config, device=f"cuda:{rank}")
+    try:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
+                              timeout=timedelta(seconds=_seconds(JOIN_TIMEOUT_ENV, 120)))
+        conn.send(("joined", None))
+        dist.init_process_group("nccl" if config.torch_device.type == "cuda" else "gloo", store=store,
+                                rank=rank, world_size=size,
+                                timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
+        loaded = load_model(config)
+        model = shard_model(loaded.model, Shard(rank, size))
+        runner = ModelRunner(config, model, local_model_config(loaded.model_config, size))
+        conn.send(("ready", runner.num_blocks))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=4)))
+        os._exit(1)
+    _serve(model, runner, conn, config.torch_device)
+
+
+@torch.inference_mode()
+def _serve(model: ShardedModel, runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            os._exit(1)
+        kind, args = message[0], [a.to(device) if isinstance(a, torch.Tensor) else a for a in message[1:]]
+        if kind == "forward":
+            input_ids, positions, *fields = args
+            set_context(Context(*fields))
+            try:
+                model(input_ids, positions)  # rank 0 keeps the hidden states; the next "logits" sends them
+            finally:
+                reset_context()
+        elif kind == "logits":
+            model.compute_logits(args[0])
+        elif kind == "allocate":
+            runner.allocate_kv_cache()
+        elif kind == "release":
+            runner.release_kv_cache()
+        elif kind == "stop":
+            dist.destroy_process_group()
+            os._exit(0)
