@@ -81,6 +81,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
 
     def start(self) -> None:
+        # A tensor-parallel worker rank that dies is fatal even while the engine idles (tp_ranks).
+        group = getattr(getattr(self.engine, "runner", None), "group", None)
+        if group is not None:
+            group.on_failure = lambda error: self._commands.put(("fail", error))
         self._thread.start()
 
     async def stop(self) -> None:
@@ -172,6 +176,8 @@ class AsyncEngine:
                 return cmds
 
     def _execute(self, cmd: tuple) -> None:
+        if cmd[0] == "fail":
+            raise cmd[1]
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
             return

@@ -233,7 +233,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
-                        gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype)
+                        gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype,
+                        tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
@@ -293,6 +294,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's one backend for attention, norm and RoPE: auto = triton on CUDA, "
                              "cpu (the fused C++ attention op) on CPU where it builds, else torch (the reference)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=_positive(int), default=1,
+                        help="split the model over N ranks (processes; GPUs on CUDA, NCCL; gloo on CPU)")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
                              "more get 429")

@@ -160,16 +160,20 @@ class ShardedModel(nn.Module):
         return torch.cat(parts, dim=1)[:, :self.vocab_size]
 
 
-def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
-    """Cut a loaded float model down to this rank's slice, in place; ShardingError for shapes tp
-    cannot split or weights it cannot shard (quantized ones)."""
-    cfg = model.config
-    check_shardable(cfg, shard.size)
+def check_model(model: LlamaForCausalLM, tp: int) -> None:
+    """ShardingError for shapes tp cannot split or weights it cannot shard (quantized ones)."""
+    check_shardable(model.config, tp)
     unsupported = sorted({type(m).__name__ for name, m in model.named_modules()
                           if name.endswith(("_proj", "lm_head")) and not isinstance(m, Linear)})
     if unsupported:
         raise ShardingError(f"tensor parallelism shards float Linear weights only; this model holds "
                             f"{', '.join(unsupported)} (quantized or packed weights)")
+
+
+def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
+    """Cut a loaded float model down to this rank's slice, in place (check_model's errors first)."""
+    cfg = model.config
+    check_model(model, shard.size)
     if cfg.num_key_value_heads < shard.size and shard.rank == 0:
         log.warning("%d KV heads for %d ranks: each KV head is replicated on %d ranks",
                     cfg.num_key_value_heads, shard.size, shard.size // cfg.num_key_value_heads)

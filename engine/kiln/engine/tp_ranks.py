@@ -32,7 +32,7 @@ from kiln.engine.config import Config
 from kiln.engine.context import Context, get_context, reset_context, set_context
 from kiln.engine.loader import LoadedModel, load_model
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine.tensor_parallel import Shard, ShardedModel, check_shardable, local_model_config, shard_model
+from kiln.engine.tensor_parallel import Shard, ShardedModel, check_model, local_model_config, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ class WorkerGroup:
         if device.type == "cuda" and self.size > torch.cuda.device_count():
             raise TensorParallelError(f"tensor_parallel_size {self.size} is larger than the "
                                       f"{torch.cuda.device_count()} GPU(s) this process sees")
+        if dist.is_initialized():  # torch.distributed has one default group a process
+            raise TensorParallelError("this process already runs a tensor-parallel engine; close it first")
         backend = "nccl" if device.type == "cuda" else "gloo"
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=_seconds(JOIN_TIMEOUT_ENV, 120)))
@@ -97,18 +99,18 @@ class WorkerGroup:
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not wait([conn, proc.sentinel], left):
-                self.close()
+                self.close(grace=0)
                 raise TensorParallelError(f"tensor-parallel rank {rank} did not join within {timeout:g} s "
                                           f"({JOIN_TIMEOUT_ENV})")
             try:
                 kind, payload = conn.recv()
             except EOFError:
                 proc.join()
-                self.close()
+                self.close(grace=0)
                 raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.exitcode} "
                                           f"before it was {what}") from None
             if kind != what:
-                self.close()
+                self.close(grace=0)
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed: {payload}")
             answers.append(payload)
         return answers
@@ -128,9 +130,18 @@ class WorkerGroup:
             return
         rank, proc = sentinels[ready[0]]
         proc.join()
-        self.failure = TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                                           f"{proc.exitcode}")
-        log.critical("%s: the engine cannot step any more", self.failure)
+        self.fail(TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
+                                      f"{proc.exitcode}"))
+
+    def fail(self, error: BaseException) -> None:
+        """The group is broken (a rank died, a collective failed): the other ranks are killed and
+        the engine told (on_failure), so it reports itself dead instead of waiting on a peer."""
+        if self.failure is not None:
+            return
+        self.failure = error if isinstance(error, TensorParallelError) else \
+            TensorParallelError(f"a collective failed: {type(error).__name__}: {error}")
+        log.critical("%s: the tensor-parallel group is broken; stopping every rank", self.failure)
+        self.close(grace=0)  # the other ranks may be stuck in a collective
         if self.on_failure is not None:
             self.on_failure(self.failure)
 
@@ -141,8 +152,8 @@ class WorkerGroup:
         for conn in self._conns:
             conn.send_bytes(data)
 
-    def close(self) -> None:
-        """Stop every worker (asked first, killed past a grace period); safe to call again."""
+    def close(self, grace: float = _STOP_GRACE_S) -> None:
+        """Stop every worker (asked first, killed past the grace period); safe to call again."""
         if self._closing:
             return
         self._closing = True
@@ -151,7 +162,7 @@ class WorkerGroup:
                 conn.send_bytes(pickle.dumps(("stop",)))
             except OSError:
                 pass  # already gone
-        deadline = time.monotonic() + _STOP_GRACE_S
+        deadline = time.monotonic() + grace
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
@@ -159,7 +170,8 @@ class WorkerGroup:
                 proc.join()
         for conn in self._conns:
             conn.close()
-        if dist.is_initialized() and self.failure is None:
+        # NCCL's teardown may wait on a dead peer; gloo's never does.
+        if dist.is_initialized() and (self.failure is None or dist.get_backend() == "gloo"):
             dist.destroy_process_group()
         atexit.unregister(self.close)
 
@@ -173,12 +185,20 @@ class LeaderModel(ShardedModel):
         self.group = group
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.group.send("forward", input_ids, positions, *_context_fields(get_context()))
-        return super().forward(input_ids, positions)
+        return self._together(super().forward, ("forward", input_ids, positions, *_context_fields(get_context())),
+                              input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.send("logits", hidden)
-        return super().compute_logits(hidden)
+        return self._together(super().compute_logits, ("logits", hidden), hidden)
+
+    def _together(self, fn: Callable[..., torch.Tensor], message: tuple, *args: torch.Tensor) -> torch.Tensor:
+        """Send the workers their command, then run rank 0's part; any failure breaks the group."""
+        try:
+            self.group.send(*message)
+            return fn(*args)
+        except Exception as e:
+            self.group.fail(e)
+            raise
 
 
 class LeaderRunner(ModelRunner):
@@ -196,10 +216,8 @@ class LeaderRunner(ModelRunner):
         super().allocate_kv_cache()
 
     def release_kv_cache(self) -> None:
-        if self.group.failure is None:
+        if self.group.failure is None:  # after a failure the ranks are gone already
             self.group.send("release")
-        else:
-            self.group.close()  # after a failure: the engine is discarded, every rank goes
         super().release_kv_cache()
 
     def close(self) -> None:
@@ -209,14 +227,14 @@ class LeaderRunner(ModelRunner):
 def start_tensor_parallel(config: Config, loaded: LoadedModel) -> LeaderRunner:
     """Spawn ranks 1..N-1, shard rank 0's loaded model, and return rank 0's runner once every rank
     holds its shard and its KV cache."""
-    check_shardable(loaded.model_config, config.tensor_parallel_size)
+    check_model(loaded.model, config.tensor_parallel_size)  # before any rank starts
     group = WorkerGroup(config)
     try:
         sharded = shard_model(loaded.model, Shard(0, group.size))
         runner = LeaderRunner(config, LeaderModel(sharded, group), loaded)
         group.wait_ready(runner.num_blocks)
     except BaseException:
-        group.close()
+        group.close(grace=0)
         raise
     log.info("tensor parallel: %d ranks (%s), %d KV blocks each", group.size,
              dist.get_backend(), runner.num_blocks)

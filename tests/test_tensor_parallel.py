@@ -1,0 +1,152 @@
+"""Tensor parallelism (issue 19) with gloo on the CPU: a TP engine gives the TP=1 logits and
+greedy tokens (tiny random Llama 4 q / 2 KV heads at TP=2, its KV heads replicated at TP=4,
+SmolLM2 9 q / 3 KV heads at TP=3), refuses shapes and set-ups it cannot run with one clear error,
+and leaves no process behind. The server-side failure and shutdown paths are in
+test_tensor_parallel_server.py. One torch thread per rank: the ranks share the machine's cores."""
+from __future__ import annotations
+
+import logging
+
+import psutil
+import pytest
+import torch
+
+from kiln.engine.config import Config
+from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.llm_engine import LLM
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.tensor_parallel import ShardingError
+from kiln.engine.tp_ranks import JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
+
+# Lengths 5..70 under a 32-token budget: long prompts are prefilled in chunks while the short
+# ones decode in the same steps (mixed batches), and the 64 greedy tokens run on paged KV.
+TINY_PROMPTS = [[3 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate([5, 40, 70, 13, 27])]
+TINY = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory=1 << 22)
+GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread_per_rank():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # spawned ranks take rank 0's count
+    yield
+    torch.set_num_threads(before)
+
+
+def rank_processes() -> list[psutil.Process]:
+    """Processes spawned below this one (the TP ranks; not multiprocessing's resource tracker)."""
+    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+def assert_no_ranks_left(llm: LLM) -> None:
+    assert len(rank_processes()) == llm.engine.runner.group.size - 1
+    llm.engine.runner.close()
+    assert not rank_processes()
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), **TINY)
+
+
+def logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    """One plain prefill of the prompts through the engine's (rank 0's) model: every row's logits."""
+    model = llm.engine.runner.model
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    set_context(prefill_context([len(p) for p in prompts]))
+    try:
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, positions))
+    finally:
+        reset_context()
+
+
+def greedy(llm: LLM, prompts: list) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY_64)]
+
+
+@pytest.fixture(scope="class")
+def tiny_tp2(tiny_llama_dir):
+    """One engine for TestTP2, closed (every rank checked gone) after it: one TP engine a process."""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    yield llm
+    assert_no_ranks_left(llm)
+
+
+class TestTP2:
+    def test_tp2_logits_equal_tp1(self, tiny_reference, tiny_tp2):
+        want, got = logits(tiny_reference, TINY_PROMPTS), logits(tiny_tp2, TINY_PROMPTS)
+        assert got.shape == want.shape == (sum(map(len, TINY_PROMPTS)), 96)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+    def test_tp2_greedy_equals_tp1_in_mixed_chunked_batches(self, tiny_reference, tiny_tp2):
+        want = greedy(tiny_reference, TINY_PROMPTS)
+        assert all(len(t) == 64 for t in want)
+        assert greedy(tiny_tp2, TINY_PROMPTS) == want
+        engine = tiny_tp2.engine
+        assert engine.runner.model.shard.size == 2
+        # each rank holds one of the two KV heads: its pool has twice the blocks of TP=1 in the same bytes
+        assert engine.runner.num_blocks == 2 * tiny_reference.engine.runner.num_blocks
+
+    def test_tp2_sleep_and_wake_follow_on_every_rank(self, tiny_reference, tiny_tp2):
+        tiny_tp2.engine.sleep()
+        assert tiny_tp2.engine.stats().kv_cache_bytes == 0
+        tiny_tp2.engine.wake_up()
+        assert greedy(tiny_tp2, TINY_PROMPTS[:2]) == greedy(tiny_reference, TINY_PROMPTS[:2])
+
+
+def test_tp4_replicates_two_kv_heads(tiny_llama_dir, tiny_reference, caplog):
+    with caplog.at_level(logging.WARNING, logger="kiln.engine.tensor_parallel"):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=4, **TINY)
+    try:
+        assert "2 KV heads for 4 ranks: each KV head is replicated on 2 ranks" in caplog.text
+        assert greedy(llm, TINY_PROMPTS) == greedy(tiny_reference, TINY_PROMPTS)
+    finally:
+        assert_no_ranks_left(llm)
+
+
+def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
+    # 9 query / 3 KV heads: one KV head and 3 query heads a rank. 8 prompts, 24 tokens each (kept
+    # short for CI time: three SmolLM2 ranks on two shared cores).
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=64 << 20, max_model_len=256)
+    want = [o.token_ids for o in LLM(str(smollm2_path), **kw).generate(prompts, params)]
+    llm = LLM(str(smollm2_path), tensor_parallel_size=3, **kw)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    finally:
+        assert_no_ranks_left(llm)
+
+
+def test_heads_tp_cannot_split_are_refused_before_any_rank_starts(smollm2_path):
+    with pytest.raises(ShardingError, match=r"num_attention_heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
+        LLM(str(smollm2_path), tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=256)
+    assert not rank_processes()
+
+
+def test_kv_heads_tp_cannot_split_are_refused(tiny_llama_dir):
+    with pytest.raises(ShardingError, match=r"num_attention_heads \(4\) is not divisible"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, **TINY)
+    with pytest.raises(ShardingError, match="quantized or packed weights"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, quantization="int8", quantization_cache="off", **TINY)
+    assert not rank_processes()
+
+
+def test_a_rank_that_does_not_join_in_time_is_a_clear_error(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(JOIN_TIMEOUT_ENV, "0.01")  # a spawned interpreter takes seconds to start
+    with pytest.raises(TensorParallelError, match=rf"rank 1 did not join within 0.01 s \({JOIN_TIMEOUT_ENV}\)"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    assert not rank_processes()
+
+
+def test_more_ranks_than_gpus_is_refused():
+    gpus = torch.cuda.device_count()
+    with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {gpus + 1} is larger than the {gpus} GPU"):
+        WorkerGroup(Config(device="cuda", tensor_parallel_size=gpus + 1))
+
+
+def test_tensor_parallel_size_must_be_positive():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
+        Config(tensor_parallel_size=0)
