@@ -6,6 +6,7 @@ test_tensor_parallel_server.py. One torch thread per rank: the ranks share the m
 from __future__ import annotations
 
 import logging
+import threading
 
 import psutil
 import pytest
@@ -39,7 +40,6 @@ def rank_processes() -> list[psutil.Process]:
 
 
 def assert_no_ranks_left(llm: LLM) -> None:
-    assert len(rank_processes()) == llm.engine.runner.group.size - 1
     llm.engine.runner.close()
     assert not rank_processes()
 
@@ -76,6 +76,7 @@ def tiny_tp2(tiny_llama_dir):
 
 class TestTP2:
     def test_tp2_logits_equal_tp1(self, tiny_reference, tiny_tp2):
+        assert len(rank_processes()) == 1
         want, got = logits(tiny_reference, TINY_PROMPTS), logits(tiny_tp2, TINY_PROMPTS)
         assert got.shape == want.shape == (sum(map(len, TINY_PROMPTS)), 96)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -94,6 +95,17 @@ class TestTP2:
         assert tiny_tp2.engine.stats().kv_cache_bytes == 0
         tiny_tp2.engine.wake_up()
         assert greedy(tiny_tp2, TINY_PROMPTS[:2]) == greedy(tiny_reference, TINY_PROMPTS[:2])
+
+    def test_a_worker_dying_while_idle_is_reported_at_once(self, tiny_tp2):
+        group = tiny_tp2.engine.runner.group
+        reported = threading.Event()
+        group.on_failure = lambda error: reported.set()  # what the server's async engine hooks
+        (worker,) = rank_processes()
+        worker.kill()
+        assert reported.wait(5), "the watchdog did not report the dead rank"
+        assert f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9" in str(group.failure)
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            tiny_tp2.generate(TINY_PROMPTS[:1], GREEDY_64)
 
 
 def test_tp4_replicates_two_kv_heads(tiny_llama_dir, tiny_reference, caplog):

@@ -124,22 +124,29 @@ class WorkerGroup:
         threading.Thread(target=self._watch, name="kiln-tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
-        ready = wait(list(sentinels))
+        wait([p.sentinel for p in self._procs])
         if self._closing:
             return
-        rank, proc = sentinels[ready[0]]
-        proc.join()
-        self.fail(TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code "
-                                      f"{proc.exitcode}"))
+        self.fail(TensorParallelError(self._dead_rank(0) or "a tensor-parallel rank exited"))
+
+    def _dead_rank(self, timeout: float) -> str | None:
+        """'rank r (pid p) exited with code c' for the first worker found exited within timeout."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self._procs, start=1)}
+        for sentinel in wait(list(sentinels), timeout):
+            rank, proc = sentinels[sentinel]
+            proc.join()
+            return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
 
     def fail(self, error: BaseException) -> None:
         """The group is broken (a rank died, a collective failed): the other ranks are killed and
         the engine told (on_failure), so it reports itself dead instead of waiting on a peer."""
         if self.failure is not None:
             return
-        self.failure = error if isinstance(error, TensorParallelError) else \
-            TensorParallelError(f"a collective failed: {type(error).__name__}: {error}")
+        if not isinstance(error, TensorParallelError):  # a collective failed: most often a peer died
+            cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            error = TensorParallelError(f"{self._dead_rank(1.0) or 'a collective failed'} ({cause})")
+        self.failure = error
         log.critical("%s: the tensor-parallel group is broken; stopping every rank", self.failure)
         self.close(grace=0)  # the other ranks may be stuck in a collective
         if self.on_failure is not None:
@@ -198,7 +205,7 @@ class LeaderModel(ShardedModel):
             return fn(*args)
         except Exception as e:
             self.group.fail(e)
-            raise
+            raise self.group.failure from e
 
 
 class LeaderRunner(ModelRunner):
