@@ -82,6 +82,8 @@ INVALID = [
      "should be less than or equal to 100"),
     ("tp-does-not-divide-gpus", "bad", with_spec(engine__tensorParallelSize=2, resources__gpus=3),
      "engine.tensorParallelSize must divide resources.gpus"),
+    ("tp-without-gpus", "bad", with_spec(engine__tensorParallelSize=2, resources__gpus=0),
+     "engine.tensorParallelSize is larger than resources.gpus"),
     ("bad-duration", "bad", with_spec(autoscaling__stableWindow="1 minute"),
      "must be a duration such as 30s, 5m or 1h"),
     ("bad-progress-deadline", "bad", with_spec(rollout={"steps": [{"weight": 10}], "progressDeadline": "10 min"}),

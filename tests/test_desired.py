@@ -182,6 +182,25 @@ def test_cpu_only_service_asks_for_no_gpu():
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
 
 
+def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
+    server = pytest.importorskip("kiln.engine.server")
+    pod = pod_spec(want(spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})).stable.deployment)
+    (c,) = pod["containers"]
+    assert c["command"][-2:] == ["--tensor-parallel-size", "2"]
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    assert parser.parse_args(c["command"][2:]).tensor_parallel_size == 2
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert unimplemented(spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})) == []
+    single = pod_spec(want(spec_of(resources={"gpus": 2})).stable.deployment)
+    assert "--tensor-parallel-size" not in single["containers"][0]["command"]
+    assert "dshm" not in [v["name"] for v in single["volumes"]]
+
+
 def test_engine_command_is_accepted_by_kiln_serve():
     server = pytest.importorskip("kiln.engine.server")
     parser = argparse.ArgumentParser()
@@ -235,9 +254,10 @@ def test_later_features_are_reported_not_ignored():
         assert unimplemented(spec_of(autoscaling={"mode": mode})) == []
     found = " ".join(unimplemented(spec_of(
         warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
-        engine={"quantization": "fp8", "speculative": {"method": "ngram"}})))
+        engine={"quantization": "fp8", "speculative": {"method": "ngram"}, "tensorParallelSize": 2},
+        resources={"gpus": 2})))
     assert "engine.speculative" in found
-    for done in ("quantization", "rollout", "warmPool"):  # engines quantize at load; canaries roll; pools warm
+    for done in ("quantization", "rollout", "warmPool", "tensorParallelSize"):  # all acted on now
         assert done not in found
 
 

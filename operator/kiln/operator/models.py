@@ -194,7 +194,9 @@ class RouterSpec(Spec):
 class InferenceServiceSpec(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
-        "engine.tensorParallelSize must divide resources.gpus")))
+        "engine.tensorParallelSize must divide resources.gpus"), cel(
+        "self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
+        "engine.tensorParallelSize is larger than resources.gpus: a tensor-parallel rank needs a GPU of its own")))
     model: ModelSpec
     replicas: int = Field(1, ge=0, le=1000, description=(
         "Replicas when autoscaling is off; what /scale (HPA, KEDA, kubectl scale) sets."))

@@ -124,7 +124,17 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
         args += ["--quantization", engine.quantization]
     if engine.kvCache.dtype != "auto":
         args += ["--kv-cache-dtype", engine.kvCache.dtype]
+    if engine.tensorParallelSize > 1:
+        args += ["--tensor-parallel-size", str(engine.tensorParallelSize)]
     return args
+
+
+# A tensor-parallel pod's ranks: NCCL's intra-node transport keeps its buffers in /dev/shm
+# (the container runtime's default is 64 MiB); a memory-backed emptyDir counts against the pod's
+# memory limit, so it is capped. A failed collective aborts the process (the engine dies loudly)
+# instead of hanging, and NCCL logs only its warnings.
+SHM_SIZE = "1Gi"
+NCCL_ENV = [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}]
 
 
 def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -167,14 +177,16 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     model_arg, volumes, mounts = model_location(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
+    env = [{"name": "HOME", "value": "/tmp"}]
     if spec.engine.tensorParallelSize > 1:  # ranks exchange tensors through shared memory
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        env += NCCL_ENV if spec.resources.gpus > 0 else []
     container = {
         "name": "engine",
         "image": image,
         "command": engine_args(spec, model_arg),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": container_resources(spec),
         # Loading weights and warming kernels can take minutes: the startup probe allows 30.

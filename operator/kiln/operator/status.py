@@ -23,9 +23,6 @@ def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     found = []
     if spec.engine.speculative is not None:
         found.append("engine.speculative (engines decode without it)")
-    if spec.engine.tensorParallelSize > 1:
-        found.append(f"engine.tensorParallelSize={spec.engine.tensorParallelSize} (each replica "
-                     f"runs one unsharded engine on its GPUs)")
     return found
 
 
