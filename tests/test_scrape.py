@@ -52,6 +52,12 @@ def test_load_is_engines_queues_plus_held_requests():
     assert taken.cold_start is None  # 0 means the router never saw a cold start
 
 
+def test_requests_queued_at_the_router_count_as_load():
+    page = ROUTER.format(held=1, cold=0) + "kiln_router_queued_requests 6\n"
+    with serving(ENGINE.format(waiting=0, running=4)) as engine, serving(page) as router:
+        assert scrape([engine], [router], now=1.0).sample.load == 11.0  # 4 running + 1 held + 6 in line
+
+
 def test_engines_that_do_not_answer_count_at_the_average_never_at_zero():
     with serving(ENGINE.format(waiting=2, running=4)) as ok, serving(ENGINE.format(waiting=9, running=9),
                                                                      delay=TIMEOUT_S + 1) as hung, \

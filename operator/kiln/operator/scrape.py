@@ -8,16 +8,19 @@ import concurrent.futures
 import logging
 import urllib.request
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from .autoscaler import Sample
 
 ENGINE_LOAD = ("kiln:num_requests_waiting", "kiln:num_requests_running")
-ROUTER_HELD = "kiln_router_held_requests"
+ROUTER_HELD = "kiln_router_held_requests"  # waiting for a replica (none ready)
+ROUTER_QUEUED = "kiln_router_queued_requests"  # waiting for a place among the router's --max-in-flight
 ROUTER_COLD_START = "kiln_router_last_cold_start_seconds"
 TIMEOUT_S = 1.0
 log = logging.getLogger("kiln.operator")
+T, R = TypeVar("T"), TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,17 @@ def totals(samples: list[tuple[str, dict[str, str], float]] | None) -> dict[str,
     return sums
 
 
+def in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
+    """call(item) for each item, at once (pods are slow one by one: a timeout each)."""
+    if not items:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(items))) as pool:
+        return list(pool.map(call, items))
+
+
 def read_all(urls: list[str], timeout: float = TIMEOUT_S) -> list[list[tuple[str, dict[str, str], float]] | None]:
     """read_samples of each URL, at once."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(urls)))) as pool:
-        return list(pool.map(lambda url: read_samples(url, timeout), urls))
+    return in_parallel(lambda url: read_samples(url, timeout), urls)
 
 
 def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
@@ -61,7 +71,8 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     pages = [totals(samples) for samples in read_all(urls)]
     loads = [sum(p[n] for n in ENGINE_LOAD) for p in pages[:len(engines)]
              if p is not None and all(n in p for n in ENGINE_LOAD)]
-    held = [p[ROUTER_HELD] for p in pages[len(engines):] if p is not None and ROUTER_HELD in p]
+    # Requests a router holds or queues are demand the engines have not seen yet.
+    held = [p[ROUTER_HELD] + p.get(ROUTER_QUEUED, 0.0) for p in pages[len(engines):] if p is not None and ROUTER_HELD in p]
     cold = [p[ROUTER_COLD_START] for p in pages[len(engines):] if p and p.get(ROUTER_COLD_START)]
     cold_start = max(cold) if cold else None
     if not held or (engines and not loads):

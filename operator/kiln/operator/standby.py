@@ -4,13 +4,13 @@ Both are best effort: an engine that does not answer is asked again on the next 
 request reaching a sleeping engine wakes it anyway."""
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import time
 import urllib.request
 
 from .render import PORT
+from .scrape import in_parallel
 from .warmpool import Pod
 
 TIMEOUT_S = 1.0
@@ -34,8 +34,5 @@ def call(pod: Pod, path: str, timeout: float = TIMEOUT_S) -> float | None:
 
 def put_to_sleep(pods: list[Pod]) -> list[Pod]:
     """Ask each engine to sleep, at once; those that did."""
-    if not pods:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(pods))) as pool:
-        took = list(pool.map(lambda p: call(p, "/sleep"), pods))
+    took = in_parallel(lambda p: call(p, "/sleep"), pods)
     return [p for p, t in zip(pods, took) if t is not None]
