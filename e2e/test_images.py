@@ -115,8 +115,11 @@ def test_an_inferenceservice_answers_from_pods_running_the_engine_image(containe
         assert pods and all(p["spec"]["containers"][0]["image"] == names.image("engine") for p in pods)
         for pod in pods:
             ctr = containers.container_name(pod["metadata"]["uid"])
-            running = images.podman("inspect", "--format", "{{.ImageName}} {{.HostConfig.ReadonlyRootfs}}", ctr)
-            assert running.stdout.split() == [names.image("engine"), "true"], (component, running.stdout)
+            running = images.podman("inspect", "--format",
+                                    "{{.ImageName}} {{.HostConfig.ReadonlyRootfs}} {{.HostConfig.Memory}}", ctr)
+            # the memory limit as a cgroup limit: examples/smollm2.yaml's 2Gi, the router's 512Mi
+            memory = str((2 << 30) if component == "engine" else (512 << 20))
+            assert running.stdout.split() == [names.image("engine"), "true", memory], (component, running.stdout)
             # From inside: the user, and the root filesystem refusing a write.
             probe = images.podman("exec", ctr, "sh", "-c", "id -u; touch /written 2>&1; echo done", check=False)
             uid, *rest = probe.stdout.splitlines()

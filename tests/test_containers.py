@@ -1,6 +1,6 @@
 """Image names from one place, and the test runtime's container mode as a command line
 (kiln.local.containers.podman_argv: a pure function of the pod). Building and running the images
-is e2e/test_images.py."""
+is e2e/test_images.py (whose name this file must not share: one pytest session runs both)."""
 from __future__ import annotations
 
 import json

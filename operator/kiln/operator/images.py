@@ -2,7 +2,7 @@
 
 The tag is the `kiln` distribution's version (pyproject.toml), so an operator always defaults
 to the engine image of its own release, `make images` (kiln.local.images) tags what it builds
-with the same names, and tests/test_images.py checks that manifests/ names this operator image.
+with the same names, and tests/test_containers.py checks that manifests/ names this operator image.
 """
 from __future__ import annotations
 
