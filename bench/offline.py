@@ -1,7 +1,9 @@
-"""Offline mixed workload: Kiln's LLM.generate vs transformers' generate, same run, same weights, bf16.
+"""Offline mixed workload: Kiln's LLM.generate vs transformers' generate, same run, same weights,
+same dtype: the one this CPU is fast in (kiln.engine.dtype_choice: bf16 with AVX512_BF16/AMX, else
+float32), or --dtype.
 
-The 64 requests of /work/shared/bench/mixed_workload_seed0.json (prompt token ids and an output
-length each, EOS ignored) go through Kiln in one call, and through transformers in static
+The 64 requests of ../shared/bench/mixed_workload_seed0.json (beside the repository: prompt token
+ids and an output length each, EOS ignored) go through Kiln in one call, and through transformers in static
 left-padded batches of 8 and of 32 (each batch runs to its longest output; the better of the
 two counts). Metric: useful output tokens (the requested lengths) / wall time.
 
@@ -11,32 +13,34 @@ two counts). Metric: useful output tokens (the requested lengths) / wall time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from cpu_common import ceilings, machine
+from cpu_common import ceilings, machine, write_result
+from online import served_dtype
 
-WORKLOAD = Path("/work/shared/bench/mixed_workload_seed0.json")
-RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+WORKLOAD = REPO.parent / "shared" / "bench" / "mixed_workload_seed0.json"
 
 
 def machine_info() -> dict:
     import transformers
 
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
     return {**machine(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+            "torch": torch.__version__, "transformers": transformers.__version__, "kiln_git": rev.strip()}
 
 
-def run_kiln(requests: list[dict], profile: bool) -> dict:
+def run_kiln(requests: list[dict], profile: bool, dtype: str) -> dict:
     from kiln.engine import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(dtype=dtype, gguf_dequantize=True)  # plain weights of `dtype`, as transformers runs them
     llm.generate([requests[0]["prompt_ids"]], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     params = [SamplingParams(temperature=0.0, max_tokens=r["out_len"], ignore_eos=True) for r in requests]
     prompts = [r["prompt_ids"] for r in requests]
@@ -73,17 +77,17 @@ def run_transformers(requests: list[dict], batch_size: int, model) -> dict:
     return {"batch_size": batch_size, "seconds": round(time.perf_counter() - start, 2), "generated_tokens": generated}
 
 
-def load_transformers():
+def load_transformers(dtype: str):
     from transformers import AutoModelForCausalLM, GgufConfig
 
     from kiln.engine.loader import resolve_model_path
 
     path = resolve_model_path("smollm2-135m")
-    # Unpacked into plain bf16 weights, as Kiln serves them (left packed, transformers would run
+    # Unpacked into plain weights of `dtype`, as Kiln serves them (left packed, transformers would run
     # float32 dequant kernels instead: a different, slower peer).
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
                                                  quantization_config=GgufConfig(dequantize=True)).eval()
-    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == getattr(torch, dtype)
     model.generation_config.eos_token_id = None  # like ignore_eos
     return model
 
@@ -95,24 +99,27 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's table for Kiln's run")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="both sides' dtype (auto: the one this CPU is fast in)")
     args = parser.parse_args()
+    dtype = served_dtype(args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     workload = json.loads(WORKLOAD.read_text())
     requests = workload["requests"][:16] if args.quick else workload["requests"]
     batch_sizes = [8] if args.quick else args.batch_sizes
     useful = sum(r["out_len"] for r in requests)
-    result = {"workload": str(WORKLOAD), "num_requests": len(requests), "useful_output_tokens": useful,
-              "prompt_tokens": sum(len(r["prompt_ids"]) for r in requests), "dtype": "bfloat16",
-              "machine": machine_info(), "ceilings": ceilings()}
+    result = {"workload": str(WORKLOAD.relative_to(REPO.parent)), "num_requests": len(requests),
+              "useful_output_tokens": useful, "prompt_tokens": sum(len(r["prompt_ids"]) for r in requests),
+              "dtype": dtype, "machine": machine_info(), "ceilings": ceilings(dtype)}
     print(json.dumps(result["machine"]), json.dumps(result["ceilings"]), flush=True)
 
-    kiln = run_kiln(requests, args.profile)
+    kiln = run_kiln(requests, args.profile, dtype)
     kiln["useful_tokens_per_s"] = round(useful / kiln["seconds"], 1)
     result["kiln"] = kiln
     print(f"kiln: {useful} useful tokens in {kiln['seconds']} s = {kiln['useful_tokens_per_s']} tok/s", flush=True)
     if not args.skip_transformers:
-        model = load_transformers()
+        model = load_transformers(dtype)
         runs = []
         for bs in batch_sizes:
             run = run_transformers(requests, bs, model)
@@ -127,11 +134,7 @@ def main() -> None:
         print(f"ratio kiln / transformers (best batch {best['batch_size']}): {result['ratio_kiln_over_transformers']}x")
     result["machine"]["load_average_end"] = os.getloadavg()
     if not args.quick:
-        RESULTS.mkdir(exist_ok=True)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-        path = RESULTS / f"offline-{stamp}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write_result('offline', result)}")
 
 
 if __name__ == "__main__":

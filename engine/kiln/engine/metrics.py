@@ -49,6 +49,11 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out) and recomputed later.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        # Engine-thread time while requests are in flight: in steps, and between them (commands,
+        # metrics and waiting for the GIL the HTTP thread holds): bench/serving_path.py reads both.
+        self.engine_step_seconds = counter("engine_step_seconds", "Seconds the engine thread spent in steps.")
+        self.engine_gap_seconds = counter("engine_gap_seconds", "Seconds between consecutive steps "
+                                          "while requests were unfinished.")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.")
