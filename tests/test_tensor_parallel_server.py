@@ -1,8 +1,8 @@
 """`kiln serve --tensor-parallel-size 2` (tiny random Llama, gloo on the CPU), end to end over
 real HTTP: it answers with the TP=1 greedy text; SIGTERM drains the request in flight and stops
-every rank; a worker rank killed mid-generation makes the engine report itself dead within
-seconds (the stream ends with engine_dead, new requests and /health get 503) and no process is
-left behind. Every wait is bounded."""
+every rank; a worker rank killed mid-generation, or while the engine idles, makes the engine
+report itself dead within seconds (the stream ends with engine_dead, new requests and /health get
+503) and no process is left behind. Every wait is bounded."""
 from __future__ import annotations
 
 import json
@@ -99,6 +99,25 @@ def test_a_worker_killed_mid_generation_kills_the_engine_loudly_and_leaves_no_pr
         assert code == 503 and reply["error"]["code"] == "engine_dead", reply
         assert get(server.url + "/ready")[0] == 503
         assert not ranks(server)  # the broken group's ranks are gone while rank 0 still serves 503s
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=30) == 0
+        assert_all_gone(descendants + [server.proc.pid])
+    finally:
+        server.stop()
+
+
+def test_a_worker_dying_while_the_engine_idles_turns_health_to_503(tiny_llama_dir):
+    server = tp_server(tiny_llama_dir)
+    try:
+        (worker,) = ranks(server)
+        descendants = [p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        worker.kill()  # no request in flight: only the watchdog can notice
+        killed = time.monotonic()
+        while get(server.url + "/health")[0] != 503:
+            assert time.monotonic() - killed < DEAD_WITHIN_S, "the idle engine did not notice the dead rank"
+            time.sleep(0.05)
+        status, health = get(server.url + "/health")
+        assert f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9" in json.loads(health)["error"]
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0
         assert_all_gone(descendants + [server.proc.pid])
