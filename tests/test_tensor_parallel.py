@@ -1,8 +1,9 @@
 """Tensor parallelism (issue 19) with gloo on the CPU: a TP engine gives the TP=1 logits and
 greedy tokens (tiny random Llama 4 q / 2 KV heads at TP=2, its KV heads replicated at TP=4,
 SmolLM2 9 q / 3 KV heads at TP=3), refuses shapes and set-ups it cannot run with one clear error,
-and leaves no process behind. The server-side failure and shutdown paths are in
-test_tensor_parallel_server.py. One torch thread per rank: the ranks share the machine's cores."""
+and leaves no process behind; int8 weights shard too (int4 is refused). The server-side failure
+and shutdown paths are in test_tensor_parallel_server.py. One torch thread per rank: the ranks
+share the machine's cores."""
 from __future__ import annotations
 
 import logging
@@ -141,9 +142,22 @@ def test_heads_tp_cannot_split_are_refused_before_any_rank_starts(smollm2_path):
 def test_kv_heads_tp_cannot_split_are_refused(tiny_llama_dir):
     with pytest.raises(ShardingError, match=r"num_attention_heads \(4\) is not divisible"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, **TINY)
-    with pytest.raises(ShardingError, match="quantized or packed weights"):
-        LLM(str(tiny_llama_dir), tensor_parallel_size=2, quantization="int8", quantization_cache="off", **TINY)
+    with pytest.raises(ShardingError, match="holds Int4Linear"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, quantization="int4-rtn", quantization_cache="off", **TINY)
     assert not rank_processes()
+
+
+def test_int8_weights_shard_qwen2_biases_tied_embeddings_and_one_kv_head(tiny_hf_models, tmp_path):
+    # Qwen2: q/k/v biases, a tied lm_head, one KV head replicated on both ranks; int8 (AWQ-scaled)
+    # codes and scales cut like the float weights, the variant computed once and cached.
+    kw = dict(TINY, quantization="int8", quantization_cache=str(tmp_path))
+    want = greedy(LLM(str(tiny_hf_models["qwen2"]), **kw), TINY_PROMPTS)
+    llm = LLM(str(tiny_hf_models["qwen2"]), tensor_parallel_size=2, **kw)
+    try:
+        assert type(llm.engine.runner.model.inner.model.layers[0].mlp.down_proj.local).__name__ == "Int8Linear"
+        assert greedy(llm, TINY_PROMPTS) == want
+    finally:
+        assert_no_ranks_left(llm)
 
 
 def test_a_rank_that_does_not_join_in_time_is_a_clear_error(tiny_llama_dir, monkeypatch):

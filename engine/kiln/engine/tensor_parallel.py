@@ -4,6 +4,8 @@ keeps its slice.
 
   qkv_proj, gate_up_proj  column-parallel: this rank's query heads (and KV heads), its slice of I
   o_proj, down_proj       row-parallel: a partial sum, all-reduced across the ranks
+  (float, int8 and fp8 weights: the quantized codes and their per-channel or per-group scales
+  are cut the same way, so every rank computes exactly its part of the TP=1 quantized model)
   embed_tokens, lm_head   vocabulary-parallel: each rank a contiguous slice of the vocabulary
                           (padded to equal slices); logits are all-gathered
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,9 @@ from torch import nn
 
 from kiln.engine.config import ModelConfig
 from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from kiln.engine.quantization import Fp8Linear, Int8Linear
+
+SHARDABLE = (Linear, Int8Linear, Fp8Linear)  # int4's CPU layout (tinygemm's) cannot be cut
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +75,55 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.contiguous().clone(), requires_grad=False)  # a copy: the full tensor is freed
 
 
-class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b: x arrives split along the input features."""
+def _column_slice(module: nn.Module, rows: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """The module keeping only the output channels `rows` picks (from any [N, ...] tensor)."""
+    bias = None if module.bias is None else rows(module.bias).clone()
+    if isinstance(module, Linear):
+        module.weight = _param(rows(module.weight))
+        module.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        return module
+    if isinstance(module, Int8Linear):  # scales per output channel [N] or per (row, group) [N, K/G]
+        return Int8Linear(rows(module.qweight).clone(), rows(module.scales).clone(), bias, module.act_scale,
+                          module.dtype, module.kernel, scale_dtype=module.scales.dtype)
+    if isinstance(module, Fp8Linear):
+        return Fp8Linear(rows(module.weight).clone(), rows(module.scales).clone(), bias, module.act_scale,
+                         module.dtype)
+    raise ShardingError(f"{type(module).__name__} weights do not shard")
 
-    def __init__(self, full: Linear, shard: Shard, start: int, size: int) -> None:
+
+def _row_slice(module: nn.Module, start: int, size: int) -> nn.Module:
+    """The module over input channels [start, start + size) only, without its bias."""
+    def cols(t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(-1, start, size).clone()
+
+    act_scale = None if getattr(module, "act_scale", None) is None else cols(module.act_scale)
+    if isinstance(module, Linear):
+        local = Linear(size, module.weight.shape[0])
+        local.weight = _param(cols(module.weight))
+        return local
+    if isinstance(module, Int8Linear):
+        scales = module.scales
+        if module.group_size:  # whole groups only
+            if start % module.group_size or size % module.group_size:
+                raise ShardingError(f"int8 groups of {module.group_size} do not split at input channel {start}")
+            scales = scales.narrow(1, start // module.group_size, size // module.group_size)
+        return Int8Linear(cols(module.qweight), scales.clone(), None, act_scale, module.dtype, module.kernel,
+                          scale_dtype=module.scales.dtype)
+    if isinstance(module, Fp8Linear):
+        return Fp8Linear(cols(module.weight), module.scales.clone(), None, act_scale, module.dtype)
+    raise ShardingError(f"{type(module).__name__} weights do not shard")
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: x arrives split along the input features. Float, int8 or fp8."""
+
+    def __init__(self, full: nn.Module, start: int, size: int) -> None:
         super().__init__()
-        self.weight = _param(full.weight.narrow(1, start, size))
+        self.local = _row_slice(full, start, size)
         self.bias = full.bias  # added once, after the sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.local(x)
         dist.all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
@@ -122,11 +167,8 @@ def _shard_attention(attn: LlamaAttention, cfg: ModelConfig, shard: Shard) -> No
         return torch.cat([q.narrow(0, shard.rank * hq * d, hq * d),
                           k.narrow(0, kv_start * d, hkv * d), v.narrow(0, kv_start * d, hkv * d)])
 
-    qkv = attn.qkv_proj
-    qkv.weight = _param(rows(qkv.weight))
-    if qkv.bias is not None:
-        qkv.bias = _param(rows(qkv.bias))
-    attn.o_proj = RowParallelLinear(attn.o_proj, shard, shard.rank * hq * d, hq * d)
+    attn.qkv_proj = _column_slice(attn.qkv_proj, rows)
+    attn.o_proj = RowParallelLinear(attn.o_proj, shard.rank * hq * d, hq * d)
     attn.num_heads, attn.num_kv_heads = hq, hkv
     attn.q_size, attn.kv_size = hq * d, hkv * d
     attn.attn.num_heads, attn.attn.num_kv_heads = hq, hkv
@@ -134,10 +176,12 @@ def _shard_attention(attn: LlamaAttention, cfg: ModelConfig, shard: Shard) -> No
 
 def _shard_mlp(mlp: LlamaMLP, cfg: ModelConfig, shard: Shard) -> None:
     i = cfg.intermediate_size // shard.size
-    w = mlp.gate_up_proj.weight
-    mlp.gate_up_proj.weight = _param(torch.cat([w.narrow(0, shard.rank * i, i),
-                                                w.narrow(0, cfg.intermediate_size + shard.rank * i, i)]))
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, shard, shard.rank * i, i)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's gate rows, then its up rows
+        return torch.cat([t.narrow(0, shard.rank * i, i), t.narrow(0, cfg.intermediate_size + shard.rank * i, i)])
+
+    mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, rows)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.rank * i, i)
 
 
 class ShardedModel(nn.Module):
@@ -164,10 +208,11 @@ def check_model(model: LlamaForCausalLM, tp: int) -> None:
     """ShardingError for shapes tp cannot split or weights it cannot shard (quantized ones)."""
     check_shardable(model.config, tp)
     unsupported = sorted({type(m).__name__ for name, m in model.named_modules()
-                          if name.endswith(("_proj", "lm_head")) and not isinstance(m, Linear)})
+                          if name.endswith(("_proj", "lm_head")) and not isinstance(m, SHARDABLE)})
     if unsupported:
-        raise ShardingError(f"tensor parallelism shards float Linear weights only; this model holds "
-                            f"{', '.join(unsupported)} (quantized or packed weights)")
+        raise ShardingError(f"tensor parallelism shards float, int8 and fp8 weights; this model holds "
+                            f"{', '.join(unsupported)} (int4: quantization int4/int4-rtn, or a GGUF's Q4 "
+                            f"blocks served packed: --gguf-dequantize)")
 
 
 def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
