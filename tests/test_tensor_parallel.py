@@ -91,6 +91,19 @@ class TestTP2:
         # each rank holds one of the two KV heads: its pool has twice the blocks of TP=1 in the same bytes
         assert engine.runner.num_blocks == 2 * tiny_reference.engine.runner.num_blocks
 
+    def test_tp2_prompt_logprobs_equal_tp1(self, tiny_reference, tiny_tp2):
+        # scored through rank 0's compute_logits in chunks, each one sent to the workers
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+
+        def scored(llm: LLM) -> list[tuple[int, float, int]]:
+            return [(token, e["logprob"], e["rank"]) for o in llm.generate(TINY_PROMPTS, params)
+                    for position in o.prompt_logprobs[1:] for token, e in position.items()]
+
+        want, got = scored(tiny_reference), scored(tiny_tp2)
+        assert len(got) == len(want) >= 3 * (sum(map(len, TINY_PROMPTS)) - len(TINY_PROMPTS))
+        assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in want]
+        assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
+
     def test_tp2_sleep_and_wake_follow_on_every_rank(self, tiny_reference, tiny_tp2):
         tiny_tp2.engine.sleep()
         assert tiny_tp2.engine.stats().kv_cache_bytes == 0
