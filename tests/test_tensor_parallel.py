@@ -180,6 +180,13 @@ def test_a_rank_that_does_not_join_in_time_is_a_clear_error(tiny_llama_dir, monk
     assert not rank_processes()
 
 
+def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(JOIN_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got 'soon'"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    assert not rank_processes()
+
+
 def test_more_ranks_than_gpus_is_refused():
     gpus = torch.cuda.device_count()
     with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {gpus + 1} is larger than the {gpus} GPU"):

@@ -46,7 +46,14 @@ class TensorParallelError(RuntimeError):
 
 
 def _seconds(env: str, default: float) -> float:
-    return float(os.environ.get(env, default))
+    value = os.environ.get(env, str(default))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{env} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def _context_fields(ctx: Context) -> tuple:
@@ -74,8 +81,9 @@ class WorkerGroup:
         if dist.is_initialized():  # torch.distributed has one default group a process
             raise TensorParallelError("this process already runs a tensor-parallel engine; close it first")
         backend = "nccl" if device.type == "cuda" else "gloo"
+        join_s, collective_s = _seconds(JOIN_TIMEOUT_ENV, 120), _seconds(COLLECTIVE_TIMEOUT_ENV, 120)
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=_seconds(JOIN_TIMEOUT_ENV, 120)))
+                              timeout=timedelta(seconds=join_s))
         ctx = mp.get_context("spawn")
         atexit.register(self.close)
         for rank in range(1, self.size):
@@ -86,10 +94,9 @@ class WorkerGroup:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._await("joined", _seconds(JOIN_TIMEOUT_ENV, 120))
+        self._await("joined", join_s)
         dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
-                                timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
-        self._store = store
+                                timeout=timedelta(seconds=collective_s))
 
     def _await(self, what: str, timeout: float | None) -> list[Any]:
         """Each worker's next message, which must be `what`; a clear error for a rank that exits,
