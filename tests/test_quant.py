@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from kiln.engine.awq import calibration_text, search_scale
+from kiln.engine.awq import calibration_text, capture_inputs, search_scale
 from kiln.engine.config import KV_CACHE_DTYPES, Config
 from kiln.engine.loader import load_model
 from kiln.engine.quantization import (
     QUANTIZATION_METHODS, Fp8Linear, Int4Linear, Int8Linear, QuantLinear, dequantize_fp8, dequantize_int4,
-    dequantize_int8, fake_quantize_int4, int4_group_size, quantize_fp8, quantize_int4, quantize_int8,
+    dequantize_int8, fake_quantize, fake_quantize_int4, int4_group_size, quantize_fp8, quantize_int4, quantize_int8,
     quantize_model, resident_weight_bytes)
 from test_model import forward_prefill
 
@@ -129,7 +129,8 @@ def test_fp8_linear_matches_dequantized() -> None:
     torch.testing.assert_close(layer(x), x @ dequantize_fp8(q, scales).T, rtol=1e-5, atol=1e-4)
 
 
-def test_awq_beats_rtn_on_salient_channels() -> None:
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+def test_activation_aware_scaling_beats_plain_rounding_on_salient_channels(method: str) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(256, 512, generator=g)
     salient = torch.tensor([5, 77, 200, 301, 450])
@@ -137,12 +138,13 @@ def test_awq_beats_rtn_on_salient_channels() -> None:
         x = torch.randn(rows, 512, generator=g)
         x[:, salient] *= 25
         return x
-    s, alpha, _ = search_scale(w, acts(256), 128)
+    s, alpha, _ = search_scale(w, acts(256), method)
     x = acts(256)  # held out
     ref = x @ w.T
-    rtn = (x @ fake_quantize_int4(w, 128).T - ref).pow(2).mean()
-    awq = ((x / s) @ fake_quantize_int4(w * s, 128).T - ref).pow(2).mean()
-    assert alpha > 0 and awq < 0.7 * rtn
+    plain = (x @ fake_quantize(w, method).T - ref).pow(2).mean()
+    aware = ((x / s) @ fake_quantize(w * s, method).T - ref).pow(2).mean()
+    print(method, "alpha", alpha, "output MSE plain", plain.item(), "activation-aware", aware.item())
+    assert alpha > 0 and aware < 0.7 * plain
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "int4-rtn", "fp8"])
@@ -182,6 +184,17 @@ def perplexity(model, ids: list[int]) -> float:
 def test_calibration_text_ships_with_the_package() -> None:
     text = calibration_text()
     assert text.startswith("It is a truth universally acknowledged") and len(text) > 2000
+
+
+def test_calibration_longer_than_max_model_len_runs_in_windows(tiny_llama_dir) -> None:
+    model = load_model(Config(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64)).model
+    ids = [3 + i % 90 for i in range(150)]  # past the 64 positions the rotary table holds
+    inputs = capture_inputs(model, ids)
+    alone = capture_inputs(model, ids[:64])  # the first window is a sequence of its own
+    for name, rows in inputs.items():
+        assert rows.shape[0] == 150
+        torch.testing.assert_close(rows[:64], alone[name])
+    quantize_model(model, "int8", calibration_ids=ids)
 
 
 def test_smollm2_int8_greedy_matches_float(smollm2_path, smollm2_fp32) -> None:

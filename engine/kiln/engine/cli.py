@@ -32,7 +32,7 @@ def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                         help="auto = the model dtype; int8 / fp8 hold about twice the tokens in the same memory")
     parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "int4-rtn", "fp8"],
-                        help="weight-only quantization at load (int4 = AWQ-scaled int4, int4-rtn = plain)")
+                        help="weight-only quantization at load (int8, int4, fp8 activation-aware scaled as AWQ does; int4-rtn plain)")
     parser.add_argument("--quantization-cache", default=None, metavar="DIR",
                         help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
     parser.add_argument("--gguf-dequantize", action=argparse.BooleanOptionalAction, default=None,

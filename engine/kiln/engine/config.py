@@ -13,7 +13,7 @@ from kiln.engine.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-# Weight-only quantization at load (kiln.engine.quantization); "int4" is AWQ-scaled, "int4-rtn" plain.
+# Weight-only quantization at load (kiln.engine.quantization); int8, int4, fp8 AWQ-scaled, "int4-rtn" plain.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "int4-rtn", "fp8")
 
 

@@ -14,7 +14,7 @@ METHODS = ("int8", "int4", "int4-rtn", "fp8")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="known name, model folder, or .gguf file")
     parser.add_argument("--method", required=True, choices=METHODS,
-                        help="int8, int4 (AWQ-scaled), int4-rtn (round to nearest), fp8")
+                        help="int8, int4, fp8 (activation-aware scaled, as AWQ), int4-rtn (plain round to nearest)")
     parser.add_argument("--out", required=True, type=Path, help="folder to write (new, empty, or a variant)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="precision the weights are quantized from and the float tensors are stored in")

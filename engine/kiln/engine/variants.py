@@ -1,8 +1,8 @@
 """Quantized variants, computed once per (weights, method) and cached on disk.
 
 A variant is the state dict `Quantizer.create_quantized_state_dict()` returns. Computing it
-costs a calibration pass for int4 (AWQ) and a pass over every weight for the others, so the
-first load writes it to the variant cache and every later load -- a restart, or another replica
+costs a calibration pass (activation-aware scaling, for all but int4-rtn) and a pass over every
+weight, so the first load writes it to the variant cache and every later load -- a restart, or another replica
 sharing the directory -- reads it back instead.
 
 The cache directory holds one pair of files per variant, named by its key
@@ -39,7 +39,7 @@ from kiln.engine.quantization import Quantizer, check_method
 
 log = logging.getLogger("kiln.engine")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int8 and fp8 activation-aware too
 # Variants computed (not read from a cache) by this process, per method: what tests and
 # operators look at to tell a calibration from a cache hit.
 COMPUTED: collections.Counter[str] = collections.Counter()

@@ -82,8 +82,8 @@ class Engine(Spec):
     maxNumSeqs: int = Field(128, ge=1, le=4096)
     tensorParallelSize: int = Field(1, ge=1, le=64, description="Must divide resources.gpus.")
     quantization: Literal["none", "int8", "int4", "int4-rtn", "fp8"] = Field(
-        "none", description="Weight-only quantization at load: int8 per channel, int4 group-wise with "
-                            "activation-aware scaling (int4-rtn: plain rounding), fp8 e4m3.")
+        "none", description="Weight-only quantization at load: int8 per channel, int4 group-wise, fp8 e4m3 "
+                            "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
     kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
     speculative: Speculative | None = None
 
