@@ -6,7 +6,8 @@ server: the engine thread's time in steps and between steps while requests were 
 (/metrics kiln:engine_step_seconds, kiln:engine_gap_seconds), and the CPU seconds of the event-loop
 thread (the main thread: HTTP, tokenizing, SSE) against the whole process (/proc/<pid>/task).
 Then, with the server stopped, the same prompts through LLMEngine in this process, no HTTP: the
-output tokens/s the engine makes alone. served / offline is what the serving path costs in all.
+output tokens/s the engine makes alone (served / offline is what the serving path costs in all),
+and the time its incremental detokenizer takes for those tokens (it runs inside the engine's steps).
 
     python bench/serving_path.py                 # c=16,32; bench/results/serving-path-<date>.json
 """
@@ -44,7 +45,7 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return {"main_thread": of(f"/proc/{pid}/task/{pid}/stat"), "process": of(f"/proc/{pid}/stat")}
 
 
-def served(server: ServerUnderTest, c: int, tokens: int, args: argparse.Namespace) -> dict:
+def served(server: ServerUnderTest, c: int, tokens: int) -> dict:
     asyncio.run(run_load(server.url, {}, 2, 4, concurrency=2, first=10_000))  # warm-up
     before_m, before_cpu = counters(server.url), cpu_seconds(server.proc.pid)
     samples, wall = asyncio.run(run_load(server.url, {}, c, tokens, concurrency=c, first=100 * c))
@@ -69,7 +70,18 @@ def offline(gguf: Path, dtype: str, c: int, tokens: int) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([prompt(100 * c + i) for i in range(c)], params)
     wall = time.perf_counter() - start
-    return {"output_tokens_per_s": sum(len(o.token_ids) for o in outputs) / wall, "wall_s": wall}
+    # The engine thread detokenizes inside its steps: replay those token streams alone.
+    from kiln.engine.tokenizer import IncrementalDetokenizer
+
+    start = time.perf_counter()
+    for o in outputs:
+        detokenizer = IncrementalDetokenizer(llm.tokenizer, prompt_ids=o.prompt_token_ids)
+        for token in o.token_ids:
+            detokenizer.add([token])
+    detok = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {"output_tokens_per_s": tokens / wall, "wall_s": wall,
+            "detokenize_us_per_token": detok / tokens * 1e6, "detokenize_share_of_wall": detok / wall}
 
 
 def main() -> None:
@@ -89,9 +101,13 @@ def main() -> None:
     server = start_kiln(gguf, args)
     try:
         for c in levels:
-            record["rows"].append({"concurrency": c, "served": served(server, c, args.output_tokens, args)})
+            record["rows"].append({"concurrency": c, "served": served(server, c, args.output_tokens)})
+            write_result("serving-path", record)  # partial runs count
     finally:
         server.stop()
+    import torch
+
+    torch.set_num_threads(args.threads)  # as the server's OMP_NUM_THREADS
     for row in record["rows"]:
         row["offline"] = offline(gguf, args.dtype, row["concurrency"], args.output_tokens)
         row["served_over_offline"] = row["served"]["output_tokens_per_s"] / row["offline"]["output_tokens_per_s"]
@@ -99,7 +115,9 @@ def main() -> None:
         print(f"c={row['concurrency']}: served {s['output_tokens_per_s']:.1f} tok/s, offline "
               f"{row['offline']['output_tokens_per_s']:.1f} ({row['served_over_offline']:.2f}x); engine gaps "
               f"{s['gap_fraction']:.1%} of its loop; event-loop thread {s['event_loop_share_of_cpu']:.1%} of the "
-              f"process's CPU", flush=True)
+              f"process's CPU; detokenizing {row['offline']['detokenize_us_per_token']:.0f} us/token = "
+              f"{row['offline']['detokenize_share_of_wall']:.1%} of the offline wall", flush=True)
+        write_result("serving-path", record)
     record["machine"]["load_average_end"] = os.getloadavg()
     print(f"wrote {write_result('serving-path', record)}")
 
