@@ -210,13 +210,13 @@ def served_dtype(requested: str) -> str:
     return str(auto_dtype("cpu", host_cpu_flags())).removeprefix("torch.")
 
 
-def served_gguf(dtype: str, quantize_bin: Path | None) -> Path:
-    """A GGUF of the packaged model's weights in `dtype`: bf16 written by bf16_gguf.py, float32
-    widened from it by llama-quantize (the same values, exactly)."""
+def served_gguf(dtype: str, quantize_bin: Path | None, folder: Path = CACHE / "models") -> Path:
+    """A GGUF of the packaged model's weights (dequantized as Kiln's loader does) in `dtype`, cached
+    in `folder`: bf16 written by bf16_gguf.py, float32 widened from it by llama-quantize (the same
+    values, exactly)."""
     from bf16_gguf import write_bf16_gguf
     from kiln.engine.loader import resolve_model_path
 
-    folder = CACHE / "models"
     bf16 = folder / "smollm2-135m.bf16.gguf"
     if not bf16.exists():
         folder.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from cpu_common import ceilings, machine
-from online import BENCH, CACHE, ServerUnderTest, free_port, prompt, run_load, versions
+from online import BENCH, CACHE, ServerUnderTest, free_port, prompt, run_load, served_gguf, versions
 
 VARIANTS = ("none", "int8", "int4", "int4-rtn", "fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1")
 PEER_GGUF = {"none": "F32", "int8": "Q8_0", "fp8": "Q8_0", "int4": "Q4_1", "int4-rtn": "Q4_1",
@@ -79,19 +79,6 @@ def gguf_contents(path: Path) -> dict:
             "tensor_types": dict(Counter(types.values())),
             "token_embd": types.get("token_embd.weight"), "output": types.get("output.weight", "tied to token_embd"),
             "ffn_down": types.get("blk.0.ffn_down.weight"), "attn_q": types.get("blk.0.attn_q.weight")}
-
-
-def float_gguf(folder: Path) -> Path:
-    """A BF16 GGUF of the packaged model's weights (dequantized as Kiln's loader does): the float
-    model the unquantized and the quantize-at-load variants start from."""
-    from bf16_gguf import write_bf16_gguf
-    from kiln.engine.loader import resolve_model_path
-
-    bf16 = folder / "smollm2-135m.bf16.gguf"
-    if not bf16.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        write_bf16_gguf(resolve_model_path("smollm2-135m"), bf16)
-    return bf16
 
 
 def make_ggufs(quantize_bin: Path | None, needed: set[str], bf16: Path) -> dict[str, Path]:
@@ -298,7 +285,7 @@ def main() -> None:
         server_bin, quantize_bin = llama_tools()
         done = subprocess.run([str(server_bin), "--version"], capture_output=True, text=True, timeout=60)
         llama_version = (done.stdout + done.stderr).strip()
-    bf16 = float_gguf(CACHE / "models" / "quant")
+    bf16 = served_gguf("bfloat16", None, CACHE / "models" / "quant")
     ggufs = make_ggufs(quantize_bin, needed, bf16)
     dirty = subprocess.run(["git", "status", "--short", "engine"], cwd=BENCH.parent, capture_output=True, text=True)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
