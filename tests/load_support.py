@@ -1,47 +1,15 @@
-"""Helpers for the overload, abort and engine-fault tests: a real `kiln router` process in
-front of a real `kiln serve` (test_server.ServerProcess), many requests at once over aiohttp,
-and SSE streams read event by event."""
+"""Helpers for the overload, abort and engine-fault tests: many requests at once over aiohttp,
+and SSE streams read event by event (the processes they talk to: kiln_process)."""
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from test_server import REPO, get
-
-
-class RouterProcess:
-    """`python -m kiln.cli router --endpoints 127.0.0.1:<engine_port> ...` on a free port."""
-
-    def __init__(self, engine_port: int, *extra: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kiln.cli", "router", "--endpoints", f"127.0.0.1:{engine_port}",
-               "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 60
-        while get(self.url + "/ready")[0] != 200:
-            assert self.proc.poll() is None, "router died:\n" + "".join(self.log)
-            assert time.monotonic() < deadline, "router never became ready:\n" + "".join(self.log)
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 @dataclass

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +24,8 @@ from schemathesis.engine.events import FatalError, NonFatalError, ScenarioFinish
 
 from kiln.engine.openapi import engine_document
 from kiln.router.openapi import router_document
-from test_server import MODEL, REPO, ServerProcess, complete, get, post
+from kiln_process import RouterProcess
+from test_server import MODEL, ServerProcess, complete, get, post
 
 EXAMPLES = 50  # per operation, in the fuzzing phase alone (the coverage phase adds its own)
 MAX_TOKENS = 2  # one prefill step and one decode step: every code path of a generation
@@ -52,30 +49,6 @@ def engine():
     s = ServerProcess("--max-model-len", "64", "--max-num-seqs", "4", "--kv-cache-memory", "64Mi")
     yield s
     s.stop()
-
-
-class RouterProcess:
-    """`python -m kiln.cli router --endpoints ...` on a free port; waits for /health."""
-
-    def __init__(self, *endpoints: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kiln.cli", "router", "--endpoints", ",".join(endpoints),
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 60
-        while get(self.url + "/health")[0] != 200:
-            assert self.proc.poll() is None, "router died:\n" + "".join(self.log)
-            assert time.monotonic() < deadline, "router never answered /health:\n" + "".join(self.log)
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

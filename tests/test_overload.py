@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from kiln.cli import main as cli_main
-from load_support import Answer, RouterProcess, burst, is_openai_error
+from kiln_process import RouterProcess
+from load_support import Answer, burst, is_openai_error
 from router_fakes import metric, parse_metrics
 from test_server import MODEL, ServerProcess, get, post
 from test_sleep import rss_mib
@@ -82,7 +83,7 @@ def test_engine_at_ten_times_capacity_answers_200_or_429_and_memory_stays_flat(e
 
 def test_router_in_front_at_ten_times_its_capacity(engine):
     in_flight, line = CAPACITY, CAPACITY
-    router = RouterProcess(engine.port, "--max-in-flight", str(in_flight), "--max-queue", str(line))
+    router = RouterProcess(f"127.0.0.1:{engine.port}", extra=("--max-in-flight", str(in_flight), "--max-queue", str(line)))
     try:
         url = router.url + "/v1/completions"
         asyncio.run(burst(url, bodies(CAPACITY)))  # warm

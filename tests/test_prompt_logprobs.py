@@ -4,8 +4,6 @@ whole prompt (the engine's own float32 model, no KV cache) across chunked prefil
 hits and preemption; over HTTP, a greedy request's returned ids are scored back on a server."""
 from __future__ import annotations
 
-import json
-import urllib.request
 
 import pytest
 import torch

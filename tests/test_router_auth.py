@@ -5,31 +5,18 @@ only with each other, which the engine's own prefix-cache counters show."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
 
-from test_server import MODEL, REPO, ServerProcess, get, post
+from kiln_process import REPO, RouterProcess
+from test_server import MODEL, ServerProcess, get, post
 
 KEYS = "key-tenant-a  # team a\nkey-tenant-b\n"
 # Several full blocks (block size 16), so a prefix hit is many tokens.
 PROMPT = "In the harbour town the lighthouse keeper wrote down every ship that passed, " * 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def router(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kiln.cli", "router", *args], cwd=REPO,
-                            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +28,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def front(engine):
-    port = free_port()
-    proc = router("--endpoints", f"127.0.0.1:{engine.port}", "--host", "127.0.0.1", "--port", str(port),
-                  env={"KILN_API_KEYS": KEYS})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while get(url + "/ready")[0] != 200:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the router never became ready"
-        time.sleep(0.1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    router = RouterProcess(f"127.0.0.1:{engine.port}", env={"KILN_API_KEYS": KEYS})
+    yield router.url
+    router.stop(graceful=True)
 
 
 def client(url: str, key: str) -> openai.OpenAI:
@@ -103,6 +81,7 @@ def test_the_engine_refuses_a_bad_cache_salt(engine):
 def test_a_key_variable_holding_no_key_does_not_open_the_router():
     for env, args in (({"KILN_API_KEYS": "# nobody yet\n"}, ()), ({}, ("--api-key", "")),
                       ({"KILN_API_KEYS": "two words"}, ())):
-        proc = router("--endpoints", "127.0.0.1:9", "--port", str(free_port()), *args, env=env)
-        out, _ = proc.communicate(timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "kiln.cli", "router", "--endpoints", "127.0.0.1:9", *args],
+                              cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+        out = proc.stdout + proc.stderr
         assert proc.returncode == 2 and ("API key" in out or "api-key" in out), out

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,35 +17,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from kiln.engine.gguf_loader import load_gguf
 from kiln.engine.loader import resolve_model_path
 from kiln.cli import main as cli_main
+from kiln_process import KilnProcess, get
 from kiln.engine.server import parse_size
 from kiln.engine.startup import PHASES
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "smol"
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(32)]
 
 
-class ServerProcess:
-    """`python -m kiln.cli serve ...` on a free port; waits for /ready."""
+class ServerProcess(KilnProcess):
+    """`python -m kiln.cli serve ...` (SmolLM2, float32) on a free port; waits for /ready."""
 
     def __init__(self, *extra: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "kiln.cli", "serve", "--model", "smollm2-135m", "--served-model-name", MODEL,
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        env = {**os.environ, "OMP_NUM_THREADS": "2"}
-        launched = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 300
-        while get(self.url + "/ready")[0] != 200:
-            assert self.proc.poll() is None, "server died:\n" + "".join(self.log)
-            assert time.monotonic() < deadline, "server never became ready:\n" + "".join(self.log)
-            time.sleep(0.3)
-        self.ready_after = time.monotonic() - launched  # an upper bound of the process's own cold start
+        super().__init__(["serve", "--model", "smollm2-135m", "--served-model-name", MODEL, "--dtype", "float32",
+                          *extra], env={"OMP_NUM_THREADS": "2"})
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
         self.aclient = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
@@ -73,20 +53,6 @@ class ServerProcess:
             assert time.monotonic() < deadline, f"metrics never reached {want}: {m}"
             time.sleep(0.1)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def post(url: str, body: bytes | dict, method: str = "POST") -> tuple[int, dict]:

@@ -1,0 +1,64 @@
+"""`kiln serve` and `kiln router` as real processes for the tests: started on a free port of
+127.0.0.1 from this checkout, waited on until a probe answers 200, their output kept."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+class KilnProcess:
+    """`python -m kiln.cli <command...> --host 127.0.0.1 --port <free>` until `probe` answers 200."""
+
+    def __init__(self, command: list[str], probe: str = "/ready", timeout: float = 300,
+                 env: dict[str, str] | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kiln.cli", *command, "--host", "127.0.0.1", "--port", str(self.port)]
+        launched = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while get(self.url + probe)[0] != 200:
+            assert self.proc.poll() is None, f"kiln {command[0]} died:\n" + "".join(self.log)
+            assert time.monotonic() < deadline, f"kiln {command[0]} never answered {probe}:\n" + "".join(self.log)
+            time.sleep(0.1)
+        self.ready_after = time.monotonic() - launched  # an upper bound of the process's own cold start
+
+    def stop(self, graceful: bool = False) -> None:
+        """SIGKILL (tests that are done with it), or SIGTERM and wait for its drain."""
+        if self.proc.poll() is None:
+            if graceful:
+                self.proc.terminate()
+            else:
+                self.proc.kill()
+        self.proc.wait(timeout=60)
+
+
+class RouterProcess(KilnProcess):
+    """`kiln router --endpoints <endpoints> <extra...>` in front of static engine addresses."""
+
+    def __init__(self, *endpoints: str, extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        super().__init__(["router", "--endpoints", ",".join(endpoints), *extra], timeout=60, env=env)
