@@ -118,6 +118,8 @@ def main() -> None:
     kiln["useful_tokens_per_s"] = round(useful / kiln["seconds"], 1)
     result["kiln"] = kiln
     print(f"kiln: {useful} useful tokens in {kiln['seconds']} s = {kiln['useful_tokens_per_s']} tok/s", flush=True)
+    if not args.quick:  # a run cut off during the (slower) transformers part still counts
+        write_result("offline", result)
     if not args.skip_transformers:
         model = load_transformers(dtype)
         runs = []
