@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_support import CHAT, MODEL, PROMPT, Target
+from e2e_support import CHAT, MODEL, PROMPT, Target, local_operator
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 
@@ -70,18 +70,8 @@ def operator(target: Target, namespace: str, tmp_path_factory: pytest.TempPathFa
     if target.cluster is None:
         yield None
         return
-    from kiln.local import demo
-    from kiln.local.kwok import EXTERNAL_READINESS
-
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(demo.operator_kubeconfig(target.cluster), log,
-                           ("-n", namespace, f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
-    proc.start(interval=5)
-    try:
+    with local_operator(target, namespace, tmp_path_factory.mktemp("operator") / "operator.log") as proc:
         yield proc
-    finally:
-        proc.stop()
-        print(proc.tail(40))
 
 
 def free_port() -> int:

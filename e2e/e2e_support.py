@@ -2,7 +2,10 @@
 when tests/ and e2e/ run in one pytest session). Polling and kubectl are kiln.local.testing's."""
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,16 +33,64 @@ class Target:
                                binary=self.kubectl_bin).stdout
 
 
-class Load:
+@contextmanager
+def local_operator(target: Target, namespace: str, log: Path, *extra: str) -> Iterator[testing.OperatorProcess]:
+    """`kiln operator` for `namespace` on the local cluster, with its ServiceAccount's token and its
+    pods opted into the test runtime; its log's tail printed when it stops."""
+    from kiln.local import demo
+    from kiln.local.kwok import EXTERNAL_READINESS
+
+    proc = testing.OperatorProcess(demo.operator_kubeconfig(target.cluster), log,
+                                   ("-n", namespace, f"--pod-annotation={EXTERNAL_READINESS}=runtime", *extra))
+    proc.start(interval=5)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        print(proc.tail(40))
+
+
+def live_pods(target: Target, namespace: str, name: str, component: str) -> list[dict]:
+    """The InferenceService's pods of one component ("engine", "router"), terminating ones left out."""
+    found = json.loads(target.kubectl("get", "pods", "-n", namespace, "-o", "json", "-l",
+                                      f"kiln.dev/inferenceservice={name},kiln.dev/component={component}"))
+    return [p for p in found["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+
+
+class Clients:
+    """Client threads, each running `_run(i)` until `stop` is set: a context manager."""
+
+    def __init__(self, clients: int) -> None:
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Clients:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+class Load(Clients):
     """Clients streaming long completions in a loop until stopped; every outcome is kept."""
 
     def __init__(self, url: str, clients: int, max_tokens: int = 64) -> None:
         self.max_tokens = max_tokens
         self.api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
-        self.stop = threading.Event()
         self.failures: list[str] = []
         self.done = 0
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+        super().__init__(clients)
 
     def _run(self, i: int) -> None:
         while not self.stop.is_set():
@@ -52,13 +103,3 @@ class Load:
                 self.done += 1
             except Exception as exc:  # noqa: BLE001 - any failure is what this test counts
                 self.failures.append(repr(exc))
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()

@@ -12,7 +12,7 @@ import openai
 import pytest
 import yaml
 
-from e2e_support import CHAT, LOAD_TIMEOUT, MODEL, REPO, Target
+from e2e_support import CHAT, LOAD_TIMEOUT, MODEL, REPO, Target, local_operator
 from kiln.local import containers, images
 from kiln.local.testing import OperatorProcess, eventually
 from kiln.operator import images as names
@@ -73,18 +73,9 @@ def container_operator(built, target: Target, namespace: str, tmp_path_factory) 
     opted into the runtime's container mode."""
     if target.cluster is None:
         pytest.fail("container mode is the local cluster's test runtime: run without --kubeconfig")
-    from kiln.local import demo
-    from kiln.local.kwok import EXTERNAL_READINESS
-
-    proc = OperatorProcess(demo.operator_kubeconfig(target.cluster), tmp_path_factory.mktemp("op") / "operator.log",
-                           ("-n", namespace, f"--pod-annotation={EXTERNAL_READINESS}=runtime",
-                            f"--pod-annotation={containers.MODE_ANNOTATION}=container"))
-    proc.start(interval=5)
-    try:
+    with local_operator(target, namespace, tmp_path_factory.mktemp("op") / "operator.log",
+                        f"--pod-annotation={containers.MODE_ANNOTATION}=container") as proc:
         yield proc
-    finally:
-        proc.stop()
-        print(proc.tail(40))
 
 
 def engine_pods(target: Target, namespace: str, component: str) -> list[dict]:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target
+from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target, live_pods, ready
 from kiln.local.testing import KubectlError, eventually
 
 pytestmark = pytest.mark.timeout(1800)
@@ -37,13 +37,7 @@ def apply(target: Target, namespace: str, min_replicas: int) -> None:
 
 
 def pods(target: Target, namespace: str) -> list[dict]:
-    found = json.loads(target.kubectl("get", "pods", "-n", namespace, "-o", "json", "-l",
-                                      f"kiln.dev/inferenceservice={NAME},kiln.dev/component=engine"))
-    return [p for p in found["items"] if not p["metadata"].get("deletionTimestamp")]
-
-
-def ready(pod: dict) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
+    return live_pods(target, namespace, NAME, "engine")
 
 
 def role(pod: dict) -> str:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# ss states of a socket whose FIN is not yet acknowledged (established ones count by Send-Q)
+UNDELIVERED_STATES = ("FIN-WAIT-1", "CLOSING", "LAST-ACK")
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -113,6 +117,20 @@ class PodNetwork:
         # veth names are limited to 15 characters, so they carry a digest of the name
         digest = hashlib.sha1(self.netns_name(name).encode()).hexdigest()[:10]
         return f"vh{digest}", f"vp{digest}"
+
+    def wait_delivered(self, name: str, timeout: float = 3.0) -> bool:
+        """Wait until no TCP socket in the namespace holds data or a FIN its peer has not
+        acknowledged. A pod that exits right after its last write leaves those bytes to the kernel;
+        cutting the veth at once dropped them, and a stream the pod had finished arrived cut short.
+        (A kubelet's sandbox teardown takes long enough not to race it.) False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = subprocess.run([*self.exec_prefix(name), "ss", "-Htn"], capture_output=True, text=True).stdout
+            pending = [line for line in out.splitlines()
+                       if line.split()[0] in UNDELIVERED_STATES or line.split()[2] != "0"]  # Send-Q
+            if not pending or time.monotonic() >= deadline:
+                return not pending
+            time.sleep(0.05)
 
     def delete_namespace(self, name: str) -> None:
         """Remove a namespace made by create_namespace, with its veth pair."""

@@ -378,6 +378,8 @@ class Runtime:
         """preStop sleep (the Endpoints drop the pod meanwhile), SIGTERM, grace, SIGKILL."""
         time.sleep(run.prestop if prestop is None else prestop)
         self.halt(run, grace)
+        if not self.net.wait_delivered(run.netns):
+            log.warning("%s: TCP data still unacknowledged after exit; deleting its network anyway", run.key)
         self.net.delete_namespace(run.netns)
         self.pods.pop(run.uid, None)
         log.info("stopped %s", run.key)
