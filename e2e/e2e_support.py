@@ -61,17 +61,18 @@ def ready(pod: dict) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions") or [])
 
 
-class Clients:
-    """Client threads, each running `_run(i)` until `stop` is set: a context manager."""
+class Threads:
+    """Background threads (load clients, watchers, fault injectors), each running `_run(i)` until
+    `stop` is set: started on entering the block, stopped and joined on leaving it."""
 
-    def __init__(self, clients: int) -> None:
+    def __init__(self, count: int = 1) -> None:
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(count)]
 
     def _run(self, i: int) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Clients:
+    def __enter__(self) -> Threads:
         for t in self.threads:
             t.start()
         return self
@@ -82,7 +83,7 @@ class Clients:
             t.join()
 
 
-class Load(Clients):
+class Load(Threads):
     """Clients streaming long completions in a loop until stopped; every outcome is kept."""
 
     def __init__(self, url: str, clients: int, max_tokens: int = 64) -> None:

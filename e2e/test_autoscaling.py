@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target
+from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target, Threads
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 pytestmark = pytest.mark.timeout(1800)
@@ -59,27 +58,19 @@ def wait_ready(target: Target, namespace: str, name: str) -> None:
                    f"inferenceservice/{name}", timeout=LOAD_TIMEOUT + 30)
 
 
-class Watch:
+class Watch(Threads):
     """The engine Deployments' replicas, sampled until stopped."""
 
     def __init__(self, read: Callable[[], int]) -> None:
-        self.read, self.seen, self.stop = read, [], threading.Event()
-        self.thread = threading.Thread(target=self._run)
+        self.read, self.seen = read, []
+        super().__init__()
 
-    def _run(self) -> None:
+    def _run(self, _: int) -> None:
         while not self.stop.wait(0.5):
             try:
                 self.seen.append(self.read())
             except KubectlError:
                 pass
-
-    def __enter__(self) -> Watch:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def test_a_burst_scales_out_and_back_without_losing_a_request(target: Target, namespace: str,

@@ -24,23 +24,22 @@ import openai
 import pytest
 import yaml
 
-from e2e_support import LOAD_TIMEOUT, MODEL, REPO, Clients, Target, live_pods, ready
+from e2e_support import LOAD_TIMEOUT, MODEL, REPO, Target, Threads, live_pods, ready
 from kiln.local.testing import KubectlError, eventually
 
 pytestmark = pytest.mark.timeout(1800)
 NAME = "faults"
 
 
-class Routers:
+class Routers(Threads):
     """kube-proxy stand-in: the router Service's ready endpoints, re-read every 0.2 s."""
 
     def __init__(self, target: Target, namespace: str) -> None:
         self.api = kubernetes.client.DiscoveryV1Api(kubernetes.config.new_client_from_config(str(target.kubeconfig)))
         self.namespace, self.ready, self.turn = namespace, [], 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._follow, daemon=True)
+        super().__init__()
 
-    def _follow(self) -> None:
+    def _run(self, _: int) -> None:
         while not self.stop.wait(0.2):
             try:
                 found = self.api.list_namespaced_endpoint_slice(
@@ -57,16 +56,8 @@ class Routers:
         self.turn += 1
         return ready[self.turn % len(ready)]
 
-    def __enter__(self) -> Routers:
-        self.thread.start()
-        return self
 
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join()
-
-
-class Prober(Clients):
+class Prober(Threads):
     """Clients streaming completions through `routers` until stopped; outcomes per phase."""
 
     def __init__(self, routers: Routers, clients: int = 3, max_tokens: int = 8) -> None:
@@ -167,28 +158,19 @@ def settled(target: Target, namespace: str, engines: int) -> bool:
             and all(ready(p) and not p["metadata"].get("deletionTimestamp") for p in everything))
 
 
-class OperatorKiller:
+class OperatorKiller(Threads):
     """SIGKILLs the operator at random moments and starts it again a second later."""
 
     def __init__(self, operator, low: float, high: float) -> None:
         self.operator, self.low, self.high, self.kills = operator, low, high, 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run)
+        super().__init__()
 
-    def _run(self) -> None:
+    def _run(self, _: int) -> None:
         while not self.stop.wait(random.uniform(self.low, self.high)):
             self.operator.stop(signal.SIGKILL)
             self.kills += 1
             time.sleep(1.0)
             self.operator.start(interval=5)
-
-    def __enter__(self) -> OperatorKiller:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.stop.set()
-        self.thread.join()
 
 
 def check_children(target: Target, namespace: str) -> None:
