@@ -192,7 +192,10 @@ class AsyncEngine:
         if cmd[0] == "call":
             _, fn, done = cmd
             try:
-                self._loop.call_soon_threadsafe(_resolve, done, fn(), None)
+                result = fn()
+                # Before answering: a caller reading /metrics next sees what its call changed (sleep).
+                self.metrics.record_engine_stats(self.engine.stats())
+                self._loop.call_soon_threadsafe(_resolve, done, result, None)
             except Exception as e:
                 self._loop.call_soon_threadsafe(_resolve, done, None, e)
             return
