@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kiln.engine import LLM, SamplingParams, cpu_attention
+from kiln.engine import LLM, SamplingParams, cpu_attention, cpu_library
 from kiln.engine.attention import paged_attention as torch_paged_attention
 from kiln.engine.config import Config
 from kiln.engine.kv_quant import quantize_kv
@@ -25,7 +25,7 @@ MIXED = [(1, 1), (1, 32), (1, 300), (20, 100), (37, 37), (1, 77), (0, 40), (5, 5
 
 @pytest.fixture(scope="module", autouse=True)
 def op_built() -> None:
-    assert cpu_attention.available(), cpu_attention.unavailable_reason()
+    assert cpu_library.available(), cpu_library.unavailable_reason()
 
 
 def make_batch(shape: list[tuple[int, int]], block_size: int, dtype: torch.dtype, seed: int = 0,
@@ -133,9 +133,9 @@ def test_bad_input_is_a_clear_error() -> None:
 
 def test_cached_build_is_reused() -> None:
     """A second process finds the built library under ~/.cache/kiln/ops and loads it without building."""
-    library = cpu_attention.build_dir() / "kiln_paged_attention_cpu.so"
+    library = cpu_library.build_dir() / "kiln_cpu_ops.so"
     built = library.stat().st_mtime_ns
-    code = ("import time; from kiln.engine import cpu_attention as c; t = time.perf_counter(); "
+    code = ("import time; from kiln.engine import cpu_library as c; t = time.perf_counter(); "
             "assert c.available(); print(time.perf_counter() - t)")
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -153,10 +153,10 @@ def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch: pytest.MonkeyPa
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++;\n")
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
-    monkeypatch.setattr(cpu_attention, "_state", {})
-    assert not cpu_attention.available()
-    assert not cpu_attention.available()  # the second call does not rebuild or log again
+    monkeypatch.setattr(cpu_library, "SOURCES", [broken])
+    monkeypatch.setattr(cpu_library, "_state", {})
+    assert not cpu_library.available()
+    assert not cpu_library.available()  # the second call does not rebuild or log again
     warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
     print("logged:", warnings[0].getMessage()[:200])
     assert len(warnings) == 1

@@ -222,8 +222,8 @@ def test_int4_rejects_bad_groups() -> None:
 
 
 def test_backend_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kiln.engine import cpu_attention
-    assert get_backend("auto", "cpu").name == ("cpu" if cpu_attention.available() else "torch")
+    from kiln.engine import cpu_library
+    assert get_backend("auto", "cpu").name == ("cpu" if cpu_library.available() else "torch")
     assert resolve_backend_name("auto", "cuda") == "triton"
     assert get_backend("triton", DEVICE).paged_attention is paged_attention  # the interpreter runs on CPU
     with pytest.raises(ValueError, match="unknown kernel backend"):

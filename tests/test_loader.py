@@ -307,8 +307,8 @@ def test_config_resolves_auto_choices(smollm2_fp32) -> None:
     assert config.torch_dtype == torch.bfloat16 and Config(dtype="float32").torch_dtype == torch.float32
     on_gpu = config.torch_device.type == "cuda"
     # On CPU, "auto" is the fused C++ op where it builds (tests/test_cpu_attention.py), else torch.
-    from kiln.engine import cpu_attention
-    assert config.resolved_attention_backend == ("triton" if on_gpu else "cpu" if cpu_attention.available() else "torch")
+    from kiln.engine import cpu_library
+    assert config.resolved_attention_backend == ("triton" if on_gpu else "cpu" if cpu_library.available() else "torch")
     model_config = smollm2_fp32.model_config
     assert model_config.max_position_embeddings == 8192
     assert resolve_max_model_len(Config(), model_config) == 8192

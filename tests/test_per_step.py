@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine import LLM, SamplingParams, attention, cpu_attention, cpu_ops
+from kiln.engine import LLM, SamplingParams, attention, cpu_attention, cpu_kernels, cpu_library, cpu_ops
 from kiln.engine.kernels.backend import get_backend
 from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm_ref, rope_ref
-from kiln.engine.llama import rope_inv_freq
+from kiln.engine.llama import Linear, rope_inv_freq
 from test_engine_generate import PROMPTS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -29,7 +29,7 @@ def one_thread():
 @pytest.fixture(scope="module", params=["torch", "cpu"])
 def llm(request) -> LLM:
     if request.param == "cpu":
-        assert cpu_attention.available(), cpu_attention.unavailable_reason()
+        assert cpu_library.available(), cpu_library.unavailable_reason()
     # 16-token chunks: steps mix prefill chunks over a cached prefix with decodes.
     return LLM(dtype="float32", attention_backend=request.param, max_num_batched_tokens=16, max_model_len=256)
 
@@ -60,7 +60,10 @@ def test_one_backend_for_attention_norm_and_rope(llm: LLM) -> None:
     model = llm.engine.runner.model
     users = {id(m.backend) for m in model.modules() if hasattr(m, "backend")}
     assert users == {id(model.backend)} and model.backend.name == llm.engine.config.attention_backend
-    assert model.backend.rms_norm is cpu_ops.rms_norm and model.backend.rope is cpu_ops.rope
+    ops = cpu_kernels if model.backend.name == "cpu" else cpu_ops  # the C++ ops, or their torch references
+    assert model.backend.rms_norm is ops.rms_norm and model.backend.rope is ops.rope
+    gemms = {m.gemm for m in model.modules() if isinstance(m, Linear)}
+    assert gemms == {model.backend.linear}  # the GEMM comes from the same switch
     assert get_backend("auto", "cpu").name == "cpu"  # the op builds here, as the llm fixture asserts
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import queue
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -68,9 +70,41 @@ class RequestStream:
     finished: bool = False
 
 
+class TorchThread:
+    """The thread every torch op of a server runs on: loading, warm-up and the engine loop. One
+    thread keeps one OpenMP team: a second (a load run on another thread leaves its team behind)
+    makes libgomp stop spinning between parallel regions once its threads outnumber the CPUs, and
+    a decode step then waits on every wake-up: 1.5x slower on 2 cores (bench/serving_path.py).
+    A daemon thread, as the engine loop's was: it never holds up the process's exit."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) on this thread, in a copy of the caller's context as asyncio.to_thread would."""
+        return await asyncio.wrap_future(self.submit(contextvars.copy_context().run, fn, *args))
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the caller gets it; the thread lives on for the next job
+                future.set_exception(e)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int,
-                 max_queued_tokens: int | None = None, fault_step: int | None = None) -> None:
+                 max_queued_tokens: int | None = None, fault_step: int | None = None,
+                 torch_thread: TorchThread | None = None) -> None:
+        """torch_thread: the thread that built the engine; the loop runs on it."""
         self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self.max_queued_tokens, self.fault_step = max_queued_tokens, fault_step
         self.dead: EngineDeadError | None = None  # set once, on the loop thread, when the loop failed
@@ -78,18 +112,19 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched only on the loop thread
-        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._thread = torch_thread or TorchThread()
+        self._running: Any = None  # the loop's concurrent.futures.Future once started
 
     def start(self) -> None:
         # A tensor-parallel worker rank that dies is fatal even while the engine idles (tp_ranks).
         group = getattr(getattr(self.engine, "runner", None), "group", None)
         if group is not None:
             group.on_failure = lambda error: self._commands.put(("fail", error))
-        self._thread.start()
+        self._running = self._thread.submit(self._run)
 
     async def stop(self) -> None:
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.wrap_future(self._running)
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
         """Admit a request; ValueError if the engine rejects it, QueueFullError if too many
@@ -113,7 +148,7 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
-        if not self._thread.is_alive():
+        if self._running is None or self._running.done():
             raise EngineDeadError("the engine thread has stopped")
 
     def _check_room(self, prompt_tokens: int) -> None:

@@ -6,7 +6,7 @@ which `load_weights` fills shard by shard from the separate HF tensors.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,15 +19,18 @@ from kiln.engine.kernels.backend import Backend, get_backend
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), parameters left uninitialised: weights always come from a file."""
+    """y = x W^T (+ b) by `gemm` (the backend's, F.linear's signature), parameters left
+    uninitialised: weights always come from a file."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 gemm: Callable[..., torch.Tensor] = F.linear) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.gemm = gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -92,8 +95,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, backend.linear)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, backend.linear)
         self.backend = backend
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, backend)
 
@@ -109,10 +112,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, gemm=backend.linear)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, gemm=backend.linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -125,7 +128,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.self_attn = LlamaAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: object
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, gemm=self.backend.linear)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [N] int64 (flattened batch) -> hidden [N, hidden]."""
@@ -188,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] -> logits [M, vocab] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.backend.linear(hidden, weight).float()
 
     def _shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config

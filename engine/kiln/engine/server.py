@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams, openapi
-from kiln.engine.async_engine import AsyncEngine, fault_step_from_env
+from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
@@ -62,6 +62,7 @@ class Server:
         self.max_queued_tokens, self.fault_step = max_queued_tokens, fault_step
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
+        self.torch_thread = TorchThread()  # loads, warms up and then runs the engine (one OpenMP team)
         self.serving: OpenAIServing | None = None
         self.draining = False
         self.in_flight = 0
@@ -89,15 +90,16 @@ class Server:
         with startup.timing(self.startup):  # the worker threads count their phases on it
             t0 = time.perf_counter()
             log.info("dtype: %s", self.config.dtype_reason)
-            core = await asyncio.to_thread(LLMEngine, self.config)  # weights_read, quantize, kv_alloc
+            core = await self.torch_thread.run(LLMEngine, self.config)  # weights_read, quantize, kv_alloc
             loaded = time.perf_counter() - t0
             self.metrics.model_load_seconds.set(loaded)
             log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
                      _describe_cache(core), loaded)
             with startup.phase("warmup"):
-                await asyncio.to_thread(_warm_up, core)
+                await self.torch_thread.run(_warm_up, core)
         log.info("warm-up generation took %.2fs", self.startup.seconds["warmup"])
-        self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step)
+        self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step,
+                                  self.torch_thread)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, self.model_name)
         phases = self.startup.ready()

@@ -98,7 +98,7 @@ def _row_slice(module: nn.Module, start: int, size: int) -> nn.Module:
 
     act_scale = None if getattr(module, "act_scale", None) is None else cols(module.act_scale)
     if isinstance(module, Linear):
-        local = Linear(size, module.weight.shape[0])
+        local = Linear(size, module.weight.shape[0], gemm=module.gemm)
         local.weight = _param(cols(module.weight))
         return local
     if isinstance(module, Int8Linear):

@@ -1,10 +1,12 @@
-"""The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm and RoPE,
-chosen together by one name (Config.attention_backend, `--attention-backend`). Quantized GEMMs
-follow the weights' device (kiln.engine.quantization): Triton's W8A16/W4A16 on CUDA, torch's
-packed ops on CPU, which is what "auto" pairs them with.
+"""The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm, RoPE and
+the float GEMM, chosen together by one name (Config.attention_backend, `--attention-backend`).
+Quantized GEMMs follow the weights' device (kiln.engine.quantization): Triton's W8A16/W4A16 on
+CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
 
   torch   the reference: pure torch everywhere (kiln.engine.attention, kiln.engine.cpu_ops)
-  cpu     torch's norm, RoPE and GEMMs with the fused C++ paged-attention op (kiln.engine.cpu_attention)
+  cpu     Kiln's C++ ops (kiln.engine.cpu_library): the fused paged attention (cpu_attention),
+          norm and RoPE (cpu_kernels) and, where the CPU has AVX512-BF16, the bf16 GEMM of decode
+          steps (cpu_kernels.linear); torch's GEMM elsewhere
   triton  the Triton kernels of this package (CUDA, or the interpreter in tests)
   auto    triton on CUDA; on CPU "cpu" where its op builds, else torch
 """
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -30,6 +33,8 @@ class Backend:
     # rope_prepare(positions, cos_sin table) once per step; rope(qk [N, Hq+Hkv, D], Hq, prepared) -> (q, k)
     rope_prepare: Callable[[torch.Tensor, torch.Tensor], Any]
     rope: Callable[[torch.Tensor, int, Any], tuple[torch.Tensor, torch.Tensor]]
+    # (x [M, K], weight [N, K], bias [N] or None) -> [M, N]: F.linear's signature
+    linear: Callable[..., torch.Tensor] = F.linear
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
@@ -45,11 +50,11 @@ def resolve_backend_name(name: str, device: torch.device | str) -> str:
             if name == "cpu":
                 raise ValueError(f"attention_backend='cpu' needs a CPU device, got {device.type!r}")
             return "torch"
-        from kiln.engine import cpu_attention
-        if name == "cpu" and not cpu_attention.available():
-            raise ValueError(f"attention_backend='cpu' could not build its op ({cpu_attention.unavailable_reason()}); "
+        from kiln.engine import cpu_library
+        if name == "cpu" and not cpu_library.available():
+            raise ValueError(f"attention_backend='cpu' could not build its op ({cpu_library.unavailable_reason()}); "
                              "use attention_backend='torch'")
-        return "cpu" if cpu_attention.available() else "torch"
+        return "cpu" if cpu_library.available() else "torch"
     # The interpreter (tests) runs Triton kernels on CPU tensors.
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the triton backend needs a CUDA device, got {device.type!r}; "
@@ -67,11 +72,11 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
         return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
                        _triton_rope_prepare, _triton_rope)
     if name == "cpu":
-        from kiln.engine import cpu_attention
-        paged = cpu_attention.paged_attention
-    else:
-        paged = attention.paged_attention
-    return Backend(name, attention.store_kvcache, paged, cpu_ops.rms_norm, cpu_ops.rope_prepare, cpu_ops.rope)
+        from kiln.engine import cpu_attention, cpu_kernels as k
+        return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,
+                       k.rope, k.linear if k.linear_op_supported() else F.linear)
+    return Backend(name, attention.store_kvcache, attention.paged_attention, cpu_ops.rms_norm, cpu_ops.rope_prepare,
+                   cpu_ops.rope)
 
 
 def _triton_rope_prepare(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

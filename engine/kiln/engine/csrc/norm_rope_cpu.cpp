@@ -1,0 +1,106 @@
+// Fused residual-add + RMSNorm and in-place RoPE for the CPU. At decode a layer's norm is nine
+// small torch ops and its RoPE about fifteen, each a few microseconds of dispatch for a few hundred
+// numbers: one call each here. They round as the references do (kiln/engine/kernels/norm_rope.py,
+// rms_norm_ref and rope_ref): the residual sum and the normalised row are rounded to x's dtype
+// (HF's LlamaRMSNorm), RoPE runs in fp32 and rounds once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+template <typename T>
+inline T round_to(float x) { return static_cast<T>(x); }  // c10::BFloat16 rounds to nearest even
+
+template <typename T>
+void norm_rows(T* x, const T* residual, const T* weight, T* out, int64_t n, int64_t h, float eps) {
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* row = x + r * h;
+      float sumsq = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        if (residual) row[i] = round_to<T>(static_cast<float>(row[i]) + static_cast<float>(residual[r * h + i]));
+        const float v = static_cast<float>(row[i]);
+        sumsq += v * v;
+      }
+      const float rstd = 1.f / std::sqrt(sumsq / static_cast<float>(h) + eps);
+      for (int64_t i = 0; i < h; ++i) {
+        const T normed = round_to<T>(static_cast<float>(row[i]) * rstd);
+        out[r * h + i] = round_to<T>(static_cast<float>(normed) * static_cast<float>(weight[i]));
+      }
+    }
+  });
+}
+
+// (norm(x + residual) * weight, x + residual), the sum written into x, as cpu_ops.rms_norm.
+std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, const at::Tensor& weight, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms_norm: contiguous x [N, hidden] and weight [hidden] expected, got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x differ in dtype");
+  TORCH_CHECK(!residual || (residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                            residual->scalar_type() == x.scalar_type()),
+              "rms_norm: a contiguous residual like x expected");
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual ? residual->data_ptr<scalar_t>() : nullptr,
+                        w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                        static_cast<float>(eps));
+  });
+  return {out, x};
+}
+
+// Rotates, in place, the first cos_sin.size(1) channels of every head of qk [N, heads, D] (rows
+// may be strided, as a view into the fused qkv output; heads and channels contiguous), token i at
+// positions[i] of the table cos_sin [P, R] (R/2 cosines, then R/2 sines): neox style, halves.
+void rope_(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin) {
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "rope_: qk [N, heads, D] with contiguous heads expected, got ", qk.sizes());
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == qk.size(0) && positions.scalar_type() == at::kLong,
+              "rope_: int64 positions [N] expected");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.size(1) % 2 == 0 && cos_sin.size(1) <= qk.size(2) &&
+              cos_sin.scalar_type() == qk.scalar_type(), "rope_: a table [P, R <= D] in qk's dtype expected");
+  const at::Tensor table = cos_sin.contiguous(), pos = positions.contiguous();
+  const int64_t n = qk.size(0), heads = qk.size(1), row_stride = qk.stride(0), rot = table.size(1);
+  const int64_t half = rot / 2, max_pos = table.size(0);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < max_pos, "rope_: position ", p[i], " outside the table of ", max_pos);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qk.scalar_type(), "rope_", [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    const scalar_t* cs = table.data_ptr<scalar_t>();
+    at::parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const scalar_t* cos = cs + p[t] * rot;
+        const scalar_t* sin = cos + half;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* x = base + t * row_stride + h * qk.size(2);
+          for (int64_t j = 0; j < half; ++j) {
+            const float x1 = static_cast<float>(x[j]), x2 = static_cast<float>(x[j + half]);
+            const float c = static_cast<float>(cos[j]), s = static_cast<float>(sin[j]);
+            x[j] = round_to<scalar_t>(x1 * c - x2 * s);
+            x[j + half] = round_to<scalar_t>(x2 * c + x1 * s);
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor(a!))");
+  m.def("rope_(Tensor(a!) qk, Tensor positions, Tensor cos_sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rope_", &rope_);
+}
