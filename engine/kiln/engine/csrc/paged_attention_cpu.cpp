@@ -9,8 +9,9 @@
 //   position seq_lens[b] - q_len_b + i and attends to keys 0..that position.
 //
 // Work is cut into items of (sequence, KV head, tile of query tokens, context split):
-//  - a KV head's K/V rows are converted to fp32 once per item and shared by all query heads of
-//    its GQA group and all tokens of the tile (rows = token x group head);
+//  - a KV head's K/V rows are read in place from the cache (bf16 widened in registers: cheaper
+//    than the fp32 copy per item this op once made) by all query heads of its GQA group and all
+//    tokens of the tile (rows = token x group head);
 //  - softmax is online (running max and sum in fp32), so no score matrix is ever materialised;
 //  - when there are fewer (sequence, head, tile) triples than threads (decode at small batch,
 //    long contexts), the context is split so every thread gets work; each split leaves its
@@ -46,6 +47,90 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// e^x for x <= 0 (a score minus the running max) in a form the compiler vectorises (std::exp is a
+// scalar libm call, one per query head and key at decode): 2^n * e^r, |r| <= ln2/2, with Cephes'
+// polynomial, within 2 ulp of expf. Below x = -87 it gives ~1e-38, not 0: nothing beside e^0 = 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Loops over head_dim run in chunks of 16 floats, GCC vector types the compiler keeps in registers
+// (one AVX-512 register, two AVX2 ones): a dot product ends in one shuffle-and-add tree instead of a
+// chain of scalar adds, and an output row's chunk stays in registers across the keys it sums.
+constexpr int64_t kLanes = 16;
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+template <typename T>
+inline f32x16 load16(const T* p) {  // fp16, double
+  f32x16 v;
+  for (int t = 0; t < kLanes; ++t) v[t] = static_cast<float>(p[t]);
+  return v;
+}
+
+inline float hsum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t d) {
+  f32x16 part = {};
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) part += load16(a + i) * load16(b + i);
+  float tail = 0.f;
+  for (; i < d; ++i) tail += a[i] * to_float(b[i]);
+  return hsum(part) + tail;
+}
+
+// out[0:d] = out * alpha + sum_j p[j] * v[j * stride : j * stride + d]
+template <typename T>
+inline void rescale_accumulate(float* out, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
+                               int64_t d) {
+  int64_t i = 0;
+  for (; i + kLanes <= d; i += kLanes) {
+    f32x16 chunk = load16(out + i) * alpha;
+    for (int64_t j = 0; j < n; ++j) chunk += p[j] * load16(v + j * stride + i);
+    std::memcpy(out + i, &chunk, sizeof chunk);
+  }
+  for (; i < d; ++i) {
+    float x = out[i] * alpha;
+    for (int64_t j = 0; j < n; ++j) x += p[j] * to_float(v[j * stride + i]);
+    out[i] = x;
+  }
+}
+
 struct Item {
   int64_t seq, head, tok0, ntok, key0, key1;
   int64_t slot;  // scratch slot of a split's partial result; -1 = the only split, write out directly
@@ -78,7 +163,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp parallel num_threads(nthreads)
   {
     // Per-thread buffers, reused by every item the thread runs.
-    std::vector<float> qf(rows_max * d), acc(rows_max * d), kf(bs * d), vf(bs * d), s(bs), m(rows_max), l(rows_max);
+    std::vector<float> qf(rows_max * d), acc(rows_max * d), s(bs), m(rows_max), l(rows_max);
 #pragma omp for schedule(dynamic, 1)
     for (size_t it = 0; it < items.size(); ++it) {
       const Item& w = items[it];
@@ -97,11 +182,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const int64_t block = tables[w.seq * table_stride + k0 / bs];
         const T* kb = kp + block * block_stride + w.head * d;
         const T* vb = vp + block * block_stride + w.head * d;
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t i = 0; i < d; ++i) {
-            kf[j * d + i] = to_float(kb[j * tok_stride + i]);
-            vf[j * d + i] = to_float(vb[j * tok_stride + i]);
-          }
         for (int64_t r = 0; r < rows; ++r) {
           // Causal: this row's token sees keys up to its own position.
           const int64_t visible = std::min(n, first_pos + w.tok0 + r / group - k0 + 1);
@@ -109,28 +189,18 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           const float* qr = &qf[r * d];
           float mx = m[r];
           for (int64_t j = 0; j < visible; ++j) {
-            const float* kr = &kf[j * d];
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < d; ++i) dot += qr[i] * kr[i];
-            s[j] = dot;
-            mx = std::max(mx, dot);
+            s[j] = dot(qr, kb + j * tok_stride, d);  // K and V read in place: converting costs less than copying
+            mx = std::max(mx, s[j]);
           }
-          // Online softmax: rescale what was accumulated under the old max (exp(-inf) = 0 at first).
-          const float alpha = std::exp(m[r] - mx);
+          // Online softmax: rescale what was accumulated under the old max (e^-inf: ~0 at first).
+          const float alpha = exp_nonpositive(m[r] - mx);
           float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < visible; ++j) {
-            s[j] = std::exp(s[j] - mx);
+            s[j] = exp_nonpositive(s[j] - mx);
             sum += s[j];
           }
-          float* ar = &acc[r * d];
-          for (int64_t i = 0; i < d; ++i) ar[i] *= alpha;
-          for (int64_t j = 0; j < visible; ++j) {
-            const float p = s[j];
-            const float* vr = &vf[j * d];
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) ar[i] += p * vr[i];
-          }
+          rescale_accumulate(&acc[r * d], alpha, s.data(), vb, tok_stride, visible, d);
           l[r] = l[r] * alpha + sum;
           m[r] = mx;
         }
