@@ -1,4 +1,4 @@
-"""The cpu backend's C++ norm, RoPE and bf16 GEMM (kiln.engine.cpu_kernels, csrc/norm_rope_cpu.cpp
+"""The cpu backend's C++ norm, RoPE, KV store and bf16 GEMM (kiln.engine.cpu_kernels, csrc/norm_rope_cpu.cpp
 and csrc/linear_cpu.cpp) against their torch references, their bad-input errors, and the GEMM
 in the real SmolLM2 engine: as close to the float32 model as torch's bf16 GEMM is."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kiln.engine import LLM, SamplingParams, cpu_kernels, cpu_library  # noqa: E402
+from kiln.engine import LLM, SamplingParams, attention, cpu_kernels, cpu_library  # noqa: E402
 from kiln.engine.kernels.backend import get_backend  # noqa: E402
 from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm_ref, rope_ref  # noqa: E402
 from kiln.engine.llama import Linear, rope_inv_freq  # noqa: E402
@@ -163,3 +163,30 @@ def test_rope_op_bad_input_is_a_clear_error() -> None:
         torch.ops.kiln.rope_(qk, torch.tensor([0, 1], dtype=torch.int32), table)
     with pytest.raises(RuntimeError, match="a table \\[P, R <= D\\] in qk's dtype"):
         torch.ops.kiln.rope_(qk, torch.tensor([0, 1]), table.bfloat16())
+
+
+# ---- KV-cache store ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_op_equals_torch_store(dtype: torch.dtype) -> None:
+    """k and v as views into a fused qkv output (strided rows), written at shuffled slots."""
+    qkv = randn(5, (9 + 3 + 3) * 64, seed=20, dtype=dtype)
+    k, v = qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    slots = torch.tensor([33, 0, 17, 5, 62])
+    want_k, want_v = (torch.full((4, 16, 3, 64), float("nan"), dtype=dtype) for _ in range(2))
+    attention.write_kvcache(k, v, want_k, want_v, slots)
+    got_k, got_v = (torch.full((4, 16, 3, 64), float("nan"), dtype=dtype) for _ in range(2))
+    cpu_kernels.write_kvcache(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))  # written rows equal, the rest untouched
+    assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+
+
+def test_store_op_bad_input_is_a_clear_error() -> None:
+    k = v = randn(2, 3, 64, seed=21)
+    cache = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(RuntimeError, match="slot 64 outside the pool of 64"):
+        torch.ops.kiln.store_kvcache(k, v, cache, cache.clone(), torch.tensor([0, 64]))
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        torch.ops.kiln.store_kvcache(k, v, cache.bfloat16(), cache.bfloat16(), torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="int64 slot_mapping \\[N\\]"):
+        torch.ops.kiln.store_kvcache(k, v, cache, cache.clone(), torch.tensor([0, 1], dtype=torch.int32))

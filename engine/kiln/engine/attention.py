@@ -234,7 +234,7 @@ class Attention(nn.Module):
                                                 k_scales=self.k_scales, v_scales=self.v_scales)
         if has_cache:
             stored = (k, v) if step.keep is None else (k[step.keep], v[step.keep])
-            write_kvcache(*stored, self.k_cache, self.v_cache, step.slots, self.k_scales, self.v_scales)
+            self.backend.write_kvcache(*stored, self.k_cache, self.v_cache, step.slots, self.k_scales, self.v_scales)
         # A plain prefill is one causal SDPA per sequence (flash attention) on its own exact K/V,
         # even over an int8/fp8 cache: only later steps read the quantized copies back (as in vLLM).
         if step.no_cached_prefix or not has_cache:

@@ -1,6 +1,6 @@
 """The "cpu" backend's own ops besides attention, from Kiln's C++ library (cpu_library.py):
-the fused residual-add + RMSNorm and in-place RoPE (csrc/norm_rope_cpu.cpp), one call where torch
-makes 9 and ~15 small ones, and the bf16 GEMM of decode steps (csrc/linear_cpu.cpp), which reads
+the fused residual-add + RMSNorm, in-place RoPE and the KV-cache store (csrc/norm_rope_cpu.cpp),
+one call where torch makes 9, ~15 and ~10 small ones, and the bf16 GEMM of decode steps (csrc/linear_cpu.cpp), which reads
 the weights at ~2x the speed of torch's bf16 GEMM there. Every other GEMM (float32, prefill
 chunks, a CPU without AVX512-BF16) is torch's F.linear. The torch versions (cpu_ops.py) are the
 references these are tested against.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.engine import cpu_library
+from kiln.engine import attention, cpu_library
 
 # Rows of x up to which the bf16 op beats torch's GEMM: memory-bound rows, ~20 GB/s against ~9 at
 # M=1, 10 against 7 at M=8; even at 16, where both are bound by the multiply-adds
@@ -35,6 +35,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu_ops.rms_norm's contract in one call: (norm(x + residual) * weight, x + residual written into x)."""
     return torch.ops.kiln.rms_norm(x, weight, eps, residual)
+
+
+def write_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None,
+                  v_scales: torch.Tensor | None = None) -> None:
+    """attention.write_kvcache's contract (slots already >= 0): one call for a float cache of k's
+    dtype; an int8/fp8 cache (scales) takes the torch path, which quantizes."""
+    if k_scales is None and k_cache.dtype == k.dtype:
+        torch.ops.kiln.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        attention.write_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
 
 def rope_prepare(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,8 +41,8 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    """Where this source, these flags, this torch and this CPU's build lives."""
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    """Where the build of these sources (every file in csrc/), flags, torch and CPU lives."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(SOURCES[0].parent.glob("*.[ch]*"))))
     for part in (" ".join(CFLAGS), torch.__version__, _cpu_flags()):
         digest.update(part.encode())
     root = Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln")

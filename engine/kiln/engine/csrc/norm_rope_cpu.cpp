@@ -1,6 +1,6 @@
-// Fused residual-add + RMSNorm and in-place RoPE for the CPU. At decode a layer's norm is nine
-// small torch ops and its RoPE about fifteen, each a few microseconds of dispatch for a few hundred
-// numbers: one call each here. They round as the references do (kiln/engine/kernels/norm_rope.py,
+// Fused residual-add + RMSNorm, in-place RoPE and the KV-cache store for the CPU. At decode a
+// layer's norm is nine small torch ops, its RoPE about fifteen and its store ten, each a few
+// microseconds of dispatch for a few hundred numbers: one call each here. They round as the references do (kiln/engine/kernels/norm_rope.py,
 // rms_norm_ref and rope_ref): the residual sum and the normalised row are rounded to x's dtype
 // (HF's LlamaRMSNorm), RoPE runs in fp32 and rounds once.
 #include <ATen/ATen.h>
@@ -8,31 +8,48 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
+#include "vec16.h"
+
 namespace {
+
+using namespace kiln_vec;
 
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }  // c10::BFloat16 rounds to nearest even
 
+// One row: the residual sum rounded to T (as torch's add_), the squares summed in 16 lanes, the
+// normalised row rounded to T before the weight multiplies it (HF's LlamaRMSNorm).
+template <typename T>
+void norm_row(T* row, const T* residual, const T* weight, T* out, int64_t h, float eps) {
+  f32x16 squares = {};
+  float tail = 0.f;
+  int64_t i = 0;
+  for (; i + kLanes <= h; i += kLanes) {
+    if (residual) store16(row + i, load16(row + i) + load16(residual + i));
+    const f32x16 v = load16(row + i);
+    squares += v * v;
+  }
+  for (; i < h; ++i) {
+    if (residual) row[i] = round_to<T>(to_float(row[i]) + to_float(residual[i]));
+    tail += to_float(row[i]) * to_float(row[i]);
+  }
+  const float rstd = 1.f / std::sqrt((hsum(squares) + tail) / static_cast<float>(h) + eps);
+  for (i = 0; i + kLanes <= h; i += kLanes) {
+    T normed[kLanes];
+    store16(normed, load16(row + i) * rstd);
+    store16(out + i, load16(normed) * load16(weight + i));
+  }
+  for (; i < h; ++i) out[i] = round_to<T>(to_float(round_to<T>(to_float(row[i]) * rstd)) * to_float(weight[i]));
+}
+
 template <typename T>
 void norm_rows(T* x, const T* residual, const T* weight, T* out, int64_t n, int64_t h, float eps) {
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      T* row = x + r * h;
-      float sumsq = 0.f;
-      for (int64_t i = 0; i < h; ++i) {
-        if (residual) row[i] = round_to<T>(static_cast<float>(row[i]) + static_cast<float>(residual[r * h + i]));
-        const float v = static_cast<float>(row[i]);
-        sumsq += v * v;
-      }
-      const float rstd = 1.f / std::sqrt(sumsq / static_cast<float>(h) + eps);
-      for (int64_t i = 0; i < h; ++i) {
-        const T normed = round_to<T>(static_cast<float>(row[i]) * rstd);
-        out[r * h + i] = round_to<T>(static_cast<float>(normed) * static_cast<float>(weight[i]));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_row(x + r * h, residual ? residual + r * h : nullptr, weight, out + r * h, h, eps);
   });
 }
 
@@ -93,14 +110,49 @@ void rope_(at::Tensor qk, const at::Tensor& positions, const at::Tensor& cos_sin
   });
 }
 
+// Writes k, v [N, Hkv, D] (rows may be strided, as views into the fused qkv output) into the caches
+// [blocks, block_size, Hkv, D] at slot_mapping [N]: what attention.write_kvcache does with views and
+// two index_copy_ calls. The step has dropped slots < 0 already; a slot outside the pool is an error.
+void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "store_kvcache: k, v [N, Hkv, D] and caches [blocks, block_size, Hkv, D] expected, got ", k.sizes(),
+              " and ", k_cache.sizes());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(), "store_kvcache: k, v and the caches differ in dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: contiguous caches expected");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "store_kvcache: k and v with contiguous heads expected");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.scalar_type() == at::kLong,
+              "store_kvcache: int64 slot_mapping [N] expected");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t n = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < num_slots, "store_kvcache: slot ", sp[i], " outside the pool of ", num_slots);
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(kc + sp[i] * row_bytes, kp + i * k_row, row_bytes);
+    std::memcpy(vc + sp[i] * row_bytes, vp + i * v_row, row_bytes);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor(a!))");
   m.def("rope_(Tensor(a!) qk, Tensor positions, Tensor cos_sin) -> ()");
+  m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_", &rope_);
+  m.impl("store_kvcache", &store_kvcache);
 }

@@ -33,19 +33,13 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: scores stay in L1
+using namespace kiln_vec;
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-// bf16 is the top half of an fp32: a shift the compiler vectorises (c10's conversion does not).
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: scores stay in L1
 
 // e^x for x <= 0 (a score minus the running max) in a form the compiler vectorises (std::exp is a
 // scalar libm call, one per query head and key at decode): 2^n * e^r, |r| <= ln2/2, with Cephes'
@@ -67,43 +61,9 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Loops over head_dim run in chunks of 16 floats, GCC vector types the compiler keeps in registers
-// (one AVX-512 register, two AVX2 ones): a dot product ends in one shuffle-and-add tree instead of a
-// chain of scalar adds, and an output row's chunk stays in registers across the keys it sums.
-constexpr int64_t kLanes = 16;
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline f32x16 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-template <typename T>
-inline f32x16 load16(const T* p) {  // fp16, double
-  f32x16 v;
-  for (int t = 0; t < kLanes; ++t) v[t] = static_cast<float>(p[t]);
-  return v;
-}
-
-inline float hsum(f32x16 v) {
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
+// Loops over head_dim run in 16-float vectors (vec16.h): a dot product then ends in one
+// shuffle-and-add tree instead of a chain of scalar adds, and an output row's chunk stays in
+// registers across the keys it sums.
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t d) {
   f32x16 part = {};

@@ -33,6 +33,9 @@ class Backend:
     # rope_prepare(positions, cos_sin table) once per step; rope(qk [N, Hq+Hkv, D], Hq, prepared) -> (q, k)
     rope_prepare: Callable[[torch.Tensor, torch.Tensor], Any]
     rope: Callable[[torch.Tensor, int, Any], tuple[torch.Tensor, torch.Tensor]]
+    # store_kvcache for slots the step has already dropped the -1s from (no host sync): the
+    # torch and cpu paths, which derive the step's metadata on the host (attention.prepare_step)
+    write_kvcache: Callable[..., None]
     # (x [M, K], weight [N, K], bias [N] or None) -> [M, N]: F.linear's signature
     linear: Callable[..., torch.Tensor] = F.linear
 
@@ -70,13 +73,13 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     if name == "triton":
         from kiln.engine.kernels import kv_store, norm_rope, paged_attention
         return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
-                       _triton_rope_prepare, _triton_rope)
+                       _triton_rope_prepare, _triton_rope, attention.write_kvcache)
     if name == "cpu":
         from kiln.engine import cpu_attention, cpu_kernels as k
         return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,
-                       k.rope, k.linear if k.linear_op_supported() else F.linear)
+                       k.rope, k.write_kvcache, k.linear if k.linear_op_supported() else F.linear)
     return Backend(name, attention.store_kvcache, attention.paged_attention, cpu_ops.rms_norm, cpu_ops.rope_prepare,
-                   cpu_ops.rope)
+                   cpu_ops.rope, attention.write_kvcache)
 
 
 def _triton_rope_prepare(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
