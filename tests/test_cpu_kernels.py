@@ -1,6 +1,6 @@
 """The cpu backend's C++ norm, RoPE, KV store and bf16 GEMM (kiln.engine.cpu_kernels, csrc/norm_rope_cpu.cpp
 and csrc/linear_cpu.cpp) against their torch references, their bad-input errors, and the GEMM
-in the real SmolLM2 engine: as close to the float32 model as torch's bf16 GEMM is."""
+in the real SmolLM2 engine: as close to the float32 model as oneDNN's bf16 GEMM is."""
 from __future__ import annotations
 
 import os
@@ -57,9 +57,17 @@ def test_linear_op_equals_fp32_reference(k: int, n: int, bias: bool) -> None:
 
 
 def test_linear_takes_the_op_only_for_bf16_decode_rows() -> None:
+    """Rows above MAX_ROWS go to oneDNN's GEMM on a packed copy of the weight, kept with it."""
     w = randn(96, 64, seed=3, dtype=torch.bfloat16)
     long = randn(cpu_kernels.MAX_ROWS + 1, 64, seed=4, dtype=torch.bfloat16)
-    assert torch.equal(cpu_kernels.linear(long, w), F.linear(long, w))  # a prefill chunk: torch's GEMM
+    torch.testing.assert_close(cpu_kernels.linear(long, w), F.linear(long, w), rtol=ULP_BF16, atol=1e-3)
+    if cpu_kernels._PACKING:
+        packed = w._kiln_packed
+        cpu_kernels.linear(long, w)
+        assert w._kiln_packed is packed  # packed once
+        w.data = w.data.clone()  # new storage: packed again
+        cpu_kernels.linear(long, w)
+        assert w._kiln_packed is not packed and w._kiln_packed[0] == w.data_ptr()
     x32, w32 = randn(2, 64, seed=5), randn(96, 64, seed=6)
     assert torch.equal(cpu_kernels.linear(x32, w32), F.linear(x32, w32))  # float32: torch's GEMM
     backend = get_backend("cpu", "cpu")
@@ -90,20 +98,20 @@ def prompt_logprobs(llm: LLM) -> torch.Tensor:
 def test_engine_with_the_gemm_op_as_faithful_as_torch_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """SmolLM2 in bf16 on the cpu backend, prompts run in chunks of MAX_ROWS tokens so every GEMM
     has decode-sized rows: the prompt tokens' log-probabilities with the op are as close to the
-    float32 model's as with torch's bf16 GEMM (greedy tokens are not compared: bf16 flips near-ties
-    either way)."""
+    float32 model's as with oneDNN's bf16 GEMM (greedy tokens are not compared: bf16 flips
+    near-ties either way)."""
     chunks = {"max_model_len": 256, "max_num_batched_tokens": cpu_kernels.MAX_ROWS, "max_num_seqs": 1,
               "gguf_dequantize": True}  # float weights (the packaged GGUF is Q4_1)
     reference = prompt_logprobs(LLM(dtype="float32", attention_backend="cpu", **chunks))
     llm = LLM(dtype="bfloat16", attention_backend="cpu", **chunks)
-    if not bf16_gemm_supported():  # no AVX512-BF16 here: every GEMM of the engine is torch's
+    if not bf16_gemm_supported():  # no AVX512-BF16 here: every GEMM of the engine is torch's F.linear
         assert {m.gemm for m in llm.engine.runner.model.modules() if isinstance(m, Linear)} == {F.linear}
         return
     with_op = (prompt_logprobs(llm) - reference).abs()
     monkeypatch.setattr(cpu_kernels, "MAX_ROWS", 0)
     with_torch = (prompt_logprobs(llm) - reference).abs()
     print(f"|bf16 - fp32| prompt logprobs over {len(reference)} tokens: op mean {with_op.mean():.4f} "
-          f"max {with_op.max():.3f}; torch GEMM mean {with_torch.mean():.4f} max {with_torch.max():.3f}")
+          f"max {with_op.max():.3f}; oneDNN GEMM mean {with_torch.mean():.4f} max {with_torch.max():.3f}")
     assert with_op.mean() <= 1.25 * with_torch.mean() and with_op.max() <= 2 * with_torch.max() + 0.05
 
 

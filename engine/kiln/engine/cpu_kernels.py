@@ -1,21 +1,31 @@
 """The "cpu" backend's own ops besides attention, from Kiln's C++ library (cpu_library.py):
 the fused residual-add + RMSNorm, in-place RoPE and the KV-cache store (csrc/norm_rope_cpu.cpp),
-one call where torch makes 9, ~15 and ~10 small ones, and the bf16 GEMM of decode steps (csrc/linear_cpu.cpp), which reads
-the weights at ~2x the speed of torch's bf16 GEMM there. Every other GEMM (float32, prefill
-chunks, a CPU without AVX512-BF16) is torch's F.linear. The torch versions (cpu_ops.py) are the
-references these are tested against.
+one call where torch makes 9, ~15 and ~10 small ones, and the bf16 GEMM (csrc/linear_cpu.cpp
+for decode rows, which reads the weights ~2x faster than torch's GEMM there; oneDNN's GEMM on
+packed weights for more rows). float32, and a CPU without AVX512-BF16, use torch's F.linear.
+The torch versions (cpu_ops.py) are the references these are tested against.
 """
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from kiln.engine import attention, cpu_library
 
-# Rows of x up to which the bf16 op beats torch's GEMM: memory-bound rows, ~20 GB/s against ~9 at
-# M=1, 10 against 7 at M=8; even at 16, where both are bound by the multiply-adds
-# (bench/results/linear-cpu-*.json).
-MAX_ROWS = 8
+log = logging.getLogger(__name__)
+# oneDNN's packed bf16 GEMM (torch.ops.mkldnn), in every x86 build of torch
+_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+# Rows of x up to which Kiln's bf16 op beats oneDNN's GEMM on the weight in its own packed layout:
+# memory-bound rows, where the op's one sequential weight stream reads ~1.8x faster at M=1; from 8
+# rows on the packed GEMM's register blocking wins, up to 2.2x at 16 (bench/linear_cpu.py,
+# bench/results/linear-cpu-*.json). Without oneDNN, torch's plain GEMM is the other side, which the
+# op beats up to 8 rows.
+MAX_ROWS = 4
+MAX_ROWS_UNPACKED = 8
+_logged_packing: list[bool] = []
 
 
 def linear_op_supported() -> bool:
@@ -23,11 +33,30 @@ def linear_op_supported() -> bool:
     return cpu_library.available() and torch.ops.kiln.linear_bf16_supported()
 
 
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight in oneDNN's blocked layout for the GEMM, made on first use and kept beside it (a
+    second copy of each bf16 weight: the op wants the plain one). Weights are not written after
+    load; a tensor given new storage is packed again."""
+    kept = getattr(weight, "_kiln_packed", None)  # (its data_ptr, the oneDNN copy): freed with the weight
+    if kept is None or kept[0] != weight.data_ptr():
+        if not _logged_packing:
+            _logged_packing.append(True)
+            log.info("cpu backend: bf16 weights are also kept in oneDNN's packed layout, for GEMMs of "
+                     "more than %d rows (a second copy of each)", MAX_ROWS)
+        kept = weight._kiln_packed = (weight.data_ptr(), torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+    return kept[1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias): the op where it is faster, torch elsewhere. The backend checks
-    linear_op_supported() once, when it picks this function (kiln.engine.kernels.backend)."""
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+    """F.linear(x, weight, bias) for bf16: Kiln's op for decode rows, oneDNN's packed GEMM above
+    them; float32 is torch's. The backend checks linear_op_supported() once, when it picks this
+    function (kiln.engine.kernels.backend)."""
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    if x.shape[0] <= (MAX_ROWS if _PACKING else MAX_ROWS_UNPACKED):
         return torch.ops.kiln.linear_bf16(x, weight, bias)
+    if _PACKING:
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
