@@ -41,26 +41,6 @@ using namespace kiln_vec;
 
 constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: scores stay in L1
 
-// e^x for x <= 0 (a score minus the running max) in a form the compiler vectorises (std::exp is a
-// scalar libm call, one per query head and key at decode): 2^n * e^r, |r| <= ln2/2, with Cephes'
-// polynomial, within 2 ulp of expf. Below x = -87 it gives ~1e-38, not 0: nothing beside e^0 = 1.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Loops over head_dim run in 16-float vectors (vec16.h): a dot product then ends in one
 // shuffle-and-add tree instead of a chain of scalar adds, and an output row's chunk stays in
 // registers across the keys it sums.
@@ -89,6 +69,58 @@ inline void rescale_accumulate(float* out, float alpha, const float* p, const T*
     for (int64_t j = 0; j < n; ++j) x += p[j] * to_float(v[j * stride + i]);
     out[i] = x;
   }
+}
+
+// e^x for x <= 0 (scores minus the running max), 16 at a time (std::exp is a scalar libm call, one
+// per query head and key at decode): 2^n * e^r, |r| <= ln2/2, with Cephes' polynomial, within 2
+// ulp of expf. Below x = -87 it gives ~1e-38, not 0: nothing beside e^0 = 1.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  const f32x16 lowest = f32x16{} - 87.f, round = f32x16{} + 12582912.f;  // 1.5 * 2^23 rounds to an integer
+  x = x < lowest ? lowest : x;
+  const f32x16 n = (x * 1.44269504088896341f + round) - round;
+  const f32x16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+inline float exp_nonpositive(float x) { return exp_nonpositive(f32x16{} + x)[0]; }
+
+// s[0:n] = e^(s - mx) in place, lanes from n on zeroed (s holds whole 16-float chunks); their sum.
+inline float softmax_numerators(float* s, int64_t n, float mx) {
+  f32x16 total = {};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    f32x16 e = exp_nonpositive(load16(s + j) - mx);
+    for (int64_t t = n - j; t < kLanes; ++t) e[t] = 0.f;  // past the last visible key
+    store16(s + j, e);
+    total += e;
+  }
+  return hsum(total);
+}
+
+// A block's n rows of K or V (stride elements apart) as fp32 rows d apart: a float cache is read
+// where it is; a bf16/fp16 one is widened once into buf, so the rows of every query head of the
+// group and every token of the tile read it without converting again.
+inline const float* as_float_rows(const float* src, int64_t stride, int64_t, int64_t, float*, int64_t& out_stride) {
+  out_stride = stride;
+  return src;
+}
+template <typename T>
+const float* as_float_rows(const T* src, int64_t stride, int64_t n, int64_t d, float* buf, int64_t& out_stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t i = 0;
+    for (; i + kLanes <= d; i += kLanes) store16(buf + j * d + i, load16(src + j * stride + i));
+    for (; i < d; ++i) buf[j * d + i] = to_float(src[j * stride + i]);
+  }
+  out_stride = d;
+  return buf;
 }
 
 struct Item {
@@ -123,7 +155,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp parallel num_threads(nthreads)
   {
     // Per-thread buffers, reused by every item the thread runs.
-    std::vector<float> qf(rows_max * d), acc(rows_max * d), s(bs), m(rows_max), l(rows_max);
+    std::vector<float> qf(rows_max * d), acc(rows_max * d), kf(bs * d), vf(bs * d),
+        s((bs + kLanes - 1) / kLanes * kLanes), m(rows_max),
+        l(rows_max);
 #pragma omp for schedule(dynamic, 1)
     for (size_t it = 0; it < items.size(); ++it) {
       const Item& w = items[it];
@@ -140,8 +174,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       for (int64_t k0 = w.key0; k0 < w.key1; k0 += bs) {
         const int64_t n = std::min(bs, w.key1 - k0);
         const int64_t block = tables[w.seq * table_stride + k0 / bs];
-        const T* kb = kp + block * block_stride + w.head * d;
-        const T* vb = vp + block * block_stride + w.head * d;
+        int64_t k_stride, v_stride;
+        const float* kb = as_float_rows(kp + block * block_stride + w.head * d, tok_stride, n, d, kf.data(), k_stride);
+        const float* vb = as_float_rows(vp + block * block_stride + w.head * d, tok_stride, n, d, vf.data(), v_stride);
         for (int64_t r = 0; r < rows; ++r) {
           // Causal: this row's token sees keys up to its own position.
           const int64_t visible = std::min(n, first_pos + w.tok0 + r / group - k0 + 1);
@@ -149,18 +184,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           const float* qr = &qf[r * d];
           float mx = m[r];
           for (int64_t j = 0; j < visible; ++j) {
-            s[j] = dot(qr, kb + j * tok_stride, d);  // K and V read in place: converting costs less than copying
+            s[j] = dot(qr, kb + j * k_stride, d);
             mx = std::max(mx, s[j]);
           }
           // Online softmax: rescale what was accumulated under the old max (e^-inf: ~0 at first).
           const float alpha = exp_nonpositive(m[r] - mx);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < visible; ++j) {
-            s[j] = exp_nonpositive(s[j] - mx);
-            sum += s[j];
-          }
-          rescale_accumulate(&acc[r * d], alpha, s.data(), vb, tok_stride, visible, d);
+          const float sum = softmax_numerators(s.data(), visible, mx);
+          rescale_accumulate(&acc[r * d], alpha, s.data(), vb, v_stride, visible, d);
           l[r] = l[r] * alpha + sum;
           m[r] = mx;
         }
