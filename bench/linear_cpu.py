@@ -1,8 +1,8 @@
-"""Kiln's bf16 GEMM op for decode steps (csrc/linear_cpu.cpp) against torch's bf16 F.linear, on
-SmolLM2-135M's weight shapes (qkv, o, gate_up, down, lm_head), rows M = 1..16: microseconds and
+"""Kiln's bf16 GEMM op for decode steps (csrc/linear_cpu.cpp) against torch's bf16 F.linear and
+oneDNN's GEMM on a packed weight (what the cpu backend runs above cpu_kernels.MAX_ROWS), on
+SmolLM2-135M's weight shapes (qkv, o, gate_up, down, lm_head), rows M = 1..64: microseconds and
 the weight-read rate (GB/s) each reaches, beside the machine's read ceiling. Weights are cycled
 through ~60 MB so every call reads them from memory, as a decode step does. Best of 5 passes.
-The crossing point is cpu_kernels.MAX_ROWS.
 
     .venv/bin/python bench/linear_cpu.py                    # -> bench/results/linear-cpu-<date>.json
     .venv/bin/python bench/linear_cpu.py --threads 1 --rows 1,4
@@ -37,7 +37,7 @@ def rate(fn, weights: list[torch.Tensor], x: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--rows", default="1,2,4,8,12,16")
+    parser.add_argument("--rows", default="1,2,4,8,16,64")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -45,18 +45,21 @@ def main() -> None:
     if not cpu_kernels.linear_op_supported():
         raise SystemExit("no bf16 GEMM op on this CPU (it needs AVX512-BF16): the engine uses torch's GEMM")
     op = lambda x, w: torch.ops.kiln.linear_bf16(x, w, None)  # noqa: E731
+    onednn = lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")  # noqa: E731
     rows = []
     for m in (int(r) for r in args.rows.split(",")):
         for name, (k, n) in SHAPES.items():
             weights = [torch.randn(n, k).bfloat16() for _ in range(max(1, 60_000_000 // (n * k * 2)))]
             x = torch.randn(m, k).bfloat16()
-            kiln_s, torch_s = rate(op, weights, x), rate(F.linear, weights, x)
-            row = {"rows": m, "weight": name, "K": k, "N": n, "kiln_us": round(kiln_s * 1e6, 1),
-                   "torch_us": round(torch_s * 1e6, 1), "kiln_GBps": round(n * k * 2 / kiln_s / 1e9, 1),
-                   "torch_GBps": round(n * k * 2 / torch_s / 1e9, 1), "torch_over_kiln": round(torch_s / kiln_s, 2)}
+            packed = [cpu_kernels.packed_weight(w) for w in weights]
+            seconds = {"kiln": rate(op, weights, x), "torch": rate(F.linear, weights, x),
+                       "onednn_packed": rate(onednn, packed, x)}
+            row = {"rows": m, "weight": name, "K": k, "N": n}
+            for peer, s in seconds.items():
+                row[f"{peer}_us"], row[f"{peer}_GBps"] = round(s * 1e6, 1), round(n * k * 2 / s / 1e9, 1)
             rows.append(row)
-            print(f"M={m:3d} {name:13s} kiln {row['kiln_us']:8.1f} us {row['kiln_GBps']:5.1f} GB/s   torch "
-                  f"{row['torch_us']:8.1f} us {row['torch_GBps']:5.1f} GB/s   x{row['torch_over_kiln']:.2f}", flush=True)
+            print(f"M={m:3d} {name:13s} " + "   ".join(f"{peer} {row[peer + '_us']:8.1f} us {row[peer + '_GBps']:5.1f} GB/s"
+                                                     for peer in seconds), flush=True)
     record = {"machine": machine(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
               "max_rows": cpu_kernels.MAX_ROWS, "ceilings": ceilings("bfloat16"), "rows": rows}
     record["machine"]["load_average_end"] = machine()["load_average"]
