@@ -4,6 +4,7 @@ whole prompt (the engine's own float32 model, no KV cache) across chunked prefil
 hits and preemption; over HTTP, a greedy request's returned ids are scored back on a server."""
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -65,6 +66,16 @@ def test_ranks_and_top_k_on_ties() -> None:
     assert [[r for _, _, r in s.top] for s in whole] == [[1, 1], [1, 1], [1, 2]]
     assert whole[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())
     assert score_rows(lambda h: h, logits, [0, 1, 2], 0, chunk=8)[0].top == []
+
+
+def test_non_finite_logits_give_finite_figures() -> None:
+    """An overflowed row (NaN, inf) scores like sampling sees it, never NaN: JSON carries no NaN."""
+    logits = torch.tensor([[float("nan"), 1.0, float("inf"), 0.0], [float("nan")] * 4, [1.0, 2.0, 3.0, 4.0]])
+    scored = score_rows(lambda h: h, logits, [1, 0, 3], 2, chunk=8)
+    figures = [s.logprob for s in scored] + [lp for s in scored for _, lp, _ in s.top]
+    assert all(math.isfinite(f) for f in figures), figures
+    assert scored[0].top[0][0] == 2  # +inf is the most likely token, NaN the least
+    assert scored[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())  # finite rows unchanged
 
 
 def test_chunked_prefill_matches_plain_forward(llm: LLM) -> None:

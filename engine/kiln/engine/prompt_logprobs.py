@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from kiln.engine.sampler import finite_logits
+
 # Logits alive at once while scoring prompt rows: 64 MiB in float32.
 LOGITS_BUDGET = 1 << 24
 
@@ -46,7 +48,10 @@ def score_rows(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: t
 
 
 def _score(logits: torch.Tensor, targets: list[int], k: int) -> list[ScoredPosition]:
-    """logits [R, vocab] float32 -> the R targets' figures."""
+    """logits [R, vocab] float32 -> the R targets' figures. Non-finite logits are bounded as for
+    sampling (sampler.finite_logits): a NaN would make every figure of its row NaN, which JSON
+    cannot carry."""
+    logits = finite_logits(logits)
     log_norm = logits.logsumexp(-1, keepdim=True)
     target_logits = logits.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1))
     ranks = 1 + (logits > target_logits).sum(-1)
