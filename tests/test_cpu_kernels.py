@@ -187,6 +187,10 @@ def test_store_op_equals_torch_store(dtype: torch.dtype) -> None:
     cpu_kernels.write_kvcache(k, v, got_k, got_v, slots)
     assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))  # written rows equal, the rest untouched
     assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0))
+    heads = qkv[:, 9 * 64:].view(5, 6, 64)[:, ::2]  # heads strided too (every other one)
+    attention.write_kvcache(heads, heads, want_k, want_v, slots)
+    cpu_kernels.write_kvcache(heads, heads, got_k, got_v, slots)
+    assert torch.equal(got_k.nan_to_num(7.0), want_k.nan_to_num(7.0))
 
 
 def test_store_op_bad_input_is_a_clear_error() -> None:

@@ -122,8 +122,7 @@ void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
                   v_cache.scalar_type() == k.scalar_type(), "store_kvcache: k, v and the caches differ in dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: contiguous caches expected");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
-              "store_kvcache: k and v with contiguous heads expected");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "store_kvcache: k and v with contiguous head_dim expected");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) && slot_mapping.scalar_type() == at::kLong,
               "store_kvcache: int64 slot_mapping [N] expected");
   const at::Tensor slots = slot_mapping.contiguous();
@@ -136,11 +135,14 @@ void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(kc + sp[i] * row_bytes, kp + i * k_row, row_bytes);
-    std::memcpy(vc + sp[i] * row_bytes, vp + i * v_row, row_bytes);
-  }
+  // Rows (and heads within them) may be strided, as views into the fused qkv output or a tensor-
+  // parallel rank's slice of it: one copy of head_dim elements per (token, head).
+  const int64_t heads = k.size(1), head_bytes = k.size(2) * k.element_size(), e = k.element_size();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + sp[i] * row_bytes + h * head_bytes, kp + (i * k.stride(0) + h * k.stride(1)) * e, head_bytes);
+      std::memcpy(vc + sp[i] * row_bytes + h * head_bytes, vp + (i * v.stride(0) + h * v.stride(1)) * e, head_bytes);
+    }
 }
 
 }  // namespace
