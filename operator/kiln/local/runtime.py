@@ -221,7 +221,11 @@ class Runtime:
 
     def plan(self, pod: Any) -> PodRun:
         container = pod.spec.containers[0]
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.metadata.name}
+        # This node's pods share the machine's few CPUs (the fake node advertises far more than it
+        # has), so OpenMP workers must sleep when idle rather than spin: a spinning engine starves
+        # the others. A real node's CPU requests give each pod its share; the engine's default
+        # (spin between parallel regions) is for that. A pod's own value wins.
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.metadata.name, "OMP_WAIT_POLICY": "PASSIVE"}
         for var in container.env or []:
             if var.value_from is None:
                 env[var.name] = var.value or ""
