@@ -44,19 +44,17 @@ constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: score
 // Loops over head_dim run in 16-float vectors (vec16.h): a dot product then ends in one
 // shuffle-and-add tree instead of a chain of scalar adds, and an output row's chunk stays in
 // registers across the keys it sums.
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t d) {
+inline float dot(const float* a, const float* b, int64_t d) {
   f32x16 part = {};
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) part += load16(a + i) * load16(b + i);
   float tail = 0.f;
-  for (; i < d; ++i) tail += a[i] * to_float(b[i]);
+  for (; i < d; ++i) tail += a[i] * b[i];
   return hsum(part) + tail;
 }
 
 // out[0:d] = out * alpha + sum_j p[j] * v[j * stride : j * stride + d]
-template <typename T>
-inline void rescale_accumulate(float* out, float alpha, const float* p, const T* v, int64_t stride, int64_t n,
+inline void rescale_accumulate(float* out, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
                                int64_t d) {
   int64_t i = 0;
   for (; i + kLanes <= d; i += kLanes) {
@@ -66,7 +64,7 @@ inline void rescale_accumulate(float* out, float alpha, const float* p, const T*
   }
   for (; i < d; ++i) {
     float x = out[i] * alpha;
-    for (int64_t j = 0; j < n; ++j) x += p[j] * to_float(v[j * stride + i]);
+    for (int64_t j = 0; j < n; ++j) x += p[j] * v[j * stride + i];
     out[i] = x;
   }
 }

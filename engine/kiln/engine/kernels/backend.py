@@ -5,8 +5,9 @@ CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
 
   torch   the reference: pure torch everywhere (kiln.engine.attention, kiln.engine.cpu_ops)
   cpu     Kiln's C++ ops (kiln.engine.cpu_library): the fused paged attention (cpu_attention),
-          norm and RoPE (cpu_kernels) and, where the CPU has AVX512-BF16, the bf16 GEMM of decode
-          steps (cpu_kernels.linear); torch's GEMM elsewhere
+          norm, RoPE and KV store (cpu_kernels) and, where the CPU has AVX512-BF16, the bf16 GEMM
+          (cpu_kernels.linear: Kiln's op for decode rows, oneDNN's on packed weights above them);
+          torch's GEMM for float32
   triton  the Triton kernels of this package (CUDA, or the interpreter in tests)
   auto    triton on CUDA; on CPU "cpu" where its op builds, else torch
 """
