@@ -1,5 +1,5 @@
-"""The cpu backend's C++ norm, RoPE, KV store and bf16 GEMM (kiln.engine.cpu_kernels, csrc/norm_rope_cpu.cpp
-and csrc/linear_cpu.cpp) against their torch references, their bad-input errors, and the GEMM
+"""The cpu backend's C++ norm, RoPE, KV store, bf16 GEMM and argmax (kiln.engine.cpu_kernels, csrc/norm_rope_cpu.cpp,
+csrc/linear_cpu.cpp and csrc/argmax_cpu.cpp) against their torch references, their bad-input errors, and the GEMM
 in the real SmolLM2 engine: as close to the float32 model as oneDNN's bf16 GEMM is."""
 from __future__ import annotations
 
@@ -202,3 +202,46 @@ def test_store_op_bad_input_is_a_clear_error() -> None:
         torch.ops.kiln.store_kvcache(k, v, cache.bfloat16(), cache.bfloat16(), torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="int64 slot_mapping \\[N\\]"):
         torch.ops.kiln.store_kvcache(k, v, cache, cache.clone(), torch.tensor([0, 1], dtype=torch.int32))
+
+
+# ---- the sampler's argmax ----
+
+@pytest.mark.parametrize("m,v", [(1, 49152), (16, 49152), (3, 17), (5, 15), (2, 1), (7, 1000)])
+def test_argmax_op_equals_torch(m: int, v: int) -> None:
+    rows = randn(m, v, seed=m * v)
+    assert torch.equal(cpu_kernels.argmax_rows(rows), rows.argmax(dim=-1))
+    ties = torch.randint(0, 3, (m, v), generator=torch.Generator().manual_seed(v)).float()  # many equal maxima
+    assert torch.equal(cpu_kernels.argmax_rows(ties), ties.argmax(dim=-1))  # the first one, as torch
+    wide = randn(v, m + 1, seed=5).t()[:m]  # not contiguous
+    assert torch.equal(cpu_kernels.argmax_rows(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_op_on_masked_rows() -> None:
+    rows = torch.full((4, 100), float("-inf"))
+    rows[1, 98] = -1e30  # the only finite value, in the scalar tail past the 16-wide lanes
+    rows[2, [3, 64, 99]] = 5.0
+    rows[3, 40] = float("inf")
+    assert cpu_kernels.argmax_rows(rows).tolist() == rows.argmax(dim=-1).tolist() == [0, 98, 3, 40]
+
+
+def test_argmax_goes_to_torch_for_other_dtypes_and_the_op_refuses_them() -> None:
+    rows = randn(3, 50, seed=8, dtype=torch.bfloat16)
+    assert torch.equal(cpu_kernels.argmax_rows(rows), rows.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32 logits \\[M, V\\]"):
+        torch.ops.kiln.argmax_rows(rows)
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        torch.ops.kiln.argmax_rows(torch.zeros(3, 0))
+
+
+def test_the_sampler_with_the_argmax_op_picks_torchs_tokens() -> None:
+    from kiln.engine.sampler import Sampler
+    from test_engine_sampler import make_seqs
+
+    logits = randn(6, 49152, seed=9) * 4
+    logits[0, 5] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, 100] = float("inf")
+    for params in ([SamplingParams(temperature=0)] * 6, [SamplingParams(temperature=0.8, seed=3)] * 6):
+        ours, _ = Sampler(seed=1, argmax=get_backend("cpu", "cpu").argmax)(logits, make_seqs(params))
+        theirs, _ = Sampler(seed=1)(logits, make_seqs(params))
+        assert ours == theirs

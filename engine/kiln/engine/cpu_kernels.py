@@ -2,7 +2,8 @@
 the fused residual-add + RMSNorm, in-place RoPE and the KV-cache store (csrc/norm_rope_cpu.cpp),
 one call where torch makes 9, ~15 and ~10 small ones, and the bf16 GEMM (csrc/linear_cpu.cpp
 for decode rows, which reads the weights ~2x faster than torch's GEMM there; oneDNN's GEMM on
-packed weights for more rows). float32, and a CPU without AVX512-BF16, use torch's F.linear.
+packed weights for more rows; float32, and a CPU without AVX512-BF16, use torch's F.linear) and
+the sampler's argmax over the vocabulary (csrc/argmax_cpu.cpp).
 The torch versions (cpu_ops.py) are the references these are tested against.
 """
 from __future__ import annotations
@@ -58,6 +59,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _PACKING:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) for float32 rows [M, V] (finite, as the sampler passes them) in one
+    vectorised pass per row, where torch's CPU argmax over the last dimension goes one element at a
+    time: ~20x faster on SmolLM2's 49k vocabulary. Anything else goes to torch."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    return torch.ops.kiln.argmax_rows(logits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -1,6 +1,6 @@
 """Kiln's C++ ops for the CPU, one library built from csrc/ and registered with torch.library
 (torch.ops.kiln.*): the fused paged attention (cpu_attention.py), the fused residual-add +
-RMSNorm, RoPE and the bf16 GEMM of decode steps (cpu_kernels.py).
+RMSNorm, RoPE, the bf16 GEMM of decode steps and greedy sampling's argmax (cpu_kernels.py).
 
 The library is compiled with torch.utils.cpp_extension on first use and cached under
 $KILN_CACHE/ops/<hash> (~/.cache/kiln/ops/...): the hash covers the sources, the compiler flags,
@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
-    "paged_attention_cpu.cpp", "norm_rope_cpu.cpp", "linear_cpu.cpp")]
+    "paged_attention_cpu.cpp", "norm_rope_cpu.cpp", "linear_cpu.cpp", "argmax_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}  # "loaded": True, or "error": why the library could not be had

@@ -60,7 +60,7 @@ class ModelRunner:
         self.model = model
         self.device = config.torch_device
         self.block_size = config.block_size
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, model.backend.argmax)
         self.prompt_logprob_chunk = rows_per_chunk(model_config.vocab_size)
         with startup.phase("kv_alloc"):
             self.num_blocks = self._allocate_kv_cache(config, model_config)

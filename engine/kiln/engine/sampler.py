@@ -11,10 +11,11 @@ token and finite logprobs, never NaN probabilities.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from kiln.engine.kernels.backend import torch_argmax
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
 
@@ -81,22 +82,28 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax):
+        """argmax: rows [M, V] -> first index of each row's maximum (the backend's; torch's CPU
+        argmax over the vocabulary is slow enough to show at decode)."""
         self.device = torch.device(device)
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.argmax = argmax
         self.warned_non_finite = False
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[str, Any] | None]]:
         """logits: [M, vocab] float32, one row per sequence. Returns the tokens and, per sequence,
         its logprob entry (None when it asked for none)."""
         params = [seq.params for seq in seqs]
-        if not self.warned_non_finite:
-            broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
-            if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
-                self.warned_non_finite = True
-                log.warning("the model produced NaN or infinite logits (request %s); sampling clamps them, "
-                            "but the output is unlikely to mean anything", seqs[broken[0]].request_id)
-        logits = finite_logits(logits)
+        low, high = torch.aminmax(logits)  # one pass; NaN fails both comparisons
+        if not (-LOGIT_LIMIT <= low.item() and high.item() <= LOGIT_LIMIT):
+            if not self.warned_non_finite:
+                broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+                if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
+                    self.warned_non_finite = True
+                    log.warning("the model produced NaN or infinite logits (request %s); sampling clamps them, "
+                                "but the output is unlikely to mean anything", seqs[broken[0]].request_id)
+            logits = finite_logits(logits)  # rows within the limits are left as they are
         logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.penalized for p in params):
             logits = finite_logits(apply_penalties(
@@ -109,7 +116,7 @@ class Sampler:
             ))
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         else:
             tokens = self._draw(logits, seqs, params, greedy)
         token_list = tokens.tolist()
@@ -132,8 +139,8 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
+        sampled = self.argmax(probs / noise)
+        return torch.where(greedy_mask, self.argmax(logits), sampled)
 
     @staticmethod
     def _logprob_entries(

@@ -7,7 +7,7 @@ CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
   cpu     Kiln's C++ ops (kiln.engine.cpu_library): the fused paged attention (cpu_attention),
           norm, RoPE and KV store (cpu_kernels) and, where the CPU has AVX512-BF16, the bf16 GEMM
           (cpu_kernels.linear: Kiln's op for decode rows, oneDNN's on packed weights above them);
-          torch's GEMM for float32
+          torch's GEMM for float32; the sampler's argmax (cpu_kernels.argmax_rows)
   triton  the Triton kernels of this package (CUDA, or the interpreter in tests)
   auto    triton on CUDA; on CPU "cpu" where its op builds, else torch
 """
@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Backend:
     write_kvcache: Callable[..., None]
     # (x [M, K], weight [N, K], bias [N] or None) -> [M, N]: F.linear's signature
     linear: Callable[..., torch.Tensor] = F.linear
+    # logits [M, V] float32 -> the first index of each row's largest value [M] int64 (the sampler's)
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
@@ -78,7 +84,8 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     if name == "cpu":
         from kiln.engine import cpu_attention, cpu_kernels as k
         return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,
-                       k.rope, k.write_kvcache, k.linear if k.linear_op_supported() else F.linear)
+                       k.rope, k.write_kvcache, k.linear if k.linear_op_supported() else F.linear,
+                       k.argmax_rows)
     return Backend(name, attention.store_kvcache, attention.paged_attention, cpu_ops.rms_norm, cpu_ops.rope_prepare,
                    cpu_ops.rope, attention.write_kvcache)
 
