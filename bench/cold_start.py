@@ -9,7 +9,7 @@ goal: from the process start to ready within 2x one sequential read of the weigh
    each phase's median, "other" (the total less every phase: argument parsing, the listener, the
    engine's scheduler) and the ratio of the median total to the second read.
 
-    .venv/bin/python bench/cold_start.py     # writes bench/results/cold-start-<date>.json
+    .venv/bin/python bench/cold_start.py     # writes bench/results/cold-start-<date>-<cpu kind>.json
 """
 from __future__ import annotations
 

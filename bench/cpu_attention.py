@@ -11,7 +11,7 @@ figure is the per-layer cost; the op's includes its own per-call metadata checks
 Then, unless --no-engine, the engine end to end: 16 greedy requests of 128 prompt + 64 output
 tokens through LLM.generate with each backend.
 
-    .venv/bin/python bench/cpu_attention.py                  # -> bench/results/cpu-attention-<date>.json
+    .venv/bin/python bench/cpu_attention.py                  # -> bench/results/cpu-attention-<date>-<cpu kind>.json
     .venv/bin/python bench/cpu_attention.py --dtype float32 --no-engine
 """
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,10 +19,17 @@ def machine() -> dict:
             "cpu_flags": sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma")))}
 
 
+def cpu_kind() -> str:
+    """'xeon', 'epyc', ...: the CPU model's family word, so that runs of one day on the different
+    machines sessions get (BENCHMARKS.md) are kept apart rather than written over each other."""
+    words = re.findall(r"[a-z]+", machine()["cpu"].lower())
+    return next((w for w in words if w in ("xeon", "epyc", "core", "ryzen", "neoverse")), "cpu")
+
+
 def write_result(name: str, record: dict) -> Path:
-    """record as bench/results/<name>-<today, YYYYMMDD>.json; the path written."""
+    """record as bench/results/<name>-<today, YYYYMMDD>-<cpu kind>.json; the path written."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{name}-{datetime.date.today():%Y%m%d}.json"
+    out = RESULTS / f"{name}-{datetime.date.today():%Y%m%d}-{cpu_kind()}.json"
     out.write_text(json.dumps(record, indent=1) + "\n")
     return out
 

@@ -1,7 +1,7 @@
 """Images: sizes, build time (cold and warm), and the engine's start time (process start -> /ready)
 from the engine image (podman + runc) beside the same engine as a process of the venv.
 
-    .venv/bin/python bench/images.py [--cold] [--runs 3]   # writes bench/results/images-<date>.json
+    .venv/bin/python bench/images.py [--cold] [--runs 3]   # writes bench/results/images-<date>-<cpu kind>.json
 
 --cold first removes Kiln's images and build cache (the base image and the host's pip cache stay:
 the downloads are not what is measured), then builds both; without it the build is what

@@ -4,7 +4,7 @@ SmolLM2-135M's weight shapes (qkv, o, gate_up, down, lm_head), rows M = 1..64: m
 the weight-read rate (GB/s) each reaches, beside the machine's read ceiling. Weights are cycled
 through ~60 MB so every call reads them from memory, as a decode step does. Best of 5 passes.
 
-    .venv/bin/python bench/linear_cpu.py                    # -> bench/results/linear-cpu-<date>.json
+    .venv/bin/python bench/linear_cpu.py                    # -> bench/results/linear-cpu-<date>-<cpu kind>.json
     .venv/bin/python bench/linear_cpu.py --threads 1 --rows 1,4
 """
 from __future__ import annotations

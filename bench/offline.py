@@ -7,7 +7,7 @@ ids and an output length each, EOS ignored) go through Kiln in one call, and thr
 left-padded batches of 8 and of 32 (each batch runs to its longest output; the better of the
 two counts). Metric: useful output tokens (the requested lengths) / wall time.
 
-    .venv/bin/python bench/offline.py            # full run, writes bench/results/offline-<date>.json
+    .venv/bin/python bench/offline.py            # full run, writes bench/results/offline-<date>-<cpu kind>.json
     .venv/bin/python bench/offline.py --quick    # first 16 requests, batch 8 only, no results file
 """
 from __future__ import annotations

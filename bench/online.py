@@ -9,7 +9,7 @@ Workload (BENCHMARKS.md): distinct short prompts, temperature 0, ignore_eos; fix
 Prefix-heavy (--prefix): one ~1.5k-token system prompt on every request, short user turns, one at
 a time: Kiln's TTFT with prefix caching on (hits after the first request) and off.
 
-    python bench/online.py                       # everything, results to bench/results/online-<date>.json
+    python bench/online.py                       # everything, results to bench/results/online-<date>-<cpu kind>.json
     python bench/online.py --concurrency 16,64 --no-poisson --no-long
     python bench/online.py --concurrency "" --no-poisson --no-long --prefix --peers kiln
 """
@@ -33,7 +33,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from cpu_common import ceilings, machine
+from cpu_common import ceilings, cpu_kind, machine
 from kiln.engine.dtype_choice import auto_dtype, host_cpu_flags
 
 BENCH = Path(__file__).resolve().parent
@@ -288,7 +288,7 @@ def main() -> None:
     p.add_argument("--prefix", action="store_true", help="add the prefix-heavy TTFT row (Kiln, caching on/off)")
     p.add_argument("--prefix-requests", type=int, default=12)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kiln-bench"))
-    p.add_argument("--out", type=Path, default=BENCH / "results" / f"online-{datetime.date.today()}.json")
+    p.add_argument("--out", type=Path, default=BENCH / "results" / f"online-{datetime.date.today()}-{cpu_kind()}.json")
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
     peers = args.peers.split(",")

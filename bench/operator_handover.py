@@ -7,7 +7,7 @@ Two ways to stop: SIGKILL (a crash: the Lease must expire, design bound 15 s + a
 SIGTERM (a clean stop releases the Lease: one retry). Engine pods are kwok's (no engine runs):
 this measures the operator only. Polling every 50 ms.
 
-    .venv/bin/python bench/operator_handover.py --rounds 5   # bench/results/operator-handover-<date>.json
+    .venv/bin/python bench/operator_handover.py --rounds 5   # bench/results/operator-handover-<date>-<cpu kind>.json
 """
 from __future__ import annotations
 

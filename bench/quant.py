@@ -15,7 +15,7 @@ F32 for none, Q8_0 for int8/fp8, Q4_1 for int4/int4-rtn (asymmetric 4-bit, like 
 gguf-* variant's own file; a fresh server per measurement (-np 1 for batch 1, -np 16 for c=16).
 Q8_0/Q4_0/F32 are made by llama-quantize from a BF16 GGUF of the Q4_1 weights (bench/bf16_gguf.py).
 
-    .venv/bin/python bench/quant.py                                 # everything -> bench/results/quant-<date>.json
+    .venv/bin/python bench/quant.py                                 # everything -> bench/results/quant-<date>-<cpu kind>.json
     .venv/bin/python bench/quant.py --variants int8,int4 --no-peer  # "none" is added: the ratios need it
     .venv/bin/python bench/quant.py --variants gguf-q8_0 --no-baseline --output-tokens 32   # a quick peer check
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_common import ceilings, machine
+from cpu_common import ceilings, cpu_kind, machine
 from online import BENCH, CACHE, ServerUnderTest, free_port, prompt, run_load, served_gguf, versions
 
 VARIANTS = ("none", "int8", "int4", "int4-rtn", "fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1")
@@ -263,7 +263,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds for one llama-server measurement")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kiln-bench"))
     p.add_argument("--out", type=Path,
-                   default=BENCH / "results" / f"quant-{datetime.date.today().strftime('%Y%m%d')}.json")
+                   default=BENCH / "results" / f"quant-{datetime.date.today():%Y%m%d}-{cpu_kind()}.json")
     p.add_argument("--notes", default="", help="free text recorded with the results")
     args = p.parse_args()
     variants = [v for v in args.variants.split(",") if v and v != "none"]

@@ -9,7 +9,7 @@ Then, with the server stopped, the same prompts through LLMEngine in this proces
 output tokens/s the engine makes alone (served / offline is what the serving path costs in all),
 and the time its incremental detokenizer takes for those tokens (it runs inside the engine's steps).
 
-    python bench/serving_path.py                 # c=16,32; bench/results/serving-path-<date>.json
+    python bench/serving_path.py                 # c=16,32; bench/results/serving-path-<date>-<cpu kind>.json
 """
 from __future__ import annotations
 
