@@ -15,6 +15,7 @@ import asyncio
 import logging
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from kiln.engine.openai_serving import OpenAIServing
 
 log = logging.getLogger("kiln.serve")
 
+GIL_SWITCH_INTERVAL_S = 0.0005  # see serve()
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step, so soon is right
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
 _UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
@@ -248,6 +250,10 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     if fault_step is not None:
         log.warning("test-only fault hook: engine step %d will raise and kill the engine", fault_step)
     configure_torch_threads()  # before the engine builds its thread pool; logged
+    # The engine thread (Python between its ops) and the event loop (HTTP, streaming) share the GIL,
+    # which a waiting thread gets only after the switch interval (5 ms by default): a token's
+    # streaming work could hold a decode step back by milliseconds. 0.5 ms bounds that wait.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
