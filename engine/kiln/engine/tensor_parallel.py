@@ -192,6 +192,7 @@ class ShardedModel(nn.Module):
         super().__init__()
         self.inner, self.shard = model, shard
         self.vocab_size = model.config.vocab_size
+        self.backend = model.backend  # the runner's sampler takes its argmax
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids, positions)
