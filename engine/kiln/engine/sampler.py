@@ -95,8 +95,8 @@ class Sampler:
         """logits: [M, vocab] float32, one row per sequence. Returns the tokens and, per sequence,
         its logprob entry (None when it asked for none)."""
         params = [seq.params for seq in seqs]
-        low, high = torch.aminmax(logits)  # one pass; NaN fails both comparisons
-        if not (-LOGIT_LIMIT <= low.item() and high.item() <= LOGIT_LIMIT):
+        low, high = torch.stack(torch.aminmax(logits)).tolist()  # one pass, one host copy
+        if not (-LOGIT_LIMIT <= low and high <= LOGIT_LIMIT):  # NaN fails both comparisons
             if not self.warned_non_finite:
                 broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
                 if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
