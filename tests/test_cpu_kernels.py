@@ -61,7 +61,7 @@ def test_linear_takes_the_op_only_for_bf16_decode_rows() -> None:
     w = randn(96, 64, seed=3, dtype=torch.bfloat16)
     long = randn(cpu_kernels.MAX_ROWS + 1, 64, seed=4, dtype=torch.bfloat16)
     torch.testing.assert_close(cpu_kernels.linear(long, w), F.linear(long, w), rtol=ULP_BF16, atol=1e-3)
-    if cpu_kernels._PACKING:
+    if cpu_kernels.PACKING:
         packed = w._kiln_packed
         cpu_kernels.linear(long, w)
         assert w._kiln_packed is packed  # packed once

@@ -17,7 +17,7 @@ from kiln.engine import attention, cpu_library
 
 log = logging.getLogger(__name__)
 # oneDNN's packed bf16 GEMM (torch.ops.mkldnn), in every x86 build of torch
-_PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+PACKING = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 # Rows of x up to which Kiln's bf16 op beats oneDNN's GEMM on the weight in its own packed layout:
 # memory-bound rows, where the op's one sequential weight stream reads ~1.8x faster at M=1; from 8
@@ -32,6 +32,11 @@ _logged_packing: list[bool] = []
 def linear_op_supported() -> bool:
     """Whether the bf16 GEMM op was built for this CPU (the library built with AVX512-BF16)."""
     return cpu_library.available() and torch.ops.kiln.linear_bf16_supported()
+
+
+def op_rows() -> int:
+    """The most rows of x that `linear` gives Kiln's bf16 op (csrc/decoder_cpu.cpp splits alike)."""
+    return MAX_ROWS if PACKING else MAX_ROWS_UNPACKED
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -54,9 +59,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     function (kiln.engine.kernels.backend)."""
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2:
         return F.linear(x, weight, bias)
-    if x.shape[0] <= (MAX_ROWS if _PACKING else MAX_ROWS_UNPACKED):
+    if x.shape[0] <= op_rows():
         return torch.ops.kiln.linear_bf16(x, weight, bias)
-    if _PACKING:
+    if PACKING:
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in (
-    "paged_attention_cpu.cpp", "norm_rope_cpu.cpp", "linear_cpu.cpp", "argmax_cpu.cpp")]
+    "paged_attention_cpu.cpp", "norm_rope_cpu.cpp", "linear_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}  # "loaded": True, or "error": why the library could not be had

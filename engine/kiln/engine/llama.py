@@ -147,6 +147,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
+        self.backend = backend
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, backend)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -154,11 +155,16 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Everything the layers share is derived here, once per step: the attention metadata
         # (with its host syncs) and the tokens' RoPE rows. The layer loop never syncs.
-        prepare_step(get_context(), self.layers[0].self_attn.attn)
+        step = prepare_step(get_context(), self.layers[0].self_attn.attn)
         rope = self.rotary.prepare(positions)
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope)
+        fused = self.backend.decoder_layers
+        out = fused(self.layers, x, rope, step) if fused is not None else None
+        if out is not None:  # the backend ran every layer in one call
+            x, residual = out
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, rope)
         x, _ = self.norm(x, residual)
         return x
 

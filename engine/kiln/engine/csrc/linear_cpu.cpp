@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cstdint>
 #include <optional>
 
@@ -84,6 +86,10 @@ void run(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::B
 }
 #endif
 
+}  // namespace
+
+namespace kiln_ops {
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(supported(), "kiln::linear_bf16 was built for a CPU without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -105,11 +111,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std:
   return y;
 }
 
-}  // namespace
+}  // namespace kiln_ops
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_bf16_supported() -> bool", &supported);
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear_bf16", &linear_bf16); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear_bf16", &kiln_ops::linear_bf16); }

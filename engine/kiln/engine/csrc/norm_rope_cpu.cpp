@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -52,6 +54,10 @@ void norm_rows(T* x, const T* residual, const T* weight, T* out, int64_t n, int6
     for (int64_t r = r0; r < r1; ++r) norm_row(x + r * h, residual ? residual + r * h : nullptr, weight, out + r * h, h, eps);
   });
 }
+
+}  // namespace
+
+namespace kiln_ops {
 
 // (norm(x + residual) * weight, x + residual), the sum written into x, as cpu_ops.rms_norm.
 std::tuple<at::Tensor, at::Tensor> rms_norm(at::Tensor x, const at::Tensor& weight, double eps,
@@ -145,7 +151,7 @@ void store_kvcache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
     }
 }
 
-}  // namespace
+}  // namespace kiln_ops
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor(a!))");
@@ -154,7 +160,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rope_", &rope_);
-  m.impl("store_kvcache", &store_kvcache);
+  m.impl("rms_norm", &kiln_ops::rms_norm);
+  m.impl("rope_", &kiln_ops::rope_);
+  m.impl("store_kvcache", &kiln_ops::store_kvcache);
 }

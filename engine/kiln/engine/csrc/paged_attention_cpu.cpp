@@ -24,6 +24,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "ops.h"
 #include <omp.h>
 
 #include <algorithm>
@@ -230,6 +232,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   }
 }
 
+}  // namespace
+
+namespace kiln_ops {
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, int64_t partition_size,
@@ -308,11 +314,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-}  // namespace
+}  // namespace kiln_ops
 
 TORCH_LIBRARY(kiln, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, Tensor seq_lens, "
         "Tensor block_tables, float scale, int partition_size=0, int max_q_len=0) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", &kiln_ops::paged_attention); }

@@ -7,7 +7,8 @@ CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
   cpu     Kiln's C++ ops (kiln.engine.cpu_library): the fused paged attention (cpu_attention),
           norm, RoPE and KV store (cpu_kernels) and, where the CPU has AVX512-BF16, the bf16 GEMM
           (cpu_kernels.linear: Kiln's op for decode rows, oneDNN's on packed weights above them);
-          torch's GEMM for float32; the sampler's argmax (cpu_kernels.argmax_rows)
+          torch's GEMM for float32; the sampler's argmax (cpu_kernels.argmax_rows); and a decode
+          step's decoder layers in one call of those ops (cpu_decoder)
   triton  the Triton kernels of this package (CUDA, or the interpreter in tests)
   auto    triton on CUDA; on CPU "cpu" where its op builds, else torch
 """
@@ -45,6 +46,9 @@ class Backend:
     linear: Callable[..., torch.Tensor] = F.linear
     # logits [M, V] float32 -> the first index of each row's largest value [M] int64 (the sampler's)
     argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+    # (layers, x, rope prepared, attention.StepAttention) -> (hidden, residual) after every decoder
+    # layer in one call, or None where the step or the layers need the module loop (cpu_decoder)
+    decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
@@ -82,10 +86,10 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
         return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
                        _triton_rope_prepare, _triton_rope, attention.write_kvcache)
     if name == "cpu":
-        from kiln.engine import cpu_attention, cpu_kernels as k
+        from kiln.engine import cpu_attention, cpu_decoder, cpu_kernels as k
         return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,
                        k.rope, k.write_kvcache, k.linear if k.linear_op_supported() else F.linear,
-                       k.argmax_rows)
+                       k.argmax_rows, cpu_decoder.run_layers)
     return Backend(name, attention.store_kvcache, attention.paged_attention, cpu_ops.rms_norm, cpu_ops.rope_prepare,
                    cpu_ops.rope, attention.write_kvcache)
 

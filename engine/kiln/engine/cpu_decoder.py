@@ -1,0 +1,71 @@
+"""The cpu backend's decoder layers in one op call (csrc/decoder_cpu.cpp, torch.ops.kiln.decoder_layers)
+for the steps whose every layer is the same few ops: batch-1 decode spent 4-5 ms of a ~20 ms step on
+2 cores in Python's module calls and dispatches around them.
+
+It runs when the step and the layers allow it, and the module path (LlamaDecoderLayer) runs otherwise:
+  the step   every sequence attends over the cache with the fused op (decode rows and short chunks;
+             not a plain prefill, not a chunk long enough for SDPA) and stores every row's K/V
+  the layers plain `Linear`s with the backend's GEMM and no bias (not quantized, not tensor-parallel)
+             and a float cache in the activations' dtype (not int8/fp8)
+The op calls the same C++ functions the module path reaches, in the same order: the same bits.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.engine import cpu_kernels
+from kiln.engine.attention import StepAttention
+from kiln.engine.context import get_context
+from kiln.engine.cpu_attention import CpuPlan
+from kiln.engine.llama import Linear, LlamaDecoderLayer
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               step: StepAttention | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hidden, residual) after every layer, as the module loop returns them; None when this step or
+    these layers need the module path (see the module docstring)."""
+    if step is None or step.no_cached_prefix or step.keep is not None:
+        return None
+    if not isinstance(step.plan, CpuPlan) or step.plan.long:
+        return None
+    weights = layer_weights(layers, x.dtype)
+    if weights is None:
+        return None
+    first = layers[0]
+    attn = first.self_attn
+    gemm = attn.qkv_proj.gemm
+    # cpu_kernels.linear's split of the rows, as its own calls would make it
+    max_rows = cpu_kernels.op_rows() if x.dtype == torch.bfloat16 and gemm is cpu_kernels.linear else 0
+    packed = []
+    if max_rows and cpu_kernels.PACKING and x.shape[0] > max_rows:
+        packed = [cpu_kernels.packed_weight(w) for i, w in enumerate(weights) if i % 6 in (1, 2, 4, 5)]
+    ctx = get_context()
+    caches = [layer.self_attn.attn for layer in layers]
+    return torch.ops.kiln.decoder_layers(
+        x, weights, packed, [c.k_cache for c in caches], [c.v_cache for c in caches], *rope, ctx.slot_mapping,
+        ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, attn.num_heads, attn.num_kv_heads,
+        first.input_layernorm.eps, attn.attn.scale, max_rows)
+
+
+def layer_weights(layers: nn.ModuleList, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Each layer's input norm, qkv, o, post-attention norm, gate/up and down weights, in the op's
+    order; None if any layer is not one the op runs."""
+    weights: list[torch.Tensor] = []
+    gemm = getattr(layers[0].self_attn.qkv_proj, "gemm", None) if len(layers) else None  # quantized: none
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        gemms = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(type(g) is not Linear or g.bias is not None or g.gemm is not gemm or g.weight.dtype != dtype
+               for g in gemms):
+            return None
+        cache = attn.attn
+        if cache.k_scales is not None or cache.k_cache.numel() == 0 or cache.k_cache.dtype != dtype:
+            return None
+        if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {layers[0].input_layernorm.eps}:
+            return None  # the op takes one epsilon
+        weights += [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+    return weights or None
