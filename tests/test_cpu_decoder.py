@@ -54,10 +54,11 @@ def generate(llm: LLM, prompts: list[str], fused: bool) -> list[tuple[list[int],
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_same_bits_as_the_module_loop(dtype: str) -> None:
     """One prompt (1-row decode steps: the op's GEMM in bf16) and eight (8 rows: oneDNN's packed GEMM),
-    with 16-token chunks so that chunks over a cached prefix share steps with decodes."""
+    with 32-token steps: prompts of 3-37 tokens, so that prefills of at most 16 tokens run in the op,
+    longer ones and chunks (SDPA's) in the modules, and chunks over a cached prefix beside decodes."""
     # Plain weights (bf16 would serve the packaged Q4_1 GGUF packed); no prefix caching: the second
     # run of a prompt would attend over the first one's cached blocks.
-    llm = LLM(dtype=dtype, attention_backend="cpu", gguf_dequantize=True, max_num_batched_tokens=16,
+    llm = LLM(dtype=dtype, attention_backend="cpu", gguf_dequantize=True, max_num_batched_tokens=32,
               max_model_len=256, enable_prefix_caching=False)
     counts = counted(llm)
     for prompts in (PROMPTS[:1], PROMPTS):
@@ -65,8 +66,8 @@ def test_same_bits_as_the_module_loop(dtype: str) -> None:
         assert generate(llm, prompts, fused=False) == fused
         assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in fused)
     print(dtype, counts)
-    assert counts["fused"] >= 2 * (GREEDY.max_tokens - 1)  # every decode step of both runs
-    assert counts["modules"] >= 2  # the first chunk of each prompt is a plain prefill
+    assert counts["fused"] >= 2 * GREEDY.max_tokens  # every step of the one-prompt run, decodes of the other
+    assert counts["modules"] >= 1  # the 17- and 33-token prompts' first step
 
 
 @pytest.mark.parametrize("setting", [{"quantization": "int8"}, {"kv_cache_dtype": "int8"}])

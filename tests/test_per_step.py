@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.engine import LLM, SamplingParams, attention, cpu_attention, cpu_kernels, cpu_library, cpu_ops
+from kiln.engine import LLM, SamplingParams, attention, cpu_kernels, cpu_library, cpu_ops
 from kiln.engine.kernels.backend import get_backend
 from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm_ref, rope_ref
 from kiln.engine.llama import Linear, rope_inv_freq
@@ -81,7 +81,7 @@ def test_metadata_once_per_step_and_one_forward_per_step(llm: LLM, monkeypatch: 
     monkeypatch.setattr(model, "forward", counting("forwards", model.forward))
     monkeypatch.setattr(attention, "StepAttention", counting("built", attention.StepAttention))
     monkeypatch.setattr(attention, "plan_paged_attention", counting("plans", attention.plan_paged_attention))
-    monkeypatch.setattr(cpu_attention, "plan_cpu_attention", counting("plans", cpu_attention.plan_cpu_attention))
+    monkeypatch.setattr(attention, "plan_cpu_attention", counting("plans", attention.plan_cpu_attention))
     outs = llm.generate(PROMPTS[:4], GREEDY)
     assert all(len(o.token_ids) == 6 for o in outs)
     print(counts)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.engine.context import Context, get_context
+from kiln.engine.cpu_attention import SDPA_ABOVE, CpuPlan, plan_cpu_attention, run_cpu_attention
 from kiln.engine.kernels.backend import Backend
 from kiln.engine.kv_quant import check_scales, dequantize_kv, quantize_kv
 
@@ -178,7 +179,7 @@ class StepAttention:
     no_cached_prefix: bool  # every sequence attends only to its own new tokens (a plain prefill)
     keep: torch.Tensor | None  # rows whose K/V are stored (slot >= 0); None: all of them
     slots: torch.Tensor  # their cache slots, all >= 0
-    plan: Any  # PagedPlan (torch path) or cpu_attention.CpuPlan; None for a plain prefill
+    plan: Any  # PagedPlan (torch path) or cpu_attention.CpuPlan; None for a plain prefill SDPA takes
 
 
 def prepare_step(ctx: Context, layer: Attention) -> StepAttention | None:
@@ -196,12 +197,17 @@ def prepare_step(ctx: Context, layer: Attention) -> StepAttention | None:
     keep = None if bool(keep.all()) else keep.nonzero().flatten()
     slots = ctx.slot_mapping if keep is None else ctx.slot_mapping[keep]
     plan = None
-    if not no_cached_prefix and layer.k_cache.numel() > 0:
+    if layer.k_cache.numel() > 0:
         block_size = layer.k_cache.shape[1]
         if layer.backend.name == "cpu" and layer.k_scales is None:  # the op reads a float cache only
-            from kiln.engine.cpu_attention import plan_cpu_attention
-            plan = plan_cpu_attention(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, block_size, bounds=bounds)
-        else:
+            # A plain prefill of short prompts too, when it stores every row: the op over their
+            # just-stored K/V beats SDPA's per-sequence calls there (and lets cpu_decoder run the
+            # step's layers in one call).
+            short = max((hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])), default=0) <= SDPA_ABOVE and keep is None
+            if not no_cached_prefix or short:
+                plan = plan_cpu_attention(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, block_size,
+                                          bounds=bounds)
+        elif not no_cached_prefix:
             plan = plan_paged_attention(ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, block_size)
     step = ctx.derived["attention"] = StepAttention(bounds, no_cached_prefix, keep, slots, plan)
     return step
@@ -235,15 +241,15 @@ class Attention(nn.Module):
         if has_cache:
             stored = (k, v) if step.keep is None else (k[step.keep], v[step.keep])
             self.backend.write_kvcache(*stored, self.k_cache, self.v_cache, step.slots, self.k_scales, self.v_scales)
+        if has_cache and isinstance(step.plan, CpuPlan):
+            return run_cpu_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+                                     ctx.block_tables, self.scale, step.plan)
         # A plain prefill is one causal SDPA per sequence (flash attention) on its own exact K/V,
         # even over an int8/fp8 cache: only later steps read the quantized copies back (as in vLLM).
         if step.no_cached_prefix or not has_cache:
             if not step.no_cached_prefix:
                 raise RuntimeError("a step with a cached prefix needs the KV cache to be allocated")
             return varlen_causal_attention(q, k, v, step.bounds, self.scale)
-        if isinstance(step.plan, PagedPlan):  # the torch path (also the cpu backend's int8/fp8 caches)
-            return run_paged_attention(q, self.k_cache, self.v_cache, step.plan, self.scale, self.k_scales,
-                                       self.v_scales)
-        from kiln.engine.cpu_attention import run_cpu_attention
-        return run_cpu_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables,
-                                 self.scale, step.plan)
+        # the torch path (also the cpu backend's int8/fp8 caches)
+        return run_paged_attention(q, self.k_cache, self.v_cache, step.plan, self.scale, self.k_scales,
+                                   self.v_scales)

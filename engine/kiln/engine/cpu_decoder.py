@@ -3,8 +3,8 @@ for the steps whose every layer is the same few ops: batch-1 decode spent 4-5 ms
 2 cores in Python's module calls and dispatches around them.
 
 It runs when the step and the layers allow it, and the module path (LlamaDecoderLayer) runs otherwise:
-  the step   every sequence attends over the cache with the fused op (decode rows and short chunks;
-             not a plain prefill, not a chunk long enough for SDPA) and stores every row's K/V
+  the step   every sequence attends over the cache with the fused op (decodes, and prefills and
+             chunks of up to cpu_attention.SDPA_ABOVE tokens) and stores every row's K/V
   the layers plain `Linear`s with the backend's GEMM and no bias (not quantized, not tensor-parallel)
              and a float cache in the activations' dtype (not int8/fp8)
 The op calls the same C++ functions the module path reaches, in the same order: the same bits.
@@ -25,9 +25,7 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
                step: StepAttention | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(hidden, residual) after every layer, as the module loop returns them; None when this step or
     these layers need the module path (see the module docstring)."""
-    if step is None or step.no_cached_prefix or step.keep is not None:
-        return None
-    if not isinstance(step.plan, CpuPlan) or step.plan.long:
+    if step is None or step.keep is not None or not isinstance(step.plan, CpuPlan) or step.plan.long:
         return None
     weights = layer_weights(layers, x.dtype)
     if weights is None:

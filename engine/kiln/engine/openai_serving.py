@@ -186,9 +186,10 @@ class OpenAIServing:
                 await resp.write(chunk([{**choice, **fields.prompt(prompt_ids, None)}]))
             async for out in _until_finished(outputs):
                 entries = _new_entries(out)
-                # With return_token_ids, a token whose text is held back (it may begin a stop string)
-                # still goes out now.
-                if out.new_text or entries or out.finished or (fields.return_token_ids and out.new_token_ids):
+                # A chunk for every step that made a token, even when its text is empty (a special
+                # token, text held back as it may begin a stop string, half a character), as vLLM
+                # and llama-server send them: the client sees each token when it is made.
+                if out.new_text or entries or out.finished or out.new_token_ids:
                     choice = {**shape.delta(out.new_text, entries, out.finish_reason),
                               **fields.prompt(prompt_ids, out), **fields.generated(out.new_token_ids)}
                     await resp.write(chunk([choice]))
