@@ -158,7 +158,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<float> qf(rows_max * d), acc(rows_max * d), kf(bs * d), vf(bs * d),
         s((bs + kLanes - 1) / kLanes * kLanes), m(rows_max),
         l(rows_max);
-#pragma omp for schedule(dynamic, 1)
+    // Items run in runs of hkv: a sequence's KV heads (adjacent items) go to one thread, which then
+    // reads each block's rows for all heads, where alternating threads each read a third of a block
+    // (with the prefetch below: 30 layers of 64 decodes over 460 keys, 104-111 -> 78-85 ms).
+#pragma omp for schedule(dynamic, hkv)
     for (size_t it = 0; it < items.size(); ++it) {
       const Item& w = items[it];
       const int64_t q0 = cu[w.seq], first_pos = lens[w.seq] - (cu[w.seq + 1] - q0);
@@ -174,6 +177,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       for (int64_t k0 = w.key0; k0 < w.key1; k0 += bs) {
         const int64_t n = std::min(bs, w.key1 - k0);
         const int64_t block = tables[w.seq * table_stride + k0 / bs];
+        if (k0 + bs < w.key1) {  // the next block lies elsewhere in the pool: fetch it while this one runs
+          const int64_t next = tables[w.seq * table_stride + k0 / bs + 1] * block_stride + w.head * d;
+          for (int64_t j = 0; j < bs; ++j)
+            for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(kp + next + j * tok_stride) + b);
+              __builtin_prefetch(reinterpret_cast<const char*>(vp + next + j * tok_stride) + b);
+            }
+        }
         int64_t k_stride, v_stride;
         const float* kb = as_float_rows(kp + block * block_stride + w.head * d, tok_stride, n, d, kf.data(), k_stride);
         const float* vb = as_float_rows(vp + block * block_stride + w.head * d, tok_stride, n, d, vf.data(), v_stride);
