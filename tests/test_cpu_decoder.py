@@ -87,3 +87,7 @@ def test_bad_input_is_a_clear_error() -> None:
         torch.ops.kiln.decoder_layers(x, [torch.ones(8)] * 5, [], [cache], [cache], torch.zeros(1, dtype=torch.long),
                                       torch.ones(4, 8), torch.zeros(1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32),
                                       ids + 1, ids.view(1, 1), 1, 1, 1e-5, 1.0, 0)
+    with pytest.raises(RuntimeError, match="at least one layer"):
+        torch.ops.kiln.decoder_layers(x, [], [], [], [], torch.zeros(1, dtype=torch.long), torch.ones(4, 8),
+                                      torch.zeros(1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32),
+                                      ids + 1, ids.view(1, 1), 1, 1, 1e-5, 1.0, 0)

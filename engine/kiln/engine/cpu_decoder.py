@@ -11,6 +11,8 @@ The op calls the same C++ functions the module path reaches, in the same order: 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -20,6 +22,13 @@ from kiln.engine.context import get_context
 from kiln.engine.cpu_attention import CpuPlan
 from kiln.engine.llama import Linear, LlamaDecoderLayer
 
+# Each layer's weights in the op's order (GEMMS: the slots that are GEMM weights), or None where the
+# layers are not ones the op runs: checked once per model, at its first step that could use the op
+# (reading them per step took ~0.8 ms of a ~18 ms batch-1 step). Quantization and tensor
+# parallelism swap modules at load, before any step.
+_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers -> (dtype, weights or None)
+GEMMS = (1, 2, 4, 5)
+
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                step: StepAttention | None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -27,8 +36,13 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
     these layers need the module path (see the module docstring)."""
     if step is None or step.keep is not None or not isinstance(step.plan, CpuPlan) or step.plan.long:
         return None
-    weights = layer_weights(layers, x.dtype)
-    if weights is None:
+    kept = _WEIGHTS.get(layers)
+    if kept is None or kept[0] != x.dtype:
+        kept = _WEIGHTS[layers] = (x.dtype, layer_weights(layers, x.dtype))
+    weights = kept[1]
+    caches = [layer.self_attn.attn for layer in layers]
+    if weights is None or any(c.k_scales is not None or c.k_cache.numel() == 0 or c.k_cache.dtype != x.dtype
+                              for c in caches):
         return None
     first = layers[0]
     attn = first.self_attn
@@ -37,9 +51,8 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
     max_rows = cpu_kernels.op_rows() if x.dtype == torch.bfloat16 and gemm is cpu_kernels.linear else 0
     packed = []
     if max_rows and cpu_kernels.PACKING and x.shape[0] > max_rows:
-        packed = [cpu_kernels.packed_weight(w) for i, w in enumerate(weights) if i % 6 in (1, 2, 4, 5)]
+        packed = [cpu_kernels.packed_weight(w) for i, w in enumerate(weights) if i % 6 in GEMMS]
     ctx = get_context()
-    caches = [layer.self_attn.attn for layer in layers]
     return torch.ops.kiln.decoder_layers(
         x, weights, packed, [c.k_cache for c in caches], [c.v_cache for c in caches], *rope, ctx.slot_mapping,
         ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, attn.num_heads, attn.num_kv_heads,
@@ -48,7 +61,7 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
 
 def layer_weights(layers: nn.ModuleList, dtype: torch.dtype) -> list[torch.Tensor] | None:
     """Each layer's input norm, qkv, o, post-attention norm, gate/up and down weights, in the op's
-    order; None if any layer is not one the op runs."""
+    order; None if any layer is not one the op runs (its KV cache is run_layers' to check, per step)."""
     weights: list[torch.Tensor] = []
     gemm = getattr(layers[0].self_attn.qkv_proj, "gemm", None) if len(layers) else None  # quantized: none
     for layer in layers:
@@ -58,9 +71,6 @@ def layer_weights(layers: nn.ModuleList, dtype: torch.dtype) -> list[torch.Tenso
         gemms = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(type(g) is not Linear or g.bias is not None or g.gemm is not gemm or g.weight.dtype != dtype
                for g in gemms):
-            return None
-        cache = attn.attn
-        if cache.k_scales is not None or cache.k_cache.numel() == 0 or cache.k_cache.dtype != dtype:
             return None
         if {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {layers[0].input_layernorm.eps}:
             return None  # the op takes one epsilon

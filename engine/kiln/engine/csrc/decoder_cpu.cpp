@@ -42,13 +42,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens, const at::Tensor& block_tables,
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale, int64_t max_rows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0, "decoder_layers: at least one layer (a K and V cache) expected");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer && v_caches.size() == k_caches.size(),
               "decoder_layers: ", kPerLayer, " weights and a K and V cache per layer expected, got ", weights.size(),
               " weights for ", layers, " layers");
   TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == layers * kPackedPerLayer,
               "decoder_layers: no packed weights or ", kPackedPerLayer, " per layer expected");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layers: contiguous x [N, hidden] expected");
-  const int64_t n = x.size(0), head_dim = k_caches.empty() ? 0 : k_caches[0].size(3);
+  const int64_t n = x.size(0), head_dim = k_caches[0].size(3);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor h = x;
   std::optional<at::Tensor> residual;
