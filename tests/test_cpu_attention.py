@@ -29,13 +29,13 @@ def op_built() -> None:
 
 
 def make_batch(shape: list[tuple[int, int]], block_size: int, dtype: torch.dtype, seed: int = 0,
-               hq: int = HQ, hkv: int = HKV) -> dict:
+               hq: int = HQ, hkv: int = HKV, d: int = D) -> dict:
     """A random paged cache and a varlen batch over it; blocks are handed out shuffled, so a
     sequence's blocks are not contiguous in the pool, and the spare ones hold NaN."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for _, ctx in shape]
     num_blocks = sum(blocks_per_seq) + 3
-    k_cache = torch.full((num_blocks, block_size, hkv, D), float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
     v_cache = k_cache.clone()
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(shape), max(blocks_per_seq), dtype=torch.int32)
@@ -45,14 +45,14 @@ def make_batch(shape: list[tuple[int, int]], block_size: int, dtype: torch.dtype
         used += nblocks
         tables[b, :nblocks] = ids.to(torch.int32)
         slots = (ids[:, None] * block_size + torch.arange(block_size)).flatten()[:ctx]
-        k_cache.view(-1, hkv, D)[slots] = torch.randn(ctx, hkv, D, generator=gen).to(dtype)
-        v_cache.view(-1, hkv, D)[slots] = torch.randn(ctx, hkv, D, generator=gen).to(dtype)
+        k_cache.view(-1, hkv, d)[slots] = torch.randn(ctx, hkv, d, generator=gen).to(dtype)
+        v_cache.view(-1, hkv, d)[slots] = torch.randn(ctx, hkv, d, generator=gen).to(dtype)
     q_lens = torch.tensor([n for n, _ in shape], dtype=torch.int32)
     cu = torch.zeros(len(shape) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(q_lens, 0)
-    return dict(q=torch.randn(int(cu[-1]), hq, D, generator=gen).to(dtype), k_cache=k_cache, v_cache=v_cache,
+    return dict(q=torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype), k_cache=k_cache, v_cache=v_cache,
                 cu_seqlens_q=cu, seq_lens=torch.tensor([c for _, c in shape], dtype=torch.int32),
-                block_tables=tables, scale=D ** -0.5, max_seqlen_q=int(q_lens.max()),
+                block_tables=tables, scale=d ** -0.5, max_seqlen_q=int(q_lens.max()),
                 max_seqlen_k=max(c for _, c in shape))
 
 
@@ -102,6 +102,37 @@ def test_long_context_split_across_threads() -> None:
     errs = [(o - ref).abs().max().item() for o in (auto, unsplit, split)]
     print(f"2000-key context: max error auto {errs[0]:.2e}, unsplit {errs[1]:.2e}, 125 splits {errs[2]:.2e}")
     assert max(errs) < 2e-5
+
+
+@pytest.mark.parametrize("d", [h for h in cpu_attention.HEAD_DIMS if h != D])
+def test_other_head_sizes(d: int) -> None:
+    """Every head size the op is compiled for (64 is the tests' above), with 2 and 12 query heads a
+    KV head (more than one register pass of rows), in bf16."""
+    for hq, hkv in ((4, 2), (12, 1)):
+        batch = make_batch(MIXED, 16, torch.bfloat16, seed=d, hq=hq, hkv=hkv, d=d)
+        err = (cpu_attention.paged_attention(**batch).float() - reference(batch)).abs().max().item()
+        print(f"head_dim {d}, {hq // hkv} query heads a KV head: max |op - ref| {err:.2e}")
+        assert err < 1.6e-2
+
+
+def test_unsupported_head_size_runs_torch_backend(tmp_path) -> None:
+    """A model whose head_dim (8) the op is not compiled for: "auto" runs it on the torch backend
+    with the same tokens; "cpu" by name is a clear error; the op itself refuses such a q."""
+    from kiln.engine.config import ModelLoadError
+    from tiny_models import write_tiny_model
+    folder = write_tiny_model("llama", tmp_path / "tiny", hidden_size=32)  # 4 heads of 8
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(model=str(folder), dtype="float32", attention_backend=backend)
+        assert {a.backend.name for a in llm.engine.runner._attention_layers()} == {"torch"}
+        outs[backend] = [o.token_ids for o in llm.generate(["w3 w4 w5"], params)]
+    assert outs["auto"] == outs["torch"] and len(outs["auto"][0]) == 6
+    with pytest.raises(ModelLoadError, match="head_dim 8"):
+        LLM(model=str(folder), dtype="float32", attention_backend="cpu")
+    batch = make_batch([(1, 20)], 16, torch.float32, d=48)
+    with pytest.raises(RuntimeError, match="head_dim 48 is not one the op is built for"):
+        cpu_attention.paged_attention(**batch)
 
 
 def test_quantized_cache_takes_torch_path() -> None:

@@ -21,8 +21,8 @@ TINY_HF_CONFIGS = {
 }
 
 
-def write_tiny_model(kind: str, folder: Path) -> Path:
-    """Write TINY_HF_CONFIGS[kind] with random weights (seed 0: the same model every time) by
+def write_tiny_model(kind: str, folder: Path, **overrides) -> Path:
+    """Write TINY_HF_CONFIGS[kind] (config fields changed by overrides) with random weights (seed 0: the same model every time) by
     transformers' save_pretrained, with a word-level tokenizer.json ("w0".."w92") and a chat
     template, into folder; returns it."""
     import torch
@@ -30,6 +30,7 @@ def write_tiny_model(kind: str, folder: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     arch, kwargs = TINY_HF_CONFIGS[kind]
+    kwargs = {**kwargs, **overrides}
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(93)]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     torch.manual_seed(0)

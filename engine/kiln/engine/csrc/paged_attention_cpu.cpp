@@ -8,13 +8,15 @@
 //   seq_lens int32 [B]; block_tables int32 [B, max_blocks]. Query token i of sequence b sits at
 //   position seq_lens[b] - q_len_b + i and attends to keys 0..that position.
 //
-// Work is cut into items of (sequence, KV head, tile of query tokens, context split):
-//  - a KV head's K/V rows are read in place from the cache (bf16 widened in registers: cheaper
-//    than the fp32 copy per item this op once made) by all query heads of its GQA group and all
-//    tokens of the tile (rows = token x group head);
+// Work is cut into items of (sequence, tile of query tokens, context split), all KV heads each:
+//  - an item reads each cache block whole, one contiguous stream for every head (a pass per head
+//    read a third of every key's row and ran ~1.7x slower);
+//  - the query heads of a GQA group share each K/V row, widened from bf16 in registers: their
+//    scores, and then their output rows, are summed in registers over a block's keys
+//    (attend_keys), 16 floats to a vector (vec16.h);
 //  - softmax is online (running max and sum in fp32), so no score matrix is ever materialised;
-//  - when there are fewer (sequence, head, tile) triples than threads (decode at small batch,
-//    long contexts), the context is split so every thread gets work; each split leaves its
+//  - when there are fewer (sequence, tile) pairs than threads (decode at small batch, long
+//    contexts), the context is split so every thread gets work; each split leaves its
 //    unnormalised output, max and sum in a scratch buffer, and a second pass merges them.
 // Sequences with more than max_q_len query tokens (when > 0) are left out, their rows unwritten:
 // a long prefill chunk is a matrix product, which SDPA's GEMMs do ~2x faster than these per-row
@@ -33,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -41,35 +44,7 @@ namespace {
 
 using namespace kiln_vec;
 
-constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per item: scores stay in L1
-
-// Loops over head_dim run in 16-float vectors (vec16.h): a dot product then ends in one
-// shuffle-and-add tree instead of a chain of scalar adds, and an output row's chunk stays in
-// registers across the keys it sums.
-inline float dot(const float* a, const float* b, int64_t d) {
-  f32x16 part = {};
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) part += load16(a + i) * load16(b + i);
-  float tail = 0.f;
-  for (; i < d; ++i) tail += a[i] * b[i];
-  return hsum(part) + tail;
-}
-
-// out[0:d] = out * alpha + sum_j p[j] * v[j * stride : j * stride + d]
-inline void rescale_accumulate(float* out, float alpha, const float* p, const float* v, int64_t stride, int64_t n,
-                               int64_t d) {
-  int64_t i = 0;
-  for (; i + kLanes <= d; i += kLanes) {
-    f32x16 chunk = load16(out + i) * alpha;
-    for (int64_t j = 0; j < n; ++j) chunk += p[j] * load16(v + j * stride + i);
-    std::memcpy(out + i, &chunk, sizeof chunk);
-  }
-  for (; i < d; ++i) {
-    float x = out[i] * alpha;
-    for (int64_t j = 0; j < n; ++j) x += p[j] * v[j * stride + i];
-    out[i] = x;
-  }
-}
+constexpr int64_t kMaxTileRows = 64;  // token x group-head rows per KV head and item
 
 // e^x for x <= 0 (scores minus the running max), 16 at a time (std::exp is a scalar libm call, one
 // per query head and key at decode): 2^n * e^r, |r| <= ln2/2, with Cephes' polynomial, within 2
@@ -91,54 +66,113 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
-inline float exp_nonpositive(float x) { return exp_nonpositive(f32x16{} + x)[0]; }
 
-// s[0:n] = e^(s - mx) in place, lanes from n on zeroed (s holds whole 16-float chunks); their sum.
-inline float softmax_numerators(float* s, int64_t n, float mx) {
-  f32x16 total = {};
-  for (int64_t j = 0; j < n; j += kLanes) {
-    f32x16 e = exp_nonpositive(load16(s + j) - mx);
-    for (int64_t t = n - j; t < kLanes; ++t) e[t] = 0.f;  // past the last visible key
-    store16(s + j, e);
-    total += e;
+// The lane sums of 16 vectors as one vector, lane j = sum of p[j]: a tree of shuffles and adds
+// (each level halves the vectors and the lanes per input), ~3 operations a vector where a
+// separate sum of each vector's lanes takes ~8.
+inline f32x16 sum_lanes16(const f32x16* p) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Query rows summed in registers at once: R rows of C vectors each (R*C accumulators, C for a K or
+// V row: within AVX-512's 32 registers).
+template <int C>
+constexpr int kRows = C >= 12 ? 1 : 12 / C;
+
+// Up to 16 keys (n) for `rows` (<= R) query rows of one KV head and one token: q and acc hold rows
+// of C * 16 floats, (m, l) the rows' running max and sum. K/V key j at k + j * stride. Loops over R
+// are unrolled, so the arrays live in registers (but the scores' partial sums: 16 per row).
+template <int C, typename T>
+void attend_keys(const float* q, int rows, const T* k, const T* v, int64_t stride, int64_t n, float* acc,
+                 float* m, float* l) {
+  constexpr int R = kRows<C>, D = C * kLanes;
+  f32x16 qv[R][C], part[R][kLanes];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    if (r < rows)
+      for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + c * kLanes);
+  for (int64_t j = 0; j < kLanes; ++j) {
+    f32x16 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = j < n ? load16(k + j * stride + c * kLanes) : f32x16{};
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      part[r][j] = qv[r][0] * kv[0];
+      for (int c = 1; c < C; ++c) part[r][j] += qv[r][c] * kv[c];
+    }
   }
-  return hsum(total);
-}
-
-// A block's n rows of K or V (stride elements apart) as fp32 rows d apart: a float cache is read
-// where it is; a bf16/fp16 one is widened once into buf, so the rows of every query head of the
-// group and every token of the tile read it without converting again.
-inline const float* as_float_rows(const float* src, int64_t stride, int64_t, int64_t, float*, int64_t& out_stride) {
-  out_stride = stride;
-  return src;
-}
-template <typename T>
-const float* as_float_rows(const T* src, int64_t stride, int64_t n, int64_t d, float* buf, int64_t& out_stride) {
+  // Online softmax: the keys' numerators under the new max; what was summed under the old one is
+  // rescaled by alpha (e^-inf: ~0 at the first keys).
+  f32x16 lane = {};
+  for (int t = 0; t < kLanes; ++t) lane[t] = static_cast<float>(t);
+  const auto visible = lane < static_cast<float>(n);
+  const f32x16 neg_inf = f32x16{} - std::numeric_limits<float>::infinity();
+  f32x16 p[R];
+  float alpha[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+    const f32x16 scores = visible ? sum_lanes16(part[r]) : neg_inf;
+    float mx = m[r];
+    for (int t = 0; t < kLanes; ++t) mx = std::max(mx, scores[t]);
+    alpha[r] = exp_nonpositive(f32x16{} + (m[r] - mx))[0];
+    p[r] = exp_nonpositive(scores - mx);  // e^-inf = ~1e-38 past n: V rows there are zeros
+    l[r] = l[r] * alpha[r] + hsum(visible ? p[r] : f32x16{});
+    m[r] = mx;
+  }
+  f32x16 out[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    if (r < rows)
+      for (int c = 0; c < C; ++c) out[r][c] = load16(acc + r * D + c * kLanes) * alpha[r];
   for (int64_t j = 0; j < n; ++j) {
-    int64_t i = 0;
-    for (; i + kLanes <= d; i += kLanes) store16(buf + j * d + i, load16(src + j * stride + i));
-    for (; i < d; ++i) buf[j * d + i] = to_float(src[j * stride + i]);
+    f32x16 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + j * stride + c * kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      for (int c = 0; c < C; ++c) out[r][c] += p[r][j] * vv[c];
+    }
   }
-  out_stride = d;
-  return buf;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    if (r < rows)
+      for (int c = 0; c < C; ++c) store16(acc + r * D + c * kLanes, out[r][c]);
 }
 
-struct Item {
-  int64_t seq, head, tok0, ntok, key0, key1;
+// head_dim in 16-float chunks: the sizes run() is instantiated for.
+bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 96 || d == 128; }
+
+struct Item {  // one (sequence, tile of query tokens, context split), all KV heads
+  int64_t seq, tok0, ntok, key0, key1;
   int64_t slot;  // scratch slot of a split's partial result; -1 = the only split, write out directly
 };
 
-struct Group {  // a (sequence, head, tile) whose context was split: merged after all items ran
-  int64_t seq, head, tok0, ntok, slot0, nsplits;
+struct Group {  // a (sequence, tile) whose context was split: merged after all items ran
+  int64_t seq, tok0, ntok, slot0, nsplits;
 };
 
-template <typename T>
+// An item's rows are its tile's query rows in q's order: row r = token r / Hq, query head r % Hq
+// (KV head r % Hq / group), so a token's rows are one contiguous output row. D = C * 16.
+template <typename T, int C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* cu,
          const int32_t* lens, const int32_t* tables, int64_t table_stride, double scale,
          const std::vector<Item>& items, const std::vector<Group>& groups, int64_t tile_tokens,
          at::Tensor& out) {
-  const int64_t hq = q.size(1), d = q.size(2), bs = k_cache.size(1), hkv = k_cache.size(2);
-  const int64_t group = hq / hkv, rows_max = tile_tokens * group;
+  constexpr int64_t d = C * kLanes;
+  const int64_t hq = q.size(1), bs = k_cache.size(1), hkv = k_cache.size(2);
+  const int64_t group = hq / hkv, rows_max = tile_tokens * hq;
   const T* qp = q.data_ptr<T>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);  // q may be a view into the fused qkv
   const T* kp = k_cache.data_ptr<T>();
@@ -155,19 +189,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #pragma omp parallel num_threads(nthreads)
   {
     // Per-thread buffers, reused by every item the thread runs.
-    std::vector<float> qf(rows_max * d), acc(rows_max * d), kf(bs * d), vf(bs * d),
-        s((bs + kLanes - 1) / kLanes * kLanes), m(rows_max),
-        l(rows_max);
-    // Items run in runs of hkv: a sequence's KV heads (adjacent items) go to one thread, which then
-    // reads each block's rows for all heads, where alternating threads each read a third of a block
-    // (with the prefetch below: 30 layers of 64 decodes over 460 keys, 104-111 -> 78-85 ms).
-#pragma omp for schedule(dynamic, hkv)
+    std::vector<float> qf(rows_max * d), acc(rows_max * d), m(rows_max), l(rows_max);
+#pragma omp for schedule(dynamic, 1)
     for (size_t it = 0; it < items.size(); ++it) {
       const Item& w = items[it];
       const int64_t q0 = cu[w.seq], first_pos = lens[w.seq] - (cu[w.seq + 1] - q0);
-      const int64_t rows = w.ntok * group;
-      for (int64_t r = 0; r < rows; ++r) {  // row r = token r / group, query head head*group + r % group
-        const T* src = qp + (q0 + w.tok0 + r / group) * q_tok + (w.head * group + r % group) * q_head;
+      const int64_t rows = w.ntok * hq;
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* src = qp + (q0 + w.tok0 + r / hq) * q_tok + (r % hq) * q_head;
         for (int64_t i = 0; i < d; ++i) qf[r * d + i] = to_float(src[i]) * static_cast<float>(scale);
       }
       std::fill(acc.begin(), acc.begin() + rows * d, 0.f);
@@ -176,54 +205,48 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       // key0 is a multiple of block_size, so each step covers (part of) one cache block.
       for (int64_t k0 = w.key0; k0 < w.key1; k0 += bs) {
         const int64_t n = std::min(bs, w.key1 - k0);
-        const int64_t block = tables[w.seq * table_stride + k0 / bs];
+        const T* kb = kp + tables[w.seq * table_stride + k0 / bs] * block_stride;
+        const T* vb = vp + tables[w.seq * table_stride + k0 / bs] * block_stride;
         if (k0 + bs < w.key1) {  // the next block lies elsewhere in the pool: fetch it while this one runs
-          const int64_t next = tables[w.seq * table_stride + k0 / bs + 1] * block_stride + w.head * d;
-          for (int64_t j = 0; j < bs; ++j)
-            for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) {
-              __builtin_prefetch(reinterpret_cast<const char*>(kp + next + j * tok_stride) + b);
-              __builtin_prefetch(reinterpret_cast<const char*>(vp + next + j * tok_stride) + b);
-            }
-        }
-        int64_t k_stride, v_stride;
-        const float* kb = as_float_rows(kp + block * block_stride + w.head * d, tok_stride, n, d, kf.data(), k_stride);
-        const float* vb = as_float_rows(vp + block * block_stride + w.head * d, tok_stride, n, d, vf.data(), v_stride);
-        for (int64_t r = 0; r < rows; ++r) {
-          // Causal: this row's token sees keys up to its own position.
-          const int64_t visible = std::min(n, first_pos + w.tok0 + r / group - k0 + 1);
-          if (visible <= 0) continue;
-          const float* qr = &qf[r * d];
-          float mx = m[r];
-          for (int64_t j = 0; j < visible; ++j) {
-            s[j] = dot(qr, kb + j * k_stride, d);
-            mx = std::max(mx, s[j]);
+          const int64_t next = tables[w.seq * table_stride + k0 / bs + 1] * block_stride;
+          for (int64_t b = 0; b < block_stride * static_cast<int64_t>(sizeof(T)); b += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kp + next) + b);
+            __builtin_prefetch(reinterpret_cast<const char*>(vp + next) + b);
           }
-          // Online softmax: rescale what was accumulated under the old max (e^-inf: ~0 at first).
-          const float alpha = exp_nonpositive(m[r] - mx);
-          const float sum = softmax_numerators(s.data(), visible, mx);
-          rescale_accumulate(&acc[r * d], alpha, s.data(), vb, v_stride, visible, d);
-          l[r] = l[r] * alpha + sum;
-          m[r] = mx;
+        }
+        for (int64_t t = 0; t < w.ntok; ++t) {
+          // Causal: a token sees keys up to its own position.
+          const int64_t visible = std::min(n, first_pos + w.tok0 + t - k0 + 1);
+          if (visible <= 0) continue;
+          for (int64_t j = 0; j < visible; j += kLanes)
+            for (int64_t h = 0; h < hkv; ++h)
+              for (int64_t g = 0; g < group; g += kRows<C>) {
+                const int64_t r = t * hq + h * group + g, at = j * tok_stride + h * d;
+                attend_keys<C>(&qf[r * d], static_cast<int>(std::min<int64_t>(kRows<C>, group - g)), kb + at, vb + at,
+                               tok_stride, std::min(kLanes, visible - j), &acc[r * d], &m[r], &l[r]);
+              }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        if (w.slot < 0) {  // every row sees key 0, so l[r] > 0
-          T* dst = op + ((q0 + w.tok0 + r / group) * hq + w.head * group + r % group) * d;
+      if (w.slot < 0) {  // every row sees key 0, so l[r] > 0
+        T* dst = op + (q0 + w.tok0) * hq * d;
+        for (int64_t r = 0; r < rows; ++r) {
           const float inv = 1.f / l[r];
-          for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv);
-        } else {  // a split wholly past a row's position leaves m = -inf, l = 0: weight 0 in the merge
-          std::copy(&acc[r * d], &acc[r * d] + d, &part[(w.slot * rows_max + r) * d]);
+          for (int64_t i = 0; i < d; ++i) dst[r * d + i] = static_cast<T>(acc[r * d + i] * inv);
+        }
+      } else {  // a split wholly past a row's position leaves m = -inf, l = 0: weight 0 in the merge
+        std::copy(acc.begin(), acc.begin() + rows * d, part.begin() + w.slot * rows_max * d);
+        for (int64_t r = 0; r < rows; ++r) {
           stats[(w.slot * rows_max + r) * 2] = m[r];
           stats[(w.slot * rows_max + r) * 2 + 1] = l[r];
         }
       }
     }
-    // Merge the splits of each split (sequence, head, tile): rescale each to the common max.
+    // Merge the splits of each split (sequence, tile): rescale each to the common max.
 #pragma omp for schedule(dynamic, 1)
     for (size_t gi = 0; gi < groups.size(); ++gi) {
       const Group& g = groups[gi];
-      const int64_t q0 = cu[g.seq];
-      for (int64_t r = 0; r < g.ntok * group; ++r) {
+      T* dst = op + (cu[g.seq] + g.tok0) * hq * d;
+      for (int64_t r = 0; r < g.ntok * hq; ++r) {
         float mx = neg_inf;
         for (int64_t sp = 0; sp < g.nsplits; ++sp) mx = std::max(mx, stats[((g.slot0 + sp) * rows_max + r) * 2]);
         float* ar = &acc[0];
@@ -236,8 +259,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           total += wgt * stats[at * 2 + 1];
           for (int64_t i = 0; i < d; ++i) ar[i] += wgt * part[at * d + i];
         }
-        T* dst = op + ((q0 + g.tok0 + r / group) * hq + g.head * group + r % group) * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(ar[i] / total);
+        for (int64_t i = 0; i < d; ++i) dst[r * d + i] = static_cast<T>(ar[i] / total);
       }
     }
   }
@@ -265,6 +287,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d, "head_dim of q (", d, ") and the cache (", k_cache.size(3), ") differ");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
+  TORCH_CHECK(supported_head_dim(d), "head_dim ", d, " is not one the op is built for (16, 32, 64, 96, 128)");
   for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
                 "cu_seqlens_q, seq_lens and block_tables must be contiguous int32 CPU tensors");
@@ -279,7 +302,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   // Validate every index the kernel will follow (a bad one would read outside the pool), and
   // find the longest context, which sizes the splits.
   const int64_t group = hq / hkv, tile_tokens = std::max<int64_t>(1, kMaxTileRows / group);
-  int64_t triples = 0, longest = 0;
+  int64_t tiles = 0, longest = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], len = lens[b];
     TORCH_CHECK(q_len >= 0 && len >= q_len, "sequence ", b, " has ", q_len, " query tokens but a context of ", len);
@@ -288,15 +311,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t i = 0; i < (len + bs - 1) / bs; ++i)
       TORCH_CHECK(tables[b * max_blocks + i] >= 0 && tables[b * max_blocks + i] < num_blocks, "block_tables[", b,
                   ", ", i, "] = ", tables[b * max_blocks + i], " is outside the pool of ", num_blocks, " blocks");
-    triples += (q_len + tile_tokens - 1) / tile_tokens * hkv;
+    tiles += (q_len + tile_tokens - 1) / tile_tokens;
     longest = std::max(longest, len);
   }
-  // Split contexts only when (sequence, head, tile) triples leave threads idle; a split under
+  // Split contexts only when (sequence, tile) pairs leave threads idle; a split under
   // 256 keys costs more to merge than it saves. partition_size > 0 forces a size (tests).
   int64_t part = partition_size;
   if (part <= 0) {
     const int64_t threads = at::get_num_threads();
-    const int64_t splits = triples >= threads ? 1 : (threads + triples - 1) / std::max<int64_t>(triples, 1);
+    const int64_t splits = tiles >= threads ? 1 : (threads + tiles - 1) / std::max<int64_t>(tiles, 1);
     part = std::max<int64_t>((longest + splits - 1) / splits, 256);
   }
   part = std::max<int64_t>((part + bs - 1) / bs * bs, bs);  // whole blocks
@@ -310,17 +333,25 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int64_t ntok = std::min(tile_tokens, q_len - t0), key_end = first_pos + t0 + ntok;
       const int64_t nsplits = (key_end + part - 1) / part;
-      for (int64_t h = 0; h < hkv; ++h) {
-        if (nsplits > 1) groups.push_back({b, h, t0, ntok, slot, nsplits});
-        for (int64_t sp = 0; sp < nsplits; ++sp)
-          items.push_back({b, h, t0, ntok, sp * part, std::min(key_end, (sp + 1) * part), nsplits > 1 ? slot++ : -1});
-      }
+      if (nsplits > 1) groups.push_back({b, t0, ntok, slot, nsplits});
+      for (int64_t sp = 0; sp < nsplits; ++sp)
+        items.push_back({b, t0, ntok, sp * part, std::min(key_end, (sp + 1) * part), nsplits > 1 ? slot++ : -1});
     }
   }
   at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous, whatever q's strides
   if (items.empty()) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kiln_paged_attention", [&] {
-    run<scalar_t>(q, k_cache, v_cache, cu, lens, tables, max_blocks, scale, items, groups, tile_tokens, out);
+    auto call = [&](auto chunks) {
+      run<scalar_t, decltype(chunks)::value>(q, k_cache, v_cache, cu, lens, tables, max_blocks, scale, items, groups,
+                                             tile_tokens, out);
+    };
+    switch (d / kLanes) {
+      case 1: return call(std::integral_constant<int, 1>{});
+      case 2: return call(std::integral_constant<int, 2>{});
+      case 4: return call(std::integral_constant<int, 4>{});
+      case 6: return call(std::integral_constant<int, 6>{});
+      default: return call(std::integral_constant<int, 8>{});
+    }
   });
   return out;
 }
