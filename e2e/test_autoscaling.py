@@ -98,6 +98,11 @@ def test_a_burst_scales_out_and_back_without_losing_a_request(target: Target, na
     assert len(scaled_events(target, namespace, name)) >= 3  # 1->2, 2->3, 3->1 at least
 
 
+def ready_condition(target: Target, namespace: str, name: str) -> tuple[str, str]:
+    ready = next(c for c in isvc(target, namespace, name)["status"]["conditions"] if c["type"] == "Ready")
+    return ready["status"], ready["reason"]
+
+
 def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
         target: Target, namespace: str, operator: OperatorProcess | None, base_url, reference) -> None:
     name = "sleepy"
@@ -107,9 +112,9 @@ def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
     url = base_url(name)
     eventually(lambda: engine_replicas(target, namespace, name) == 0, "scale to zero", timeout=180,
                ignore=(KubectlError,))
-    obj = isvc(target, namespace, name)
-    ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
-    assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
+    # The replica count drops before the operator's next status write says why: wait for that write.
+    eventually(lambda: ready_condition(target, namespace, name) == ("True", "ScaledToZero"),
+               "Ready True with reason ScaledToZero", timeout=60, ignore=(KubectlError, StopIteration))
     # No traffic for several stable windows: nothing moves (KubeAI #67 went 0->1->0 twelve times).
     events = scaled_events(target, namespace, name)
     time.sleep(25)
