@@ -22,9 +22,9 @@ TINY_HF_CONFIGS = {
 
 
 def write_tiny_model(kind: str, folder: Path, **overrides) -> Path:
-    """Write TINY_HF_CONFIGS[kind] (config fields changed by overrides) with random weights (seed 0: the same model every time) by
-    transformers' save_pretrained, with a word-level tokenizer.json ("w0".."w92") and a chat
-    template, into folder; returns it."""
+    """Write TINY_HF_CONFIGS[kind] (config fields changed by overrides) with random weights (seed 0:
+    the same model every time) by transformers' save_pretrained, with a word-level tokenizer.json
+    ("w0".."w92") and a chat template, into folder; returns it."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers

