@@ -143,12 +143,21 @@ def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kube
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
 
 
+def events_match_status(apis, ns: str, name: str) -> list[str] | None:
+    """The Event history once each stored condition's latest Event says what the status says
+    (the operator posts Events after its status write, so Ready=True alone is too early)."""
+    seen = history(apis, ns, name)
+    latest = {h.split("=")[0]: h for h in seen}
+    stored = {c["type"]: f"{c['type']}={c['status']} {c['reason']}"
+              for c in (isvc(apis, ns, name).get("status") or {}).get("conditions", [])}
+    return seen if stored and latest == stored else None
+
+
 def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)  # a resync tick every second
     apply(kubectl, ns, smollm2("counted"))
     until(lambda: ready(apis, ns, "counted"), "counted Ready")
-    seen = until(lambda: [h for h in history(apis, ns, "counted") if h.startswith("Ready=True")] and
-                 history(apis, ns, "counted"), "the Ready=True Event")
+    seen = until(lambda: events_match_status(apis, ns, "counted"), "an Event for each stored condition")
     for type_ in ("Ready", "WorkloadReady", "ModelLoaded", "RouteReady", "SpecImplemented"):
         mine = [h for h in seen if h.startswith(type_ + "=")]
         assert mine and all(a != b for a, b in zip(mine, mine[1:])), f"{type_} repeated itself: {mine}"
