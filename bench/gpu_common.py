@@ -7,9 +7,10 @@ import platform
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
+from torch.autograd import DeviceType
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,6 +40,22 @@ def measure_peaks(dtype: torch.dtype) -> dict[str, float]:
     b = torch.randn(n, n, dtype=dtype, device="cuda")
     mm_ms = median_ms(lambda: a @ b)
     return {"copy_GBps": 2 * (1 << 30) / copy_ms / 1e6, "matmul_TFLOPs": 2 * n ** 3 / mm_ms / 1e9}
+
+
+def device_costs(averages: Iterable[Any], steps: int, top: int = 10) -> dict[str, Any]:
+    """The kernels (and copies) with the most device time, from a profiler's key_averages(), which
+    groups events by name. Device-side events only: a CPU op's device time repeats its kernels', and
+    so does a GPU user-annotation range's."""
+    rows = []
+    for e in averages:
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False):
+            us = getattr(e, "self_device_time_total", None)
+            rows.append((e.self_cuda_time_total if us is None else us, e.key, e.count))
+    rows.sort(key=lambda r: r[0], reverse=True)
+    total = sum(us for us, _, _ in rows)
+    return {"device_ms_per_step": total / 1e3 / steps,
+            "kernels": [{"name": name[:200], "calls_per_step": count / steps, "ms_per_step": us / 1e3 / steps,
+                         "share": us / (total or 1)} for us, name, count in rows[:top]]}
 
 
 def machine() -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 Times are triton.testing.do_bench medians. The machine's ceilings (copy bandwidth, matmul
 FLOP/s) are measured in the same run; each kernel reports achieved GB/s (bytes it must
-move / time) and TFLOP/s against them. Peers: torch SDPA (flash / memory-efficient) on
-contiguous K/V for attention, cuBLAS on 16-bit weights for the quantized GEMMs,
-F.rms_norm for the norm. Needs CUDA; exits 2 without it.
+move / time) and TFLOP/s against them. Peers: torch SDPA (flash / memory-efficient) on the
+same K/V made contiguous for attention, cuBLAS on 16-bit weights for the quantized GEMMs,
+F.rms_norm for the norm. The run ends with the issue's goals (GOALS), each met or not.
+Needs CUDA; exits 2 without it.
 
     python bench/kernels.py [--dtype bfloat16] [--quick] [--out FILE]
 """
@@ -41,15 +42,22 @@ def paged_kv(batch: int, ctx: int, num_kv_heads: int, head_dim: int, dtype: torc
                 v_cache=torch.randn(shape, dtype=dtype, device=device), block_tables=tables)
 
 
+def attention_args(batch: int, q_len: int, ctx: int, dtype: torch.dtype, device: str,
+                   heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> dict:
+    """paged_attention's arguments: `batch` sequences of `ctx` tokens, the last `q_len` new."""
+    kv = paged_kv(batch, ctx, kv_heads, head_dim, dtype, device)
+    q = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device=device)
+    return dict(q=q, **kv, cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len,
+                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device), scale=head_dim ** -0.5,
+                max_seqlen_q=q_len, max_seqlen_k=ctx)
+
+
 def attention_case(batch: int, q_len: int, ctx: int, dtype: torch.dtype, device: str,
                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> Case:
     from kiln.engine import attention as torch_backend
-    from kiln.engine.kernels.paged_attention import paged_attention
-    kv = paged_kv(batch, ctx, kv_heads, head_dim, dtype, device)
-    q = torch.randn(batch * q_len, heads, head_dim, dtype=dtype, device=device)
-    args = dict(q=q, **kv, cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len,
-                seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device), scale=head_dim ** -0.5,
-                max_seqlen_q=q_len, max_seqlen_k=ctx)
+    from kiln.engine.kernels.paged_attention import default_num_splits, paged_attention
+    args = attention_args(batch, q_len, ctx, dtype, device, heads, kv_heads, head_dim)
+    q = args["q"]
     visible = sum(ctx - q_len + i + 1 for i in range(q_len))  # keys each query sees, causal
     item = dtype.itemsize
     case = Case("paged_attention", {"batch": batch, "q_len": q_len, "ctx": ctx, "heads": heads,
@@ -57,14 +65,14 @@ def attention_case(batch: int, q_len: int, ctx: int, dtype: torch.dtype, device:
                 bytes=2 * batch * ctx * kv_heads * head_dim * item + 2 * q.numel() * item,
                 flops=4 * batch * visible * heads * head_dim)
     case.impls["triton"] = lambda: paged_attention(**args)
-    if q_len == 1:
+    if default_num_splits(batch, kv_heads, q_len, ctx, q.device) > 1:
         case.impls["triton_nosplit"] = lambda: paged_attention(**args, num_splits=1)
     case.impls["torch_ref"] = lambda: torch_backend.paged_attention(**args)
-    # Peer: SDPA over contiguous K/V (no paging), causal with the new tokens at the end.
-    k = torch.randn(batch, kv_heads, ctx, head_dim, dtype=dtype, device=device)
-    v = torch.randn_like(k)
-    qs = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
     if q_len == ctx or q_len == 1:
+        # Peer: SDPA over the same K/V gathered contiguous (no paging), causal with the new tokens at the end.
+        k, v = (args[name][args["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+                for name in ("k_cache", "v_cache"))
+        qs = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
         case.impls["sdpa"] = lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=q_len > 1, enable_gqa=True)
     return case
 
@@ -132,21 +140,26 @@ def gemm_case(bits: int, m: int, n: int, k: int, dtype: torch.dtype, device: str
     return case
 
 
+GEMM_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # (N, K): Llama-3-8B's down, up/gate, o
+
+
 def cases(dtype: torch.dtype, quick: bool, device: str = "cuda") -> Iterator[Case]:
-    """Built lazily: each case's tensors are freed before the next is made."""
-    batches = [1, 64] if quick else [1, 16, 64]
-    for b in batches:
-        for ctx in [4096] if quick else [1024, 8192]:
-            yield attention_case(b, 1, ctx, dtype, device)
+    """Built lazily: each case's tensors are freed before the next is made. Decode at batch 64
+    (the bandwidth goal; 16k contexts hold 4.3 GB of bf16 K/V) and batch 1 (split-KV)."""
+    for ctx in [4096] if quick else [1024, 4096, 16384]:
+        yield attention_case(64, 1, ctx, dtype, device)
+    for ctx in [4096] if quick else [1024, 16384]:
+        yield attention_case(1, 1, ctx, dtype, device)
     yield attention_case(4, 1024, 1024, dtype, device)  # fresh prefill
     yield attention_case(4, 512, 2048, dtype, device)  # chunked prefill over a cached prefix
     for t in (64, 4096):
         yield kv_store_case(t, dtype, device)
-        yield rms_norm_case(t, 4096, dtype, device)
         yield rope_case(t, dtype, device)
+    for t in [4096] if quick else [4096, 16384]:
+        yield rms_norm_case(t, 4096, dtype, device)
     for bits in (8, 4):
-        for m in (1, 16, 64, 256):
-            for n, k in [(4096, 4096)] if quick else [(4096, 4096), (14336, 4096), (4096, 14336)]:
+        for m in (1, 16) if quick else (1, 16, 64, 256):
+            for n, k in GEMM_SHAPES[:1] if quick else GEMM_SHAPES:
                 yield gemm_case(bits, m, n, k, dtype, device)
 
 
@@ -158,6 +171,23 @@ def measure(case: Case, peaks: dict[str, float]) -> dict:
             "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / peaks["copy_GBps"],
             "pct_matmul": 100 * tflops / peaks["matmul_TFLOPs"],
             "speedup": {name: t / ms for name, t in times.items() if name != "triton"}}
+
+
+# The issue's goals: (title, kernel, shape filter, value of a result, target).
+GOALS = [
+    ("decode attention batch 64: % of copy bandwidth", "paged_attention",
+     lambda s: s["batch"] == 64 and s["q_len"] == 1, lambda r: r["pct_copy_bw"], 70),
+    ("fused add+RMSNorm: % of copy bandwidth", "rms_norm+residual", lambda s: True, lambda r: r["pct_copy_bw"], 80),
+    ("W4A16 M=1: speedup vs cuBLAS bf16", "w4a16_gemm", lambda s: s["m"] == 1,
+     lambda r: r["speedup"]["cublas_16bit"], 2.5),
+]
+
+
+def goals(results: list[dict]) -> list[dict]:
+    return [{"goal": title, "shape": r["shape"], "value": round(value(r), 3), "target": target,
+             "met": value(r) >= target}
+            for title, kernel, wanted, value, target in GOALS
+            for r in results if r["kernel"] == kernel and wanted(r["shape"])]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -184,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case.kernel:18s} {str(case.shape):70s} {r['ms']['triton']:8.4f} ms {r['GBps']:7.0f} GB/s "
                   f"({r['pct_copy_bw']:3.0f}%) {r['TFLOPs']:6.1f} TFLOP/s ({r['pct_matmul']:3.0f}%)  "
                   f"triton is faster than: {others}")
+            del case
             torch.cuda.empty_cache()
+    met = goals(results)
+    print("goals:")
+    for g in met:
+        print(f"  {'met    ' if g['met'] else 'NOT met'} {g['goal']} {g['shape']}: {g['value']:.2f} (goal {g['target']})")
     write_results(args.out, "kernels", {"machine": machine(), "dtype": args.dtype, "peaks": peaks,
                                         "note": "speedup = peer time / triton time; GB/s from the bytes the op must move",
-                                        "results": results})
+                                        "results": results, "goals": met})
     return 0
 
 

@@ -238,6 +238,9 @@ def kiln(*args: str) -> subprocess.CompletedProcess:
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", "hi", "--model", "no-such-model"], "not found"),
         (["--prompt", "hi", "--temperature", "warm"], "invalid float"),
+        (["--prompt", "hi", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+        (["--prompt", "hi", "--kv-cache-memory", "0"], "not a positive size"),
+        (["--prompt", "hi", "--load-format", "zeros"], "invalid choice: 'zeros'"),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:

@@ -17,11 +17,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kiln.engine.kernels import get_backend  # noqa: E402
+from kiln.engine.kernels import get_backend, quant_gemm, tuned  # noqa: E402
 from kiln.engine.kernels.backend import resolve_backend_name  # noqa: E402
 from kiln.engine.kernels.kv_store import store_kvcache, store_kvcache_ref  # noqa: E402
 from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm, rms_norm_ref, rope, rope_ref  # noqa: E402
-from kiln.engine.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from kiln.engine.kernels.paged_attention import paged_attention, paged_attention_ref, tile_config  # noqa: E402
 from kiln.engine.kernels.quant_gemm import (dequantize_w4, dequantize_w8, pack_int4, quantize_w4,  # noqa: E402
                                             quantize_w8, unpack_int4, w4a16_gemm, w4a16_gemm_ref, w8a16_gemm,
                                             w8a16_gemm_ref)
@@ -96,6 +96,19 @@ def test_split_kv_decode_matches_single_pass(dtype: torch.dtype) -> None:
     paged_attention(**batch, num_splits=5, out=split)  # the 17-token sequence leaves partitions empty
     assert_close(split, single)
     assert_close(split, paged_attention_ref(**batch))
+
+
+@pytest.mark.parametrize("splits", [1, 5])
+def test_tuned_decode_config(splits: int) -> None:
+    """A tuned decode entry (only an override reaches the interpreter) changes tiles, not results."""
+    batch = paged_batch([1, 1, 1], [300, 129, 17], 8, 2, 32, torch.float32, block_size=16, seed=3)
+    key = f"decode{'-split' if splits > 1 else ''}-g4-d32"
+    with tuned.override("paged_attention", key, {"BLOCK_N": 16, "num_warps": 8, "num_stages": 2}):
+        assert tile_config(1, 4, 32, torch.device(DEVICE), splits > 1)["BLOCK_N"] == 16
+        out = poisoned(batch["q"].shape, torch.float32)
+        paged_attention(**batch, num_splits=splits, out=out)
+    assert_close(out, paged_attention_ref(**batch))
+    assert tile_config(1, 4, 32, torch.device(DEVICE), splits > 1)["BLOCK_N"] == 64  # defaults again
 
 
 def test_split_kv_on_mixed_batch() -> None:
@@ -211,6 +224,27 @@ def test_w4a16_gemm(dtype: torch.dtype, group_size: int, symmetric: bool) -> Non
     assert_close(out, w4a16_gemm_ref(x, *args, group_size))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_gemm_split_k(dtype: torch.dtype, bits: int) -> None:
+    """A tuned split-K entry: K = 320 in 4 partitions of 96, 96, 96, 32 (a ragged last one)."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 320, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(40, 320, generator=gen).to(dtype)
+    if bits == 8:
+        args = [t.to(DEVICE) for t in quantize_w8(w)]
+        kernel, ref, group = w8a16_gemm, w8a16_gemm_ref, 0
+    else:
+        args = [t.to(DEVICE) for t in quantize_w4(w, 64)] + [64]
+        kernel, ref, group = w4a16_gemm, w4a16_gemm_ref, 64
+    config = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 4, "num_warps": 2, "num_stages": 2}
+    out = poisoned((5, 40), dtype)
+    with tuned.override("quant_gemm", f"w{bits}-g{group}-m16", config):
+        assert quant_gemm.tile_config(5, group, torch.device(DEVICE), bits == 4)["SPLIT_K"] == 4
+        kernel(x, *args, out=out)
+    assert_close(out, ref(x, *args))
+
+
 def test_int4_rejects_bad_groups() -> None:
     with pytest.raises(ValueError, match="group size"):
         quantize_w4(torch.randn(8, 96), group_size=48)
@@ -285,15 +319,16 @@ def test_kernels_compile_for_h100() -> None:
     compiled = [line for line in done.stdout.splitlines() if line.startswith("sm_90 ")]
     assert {line.split()[1] for line in compiled} == {"_paged_attention_kernel:", "_merge_splits_kernel:",
                                                       "_store_kvcache_kernel:", "_rms_norm_kernel:",
-                                                      "_rope_kernel:", "_dequant_gemm_kernel:"}
+                                                      "_rope_kernel:", "_dequant_gemm_kernel:",
+                                                      "_sum_splits_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("script", ["kernels.py", "gpu_engine.py"])
-def test_gpu_benchmarks_exit_clearly_without_cuda(script: str) -> None:
+@pytest.mark.parametrize("script,args", [("kernels.py", ["--dtype", "float16"]),
+                                         ("gpu_engine.py", ["--dtype", "float16"]), ("tune_kernels.py", [])])
+def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) -> None:
     bench = Path(__file__).resolve().parent.parent / "bench"
-    done = subprocess.run([sys.executable, str(bench / script), "--dtype", "float16"], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(bench / script), *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no CUDA device found" in done.stderr

@@ -18,7 +18,7 @@ from kiln.engine.gguf_loader import load_gguf
 from kiln.engine.loader import resolve_model_path
 from kiln.cli import main as cli_main
 from kiln_process import KilnProcess, get
-from kiln.engine.server import parse_size
+from kiln.engine.cli import parse_size
 from kiln.engine.startup import PHASES
 
 MODEL = "smol"

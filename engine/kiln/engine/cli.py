@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -22,8 +23,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AVX512_BF16 "
                         "or AMX, else float32), float32, float16, bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache budget in bytes")
+    add_memory_arguments(parser)
     add_quantization_arguments(parser)
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the KV pool is sized and the GPU is run, shared by `kiln generate` and `kiln serve`."""
+    parser.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                        help="KV cache budget, e.g. 4Gi (default: on a GPU what --gpu-memory-utilization leaves, "
+                             "on the CPU 1Gi)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of the GPU's memory for weights, activations and KV cache (0 < x <= 1)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step eagerly (no CUDA graphs for decode steps)")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: random weights, no weight files read (benchmarks)")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
+_UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'4Gi', '512Mi', '1.5G', '1073741824' -> bytes (Kubernetes quantity suffixes)."""
+    m = _SIZE.match(text)
+    if not m or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 4Gi, 512Mi, 1G or bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         from kiln.engine.config import Config  # torch from here on
 
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager, load_format=args.load_format, quantization=args.quantization,
                         quantization_cache=args.quantization_cache, gguf_dequantize=args.gguf_dequantize,
                         kv_cache_dtype=args.kv_cache_dtype)
         from kiln.engine.llm_engine import LLMEngine

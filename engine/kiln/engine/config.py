@@ -15,6 +15,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 # Weight-only quantization at load (kiln.engine.quantization); int8, int4, fp8 AWQ-scaled, "int4-rtn" plain.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "int4-rtn", "fp8")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights, as vLLM's --load-format dummy
+CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU's default KV budget (no free-memory query to size it by)
 
 
 class ModelLoadError(ValueError):
@@ -29,7 +31,13 @@ class Config:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30
+    # KV cache bytes; None: on CUDA what gpu_memory_utilization leaves once the weights and a
+    # max-size step's activations are counted (model_runner.gpu_kv_budget), on CPU 1 GiB.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory this engine may take
+    # CUDA graphs replay decode steps (Triton backend on CUDA); True runs every step eagerly.
+    enforce_eager: bool = False
+    load_format: str = "auto"  # "dummy": random weights, no weight files read (benchmarks)
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     device: str = "auto"
@@ -57,8 +65,17 @@ class Config:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                      "tensor_parallel_size"):
             value = getattr(self, name)
+            if name == "kv_cache_memory" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.device != "auto":

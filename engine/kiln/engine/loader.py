@@ -159,6 +159,8 @@ def backend_for(config: Config, model_config: ModelConfig) -> str:
 def load_model(config: Config) -> LoadedModel:
     """Read the model's files, build the model on config's device and dtype, fill its weights."""
     path = resolve_model_path(config.model)
+    if config.load_format == "dummy" and not path.is_dir():
+        raise ModelLoadError(f"{path}: load_format='dummy' needs a model folder (config.json, tokenizer.json)")
     packed = {}
     if path.is_dir():
         model_config = read_hf_config(path)
@@ -178,7 +180,24 @@ def load_model(config: Config) -> LoadedModel:
     if marker is not None:  # written by `kiln quantize`: QuantLinears straight from the stored codes
         load_quantized_folder(model, dict(weights), marker, config.quantization, source)
     else:
-        model.load_weights(weights, source=source)
+        if config.load_format == "dummy":
+            fill_random(model, config.seed)
+        else:
+            model.load_weights(weights, source=source)
         # Before the KV cache is allocated (ModelRunner): the float weights are freed first.
         apply_quantization(model, config, tokenizer, path)
     return LoadedModel(model.eval(), tokenizer, model_config)
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int) -> None:
+    """load_format='dummy': weights drawn from N(0, 0.02), norms 1, biases 0, in place on the
+    model's device (speed does not depend on the values; finite, unpeaked logits)."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=generator)

@@ -3,6 +3,7 @@ attention Context, computes logits only for rows that sample (and the prompt row
 that asked for prompt logprobs), and samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,9 @@ import torch
 
 from kiln.engine import startup
 from kiln.engine.attention import Attention
-from kiln.engine.config import Config, ModelConfig
-from kiln.engine.context import Context, reset_context, set_context
+from kiln.engine.config import CPU_KV_CACHE_MEMORY, Config, ModelConfig
+from kiln.engine.context import Context, prefill_context, reset_context, set_context
+from kiln.engine.kernels.cuda_graphs import DecodeGraphs
 from kiln.engine.kv_quant import SCALE_DTYPE, is_quantized, kv_bytes_per_token_head
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.prompt_logprobs import ScoredPosition, rows_per_chunk, score_rows
@@ -19,11 +21,41 @@ from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 
+log = logging.getLogger(__name__)
+GiB = 2 ** 30
+
 
 def kv_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers, K and V, scales of an int8/fp8 cache included."""
     heads = 2 * model_config.num_hidden_layers * model_config.num_key_value_heads
     return heads * block_size * kv_bytes_per_token_head(model_config.head_dim, dtype)
+
+
+def gpu_kv_budget(total: int, free: int, reserved: int, peak: int, utilization: float) -> int:
+    """KV cache bytes on a GPU, as vLLM sizes it: this engine may take `utilization` of the
+    card; what torch's allocator peaked at (weights plus a max-size step's activations) and what
+    it does not hold (the CUDA context, other processes: total - free - reserved) come off."""
+    others = total - free - reserved
+    budget = int(total * utilization) - peak - others
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV cache: {utilization * total / GiB:.1f} GiB "
+            f"allowed, {peak / GiB:.1f} GiB for the weights and activations, {others / GiB:.1f} GiB held outside "
+            "this engine; raise gpu_memory_utilization or set kv_cache_memory")
+    return budget
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture: powers of two up to max_num_seqs, and max_num_seqs itself
+    (a batch runs in the smallest captured size that holds it)."""
+    sizes = [1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs]
+    return sizes + [max_num_seqs]
+
+
+def profile_seq_lens(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
+    """Prompts that fill the largest step the scheduler can make, for the memory profile."""
+    full, rest = divmod(max_num_batched_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
 
 
 @dataclass
@@ -60,25 +92,75 @@ class ModelRunner:
         self.model = model
         self.device = config.torch_device
         self.block_size = config.block_size
+        # Host tensors of a step go to the GPU from pinned memory, without blocking the host.
+        self.pin_memory = self.device.type == "cuda"
         self.sampler = Sampler(config.seed, self.device, model.backend.argmax)
         self.prompt_logprob_chunk = rows_per_chunk(model_config.vocab_size)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self._can_use_graphs(config) else []
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         with startup.phase("kv_alloc"):
             self.num_blocks = self._allocate_kv_cache(config, model_config)
+
+    def _can_use_graphs(self, config: Config) -> bool:
+        # Only the Triton backend's forward is free of host syncs; tensor-parallel ranks run eagerly.
+        return (self.device.type == "cuda" and self.model.backend.name == "triton" and not config.enforce_eager
+                and config.tensor_parallel_size == 1)
 
     def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
         """Size the pool from the memory budget and allocate it; returns its block count."""
         self.kv_dtype = config.kv_cache_torch_dtype
         block_bytes = kv_block_bytes(model_config, config.block_size, self.kv_dtype)
-        num_blocks = config.kv_cache_memory // block_bytes
+        memory = config.kv_cache_memory
+        if memory is None and self.device.type == "cuda" and config.tensor_parallel_size > 1:
+            # Each rank's profile forward would wait on collectives the others are not running yet.
+            raise ValueError("tensor parallelism on CUDA needs kv_cache_memory (per rank): the pool is not sized "
+                             "from free GPU memory across ranks")
+        if memory is None:
+            memory = self._measure_gpu_kv_budget(config) if self.device.type == "cuda" else CPU_KV_CACHE_MEMORY
+        num_blocks = memory // block_bytes
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory} bytes holds no KV block; one block of "
+                f"kv_cache_memory={memory} bytes holds no KV block; one block of "
                 f"{config.block_size} tokens needs {block_bytes} bytes for this model"
             )
         self.kv_shape = (2, len(self._attention_layers()), num_blocks, config.block_size,
                          model_config.num_key_value_heads, model_config.head_dim)
+        # What sized the pool, for the start-up log.
+        self.kv_source = ("kv_cache_memory" if config.kv_cache_memory is not None else
+                          f"gpu_memory_utilization={config.gpu_memory_utilization}" if self.device.type == "cuda"
+                          else "the CPU default")
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, config.block_size,
+                 num_blocks * config.block_size, num_blocks * block_bytes / GiB, self.kv_source)
         self.allocate_kv_cache()
         return num_blocks
+
+    @torch.inference_mode()
+    def _measure_gpu_kv_budget(self, config: Config) -> int:
+        """Run the largest step the scheduler can make (no KV cache yet: plain prefill) and its
+        logits, and size the pool from the allocator's peak and what the card has free."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        lens = profile_seq_lens(config.max_num_batched_tokens, self.max_model_len)
+        n = sum(lens)
+        set_context(prefill_context(lens, self.device))
+        try:
+            hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device),
+                                torch.cat([torch.arange(length, device=self.device) for length in lens]))
+        finally:
+            reset_context()
+        logits = self.model.compute_logits(hidden[:1].expand(config.max_num_seqs, -1))
+        torch.log_softmax(logits, dim=-1)  # the sampler's largest temporary
+        del hidden, logits
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = gpu_kv_budget(total, free, torch.cuda.memory_reserved(self.device), peak,
+                               config.gpu_memory_utilization)
+        log.info("GPU memory: %.1f GiB card, weights + activations peak %.2f GiB, KV budget %.2f GiB "
+                 "(gpu_memory_utilization=%s)", total / GiB, peak / GiB, budget / GiB, config.gpu_memory_utilization)
+        return budget
 
     def _attention_layers(self) -> list[Attention]:
         return [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -95,13 +177,20 @@ class ModelRunner:
             # Always set: a float pool must clear the scales an earlier quantized pool left on the layer.
             layer.k_scales, layer.v_scales = (None, None) if self.kv_scales is None else \
                 (self.kv_scales[0, i], self.kv_scales[1, i])
+        if self.graph_sizes:  # graphs hold the pool's addresses: captured anew for each pool
+            with startup.phase("cuda_graphs"):
+                self.graphs = DecodeGraphs(self.model.forward, self.graph_sizes,
+                                           -(-self.max_model_len // self.block_size), self.max_model_len, self.device)
+                self.graphs.capture()
+            log.info("CUDA graphs captured for decode batches of %s", self.graph_sizes)
 
     def release_kv_cache(self) -> None:
-        """Give the pool's memory back (sleep). Every reference goes, the layers' views too, so
-        the allocator can return it; on CUDA the caching allocator is emptied as well."""
+        """Give the pool's memory back (sleep). Every reference goes, the layers' views and the
+        graphs that captured them too, so the allocator can return it; on CUDA the caching
+        allocator is emptied as well."""
         for layer in self._attention_layers():
             layer.k_cache = layer.v_cache = layer.k_scales = layer.v_scales = None
-        self.kv_cache = self.kv_scales = None
+        self.kv_cache = self.kv_scales = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -128,29 +217,37 @@ class ModelRunner:
                 prompt_rows.append((seq, offset + scored.start, scored))
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
-        dev = self.device
+        to_device = self._to_device
         context = Context(
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=to_device(cu_seqlens, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
             max_seqlen_q=max(batch.num_new_tokens),
             max_seqlen_k=max(seq_lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=to_device(slots, torch.int64),
+            block_tables=to_device(tables, torch.int32),
         )
-        return PreparedBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                             torch.tensor(positions, dtype=torch.int64, device=dev), context, sample_rows,
-                             prompt_rows)
+        return PreparedBatch(to_device(input_ids, torch.int64), to_device(positions, torch.int64), context,
+                             sample_rows, prompt_rows)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        if not self.pin_memory:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        # The caching host allocator keeps the pinned buffer until the copy has run.
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> RunnerOutput:
         """One forward over the batch: tokens and logprob entries for the sequences that sample,
         and the prompt positions scored for those that asked for prompt logprobs."""
         prepared = self.prepare(batch)
-        set_context(prepared.context)
-        try:
-            hidden = self.model(prepared.input_ids, prepared.positions)
-        finally:
-            reset_context()
+        if self.graphs is not None and self.graphs.can_run(prepared.context):
+            hidden = self.graphs.run(prepared.input_ids, prepared.positions, prepared.context)
+        else:
+            set_context(prepared.context)
+            try:
+                hidden = self.model(prepared.input_ids, prepared.positions)
+            finally:
+                reset_context()
         prompt_logprobs = [(seq, self._score_prompt(seq, hidden[row:row + len(positions)], positions))
                            for seq, row, positions in prepared.prompt_rows]
         sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == len(seq)]

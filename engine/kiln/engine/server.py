@@ -13,7 +13,6 @@ from kiln.engine import startup  # isort: skip
 import argparse
 import asyncio
 import logging
-import re
 import signal
 import sys
 import time
@@ -24,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams, openapi
 from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
-from kiln.engine.cli import add_quantization_arguments
+from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError
@@ -34,19 +33,6 @@ log = logging.getLogger("kiln.serve")
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # see serve()
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step, so soon is right
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Ki|Mi|Gi|Ti|K|M|G|T|k|B)?\s*$")
-_UNITS = {None: 1, "B": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'4Gi', '512Mi', '1.5G', '1073741824' -> bytes (Kubernetes quantity suffixes)."""
-    m = _SIZE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive size: {text!r} (use e.g. 4Gi, 512Mi, 1G or bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
 def _positive(kind: type):
     def parse(text: str):
         value = kind(text)
@@ -225,8 +211,8 @@ def _warm_up(core: LLMEngine) -> None:
 def _describe_cache(core: LLMEngine) -> str:
     blocks, size = core.runner.num_blocks, core.config.block_size
     dtype = str(core.runner.kv_cache.dtype).removeprefix("torch.")
-    return (f"{blocks} blocks x {size} = {blocks * size} tokens ({dtype}) from a "
-            f"{core.config.kv_cache_memory / 2**20:.0f} MiB budget")
+    return (f"{blocks} blocks x {size} = {blocks * size} tokens ({dtype}), "
+            f"{core.runner.kv_cache.nbytes / 2**20:.0f} MiB ({core.runner.kv_source})")
 
 
 async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
@@ -234,6 +220,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                        load_format=args.load_format,
                         enable_prefix_caching=not args.no_prefix_caching,
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
@@ -295,7 +283,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=_positive(int), default=128)
     parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048)
     parser.add_argument("--block-size", type=_positive(int), default=16)
-    parser.add_argument("--kv-cache-memory", type=parse_size, default=1 << 30, help="KV cache budget, e.g. 4Gi")
+    add_memory_arguments(parser)
     add_quantization_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],

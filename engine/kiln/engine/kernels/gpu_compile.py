@@ -73,6 +73,12 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                         z_ptr="*u8" if offsets == "zeros" else f"*{s}", y_ptr=f"*{t}"),
                    dict(quant_gemm.tile_config(m, group), INT4=int4, HAS_ZEROS=offsets == "zeros",
                         HAS_MINS=offsets == "mins", DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+    # A split-K config (tuned on a GPU, see kernels.tuned): fp32 partial products, then their sum.
+    yield (quant_gemm._dequant_gemm_kernel,
+           dict(x_ptr=f"*{t}", w_ptr="*u8", s_ptr=f"*{t}", z_ptr="*u8", y_ptr="*fp32"),
+           dict(quant_gemm.tile_config(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=True, HAS_MINS=False,
+                DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+    yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), dict(BLOCK=quant_gemm.SUM_BLOCK), 4)
 
 
 def jobs(everything: bool) -> Iterator[Job]:

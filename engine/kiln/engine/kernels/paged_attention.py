@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.engine.kernels import tuned
 from kiln.engine.kv_quant import check_scales, dequantize_kv, is_quantized
 
 
@@ -164,13 +165,21 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         raise ValueError("paged_attention needs the head dim contiguous")
 
 
-def tile_config(max_seqlen_q: int, group: int, head_dim: int) -> dict[str, int]:
+def tile_config(max_seqlen_q: int, group: int, head_dim: int, device: torch.device | None = None,
+                split: bool = False) -> dict[str, int]:
     """Tile sizes: rows are (token, head-in-group) pairs; decode-only steps need one token per
-    block, prefill blocks hold many. 16 rows is the tensor-core minimum."""
+    block, prefill blocks hold many. 16 rows is the tensor-core minimum.
+
+    Given a device, decode steps take its GPU's tuned entry (kiln.engine.kernels.tuned, key
+    decode[-split]-g<group>-d<head_dim>): BLOCK_N, num_warps, num_stages."""
     group_pad = triton.next_power_of_2(group)
     block_m = max(16 if max_seqlen_q == 1 else 64, group_pad)
-    return dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
-                BLOCK_N=64 if head_dim <= 64 else 32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+    tiles = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
+                 BLOCK_N=64 if head_dim <= 64 else 32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+    if device is not None and max_seqlen_q == 1:
+        key = f"decode{'-split' if split else ''}-g{group}-d{head_dim}"
+        tiles.update(tuned.lookup("paged_attention", key, device) or {})
+    return tiles
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -209,16 +218,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     n, num_heads, head_dim = q.shape
     _, kv_block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim)
-    block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]
     if out is None:
         out = torch.empty_like(q)
     if n == 0:
         return out
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k, q.device)
-    partition = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), num_splits), block_n) * block_n
     split = num_splits > 1
+    tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim, q.device, split)
+    block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]
+    partition = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), num_splits), block_n) * block_n
     if split:
         target = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)

@@ -11,14 +11,19 @@ or W ~ q * s + m with a float min m per (row, group) (mins=, GGUF's Q4_1).
 Scales keep the weight's dtype (or any float dtype: kernels read them as fp32). Kernels
 dequantize tiles in registers, so the 4-/8-bit weight is all that crosses memory; the
 references dequantize whole matrices in torch.
+
+Small-M (decode) GEMMs have few output tiles to spread over the GPU; a tuned split-K config
+cuts K into partitions whose fp32 partial products a second kernel sums.
 """
 import torch
 import triton
 import triton.language as tl
 
+from kiln.engine.kernels import tuned
 from kiln.engine.kernels.paged_attention import dot_precision
 
 GROUP_SIZES = (32, 64, 128)
+SUM_BLOCK = 1024  # columns per program of the split-K sum
 
 
 def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,22 +90,26 @@ def _check_w4_shape(n: int, k: int, group_size: int) -> None:
 
 @triton.jit
 def _dequant_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
     INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # GROUP = 0: int8 with per-channel scales. Else BLOCK_K divides GROUP, so each K tile shares
     # one (row, group) scale. z_ptr holds integer zeros (HAS_ZEROS) or float mins (HAS_MINS).
+    # Program (m, n, s) sums K range [s * k_per_split, (s + 1) * k_per_split), a multiple of
+    # BLOCK_K, into slice s of y (stride_ys: 0 without split-K, else an fp32 partials buffer).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
     rows_w = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
@@ -128,15 +137,39 @@ def _dequant_gemm_kernel(
         acc += part
     if not GROUP:  # one scale per output channel factors out of the K sum
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr += pid_k.to(tl.int64) * stride_ys
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tile_config(m: int, group_size: int) -> dict[str, int]:
+@triton.jit
+def _sum_splits_kernel(part_ptr, y_ptr, M, N, splits, stride_ym, BLOCK: tl.constexpr):
+    # part [splits, M, N] fp32 contiguous -> y [M, N] rows of stride_ym.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _m_bucket(m: int) -> str:
+    return "1" if m == 1 else "16" if m <= 16 else "64" if m <= 64 else "big"
+
+
+def tile_config(m: int, group_size: int, device: torch.device | None = None, int4: bool = False) -> dict[str, int]:
     """Small-M (decode) GEMMs take 16-row tiles, the tensor-core minimum; K tiles stay inside one
-    quantization group (group_size 0: int8 with per-channel scales)."""
-    return dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
-                BLOCK_K=min(64, group_size) if group_size else 64)
+    quantization group (group_size 0: int8 with per-channel scales).
+
+    Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
+    may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages and SPLIT_K (K partitions)."""
+    tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
+                 BLOCK_K=min(64, group_size) if group_size else 64)
+    if device is not None:
+        key = f"w{4 if int4 else 8}-g{group_size}-m{_m_bucket(m)}"
+        tiles.update(tuned.lookup("quant_gemm", key, device) or {})
+    return tiles
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -150,14 +183,21 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    tiles = tile_config(m, group_size)
-    grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]))
+    tiles = tile_config(m, group_size, x.device, int4)
+    block_k = tiles["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, tiles.pop("SPLIT_K", 1)), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)  # every partition non-empty
+    target = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
     z = next((t for t in (zeros, mins) if t is not None), scales)  # scales: a placeholder, unread
     _dequant_gemm_kernel[grid](
-        x2, qweight, scales, z, y, m, n, k,
-        x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), y.stride(0),
+        x2, qweight, scales, z, target, m, n, k, k_per_split,
+        x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
+        target.stride(0) if splits > 1 else 0,
         INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, **tiles, DOT_PREC=dot_precision(x.dtype),
     )
+    if splits > 1:
+        _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](target, y, m, n, splits, y.stride(0), BLOCK=SUM_BLOCK)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every GPU check in one command, each step bounded in time and its output kept in OUT_DIR even
+# when a step fails or times out (the next one still runs). Steps, in this order by default:
+#   kernel-tests  tests/test_kernels.py compiled on the GPU (bf16 and fp16), via tests/test_gpu.py
+#   engine-tests  the rest of tests/test_gpu.py: SmolLM2 Triton vs torch, CUDA graphs, KV pool sizing
+#   tune          bench/tune_kernels.py: launch configs for this GPU (engine/kiln/engine/kernels/tuned/)
+#   kernels       bench/kernels.py: each kernel against the measured copy/matmul peaks and its peer
+#   engine        bench/gpu_engine.py: Llama-3-8B-shaped decode vs the HBM bound, graphs on/off, transformers
+# Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
+# Usage: bench/gpu_all.sh OUT_DIR [step ...]
+set -u
+out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine]}
+shift
+steps=${*:-kernel-tests engine-tests tune kernels engine}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/engine${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem \
+    --format=csv >"$out/nvidia-smi.csv" 2>&1
+slug=$($py -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
+
+step() {  # log file name, time limit in s, command...
+    local log=$1 limit=$2
+    shift 2
+    echo "== (limit ${limit}s): $*" | tee -a "$out/$log.txt"
+    local start=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/$log.txt"
+    echo "== exit ${PIPESTATUS[0]} after $((SECONDS - start))s" | tee -a "$out/$log.txt"
+}
+
+for s in $steps; do
+    case $s in
+        kernel-tests) step gpu-tests-kernels 400 $py -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu.py -k kernel_tests ;;
+        engine-tests) step gpu-tests-engine 300 $py -m pytest -q -s -rs -p no:cacheprovider tests/test_gpu.py -k "not kernel_tests" ;;
+        tune) step log 200 $py bench/tune_kernels.py --budget-s 90 --report "$out/tune-report.json" &&
+              cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
+        kernels) step log 300 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
+        engine) step log 400 $py bench/gpu_engine.py --out "$out/gpu-engine-$slug.json" ;;
+        *) echo "unknown step $s"; exit 2 ;;
+    esac
+done
