@@ -34,12 +34,12 @@ step() {  # log file name, time limit in s, command...
 
 for s in $steps; do
     case $s in
-        kernel-tests) step gpu-tests-kernels 300 $py -m pytest $pytest_args -k kernel_tests ;;
-        engine-tests) step gpu-tests-engine 300 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
-        tune) step log 200 $py bench/tune_kernels.py --budget-s 90 --report "$out/tune-report.json" &&
+        kernel-tests) step gpu-tests-kernels 130 $py -m pytest $pytest_args -k kernel_tests ;;
+        engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
+        tune) step log 130 $py bench/tune_kernels.py --budget-s 70 --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
-        kernels) step log 300 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
-        engine) step log 400 $py bench/gpu_engine.py --out "$out/gpu-engine-$slug.json" ;;
+        kernels) step log 130 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
+        engine) step log 200 $py bench/gpu_engine.py --out "$out/gpu-engine-$slug.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
