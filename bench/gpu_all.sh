@@ -39,7 +39,7 @@ for s in $steps; do
         tune) step log 130 $py bench/tune_kernels.py --budget-s 70 --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
         kernels) step log 130 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
-        engine) step log 200 $py bench/gpu_engine.py --out "$out/gpu-engine-$slug.json" ;;
+        engine) step log 200 $py bench/gpu_engine.py --new-tokens 64 --out "$out/gpu-engine-$slug.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done

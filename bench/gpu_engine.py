@@ -359,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             if "model" in args.sections:
                 sections += [(f"model_{'graphs' if g else 'eager'}", lambda g=g: model_points(args, shape, g, bw))
                              for g in modes]
+            if "profile" in args.sections:  # before the long sections: a timeout keeps it
+                sections.append(("profile", lambda: profile_step(args, shape)))
             if "engine" in args.sections:
                 sections += [(f"engine_{'graphs' if g else 'eager'}",
                               lambda g=g: engine_points(args, shape, g, folder, bw)) for g in modes]
             if "transformers" in args.sections:
                 sections.append(("transformers", lambda: transformers_points(args, shape)))
-            if "profile" in args.sections:
-                sections.append(("profile", lambda: profile_step(args, shape)))
             for key, fn in sections:
                 run_section(found, key, fn, save)
             summarize(found)
