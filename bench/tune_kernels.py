@@ -47,6 +47,10 @@ GEMM_CANDIDATES = [
     {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8},
     {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4}, {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2},
     {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 8},
+    {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2}, {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2}, {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4},
+    # per-channel int8 only (a K tile must stay inside one quantization group)
+    {"BLOCK_N": 16, "BLOCK_K": 256}, {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2},
 ]
 MIN_GAIN = 0.98  # a candidate must beat the defaults by 2% to be written
 
@@ -123,18 +127,20 @@ def finite(times: list[float]) -> list[float | None]:
 def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict], deadline: float,
          configs: dict[str, dict], report: list[dict]) -> None:
     for key, shapes in keys:
-        ms = time_candidates(kernel, key, candidates, shapes, deadline)
+        group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
+        fitting = [c for c in candidates if not group or c.get("BLOCK_K", 0) <= group]
+        ms = time_candidates(kernel, key, fitting, shapes, deadline)
         best = choose(ms)
         if best:
-            configs.setdefault(kernel, {})[key] = candidates[best]
+            configs.setdefault(kernel, {})[key] = fitting[best]
         else:
             configs.get(kernel, {}).pop(key, None)
         per_shape = ", ".join(f"{label} {d:.4f}->{b:.4f} ms" for (label, _), d, b in zip(shapes, ms[0], ms[best]))
         print(f"{kernel} {key}: default {sum(ms[0]):.4f} ms, best {sum(ms[best]):.4f} ms "
-              f"(x{sum(ms[0]) / sum(ms[best]):.2f}) {candidates[best] or 'defaults'}\n  {per_shape}")
+              f"(x{sum(ms[0]) / sum(ms[best]):.2f}) {fitting[best] or 'defaults'}\n  {per_shape}")
         report.append({"kernel": kernel, "key": key, "shapes": [label for label, _ in shapes],
-                       "chosen": candidates[best], "default_ms": finite(ms[0]), "best_ms": finite(ms[best]),
-                       "candidates": [{"config": c, "ms": finite(times)} for c, times in zip(candidates, ms)]})
+                       "chosen": fitting[best], "default_ms": finite(ms[0]), "best_ms": finite(ms[best]),
+                       "candidates": [{"config": c, "ms": finite(times)} for c, times in zip(fitting, ms)]})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ and shapes, so every input lives in a static buffer that `run` overwrites in pla
 batch of n runs in the smallest captured size >= n, padded with rows that write nothing
 (slot -1) and attend to one key. Only the Triton backend is graph-safe (the torch one
 syncs to the host). Kernel arguments are frozen too: the graphs are captured with
-max_seqlen_k = the longest context they will ever see, which only sizes split-KV partitions.
+max_seqlen_k = the longest context they will ever see, which only picks the split-KV count.
 
 Usage (model runner, CUDA only):
     graphs = DecodeGraphs(model.forward, [1, 2, 4, 8, 16, 32, 64], max_blocks_per_seq, max_model_len, device)

@@ -46,7 +46,7 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, qblock, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, scale_log2, partition_size,
+    num_seqs, scale_log2,
     stride_qn, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -87,8 +87,12 @@ def _paged_attention_kernel(
     kv_hi = tl.minimum(seq_len, first_pos + tl.minimum(tok0 + BLOCK_Q, q_len))
     kv_lo = 0
     if SPLIT:
-        kv_lo = split * partition_size
-        kv_hi = tl.minimum(kv_hi, kv_lo + partition_size)
+        # The sequence's own keys are cut into as many partitions of whole tiles as the grid has
+        # splits: every split has work at any context length, also under a CUDA graph, whose
+        # launch arguments were frozen at capture.
+        partition = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_lo = split * partition
+        kv_hi = tl.minimum(kv_hi, kv_lo + partition)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -189,12 +193,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
                        device: torch.device) -> int:
-    """Split only decode batches whose programs cannot fill the GPU on their own."""
-    if max_seqlen_q != 1 or max_seqlen_k < 1024 or device.type != "cuda":
+    """Split only decode batches whose programs cannot fill the GPU on their own, into
+    partitions of at least 128 keys on average (an 8B model's batch-1 decode at 1k keys: 8)."""
+    if max_seqlen_q != 1 or max_seqlen_k < 256 or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = math.ceil(2 * sms / (num_seqs * num_kv_heads))
-    return max(1, min(want, math.ceil(max_seqlen_k / 512), 16))
+    return max(1, min(want, math.ceil(max_seqlen_k / 128), 16))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -205,8 +210,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of q [N,Hq,D] over the paged cache; returns out [N,Hq,D] in q's dtype.
 
     k_scales/v_scales [blocks,block_size,Hkv]: the scales of an int8/fp8 cache (None for a float one).
-    num_splits: KV partitions (None = heuristic; 1 = no split). max_seqlen_k only sizes the
-    partitions: under CUDA graphs pass the largest context the graph will see.
+    num_splits: KV partitions (None = heuristic; 1 = no split), each sequence's keys cut into that
+    many by its own length. max_seqlen_k only picks the split count: under CUDA graphs pass the
+    largest context the graph will see.
     """
     _check_layout(q, k_cache, v_cache)
     check_scales(k_cache, k_scales, v_scales)
@@ -227,7 +233,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     split = num_splits > 1
     tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim, q.device, split)
     block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]
-    partition = triton.cdiv(triton.cdiv(max(max_seqlen_k, 1), num_splits), block_n) * block_n
     if split:
         target = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -238,7 +243,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (n // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scales, v_scales, target, lse, cu_seqlens_q, seq_lens, block_tables,
-        num_seqs, scale * 1.4426950408889634, partition,
+        num_seqs, scale * 1.4426950408889634,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

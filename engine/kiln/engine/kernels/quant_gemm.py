@@ -110,30 +110,43 @@ def _dequant_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = n_ok[:, None] & k_ok[None, :]
         if INT4:
-            packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :] // 2, mask=w_mask, other=0)
-            codes = (packed.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
-            if HAS_MINS:
-                w = codes.to(x.dtype)  # q * s + m: the mins multiply the tile's row sums of x below
-            elif HAS_ZEROS:
+            # Byte j holds k = 2j (low nibble) and 2j + 1 (high): each byte is loaded once, and its
+            # two codes meet x's even and odd columns in two dots over half the tile each.
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            j_ok = offs_j < K // 2
+            x_at = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + 2 * offs_j[None, :]
+            x_mask = m_ok[:, None] & j_ok[None, :]
+            x_lo = tl.load(x_at, mask=x_mask, other=0.0)
+            x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0)
+            packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
+                             mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+            lo = packed & 0xF
+            hi = (packed >> 4) & 0xF
+            if HAS_ZEROS:
                 zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.int32)
-                w = (codes - zero[:, None]).to(x.dtype)  # |q - z| <= 15: exact in 16-bit floats
-            else:
-                w = (codes - 8).to(x.dtype)
+                lo -= zero[:, None]  # |q - z| <= 15: exact in 16-bit floats
+                hi -= zero[:, None]
+            elif not HAS_MINS:  # symmetric: codes centred on 8 (with mins, q * s + m: see below)
+                lo -= 8
+                hi -= 8
+            part = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), input_precision=DOT_PREC)
+            part += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), input_precision=DOT_PREC)
+            x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
         else:
-            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0).to(x.dtype)
-        part = tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0).to(x.dtype)
+            part = tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
         if GROUP:
             scale = tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
             part *= scale[None, :]
-        if HAS_MINS:
+        if HAS_MINS:  # the mins multiply the tile's row sums of x
             mins = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-            part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mins[None, :]
+            part += x_sum[:, None] * mins[None, :]
         acc += part
     if not GROUP:  # one scale per output channel factors out of the K sum
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
