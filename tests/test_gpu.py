@@ -90,7 +90,7 @@ PROMPTS = [
     "Q: What is 12 times 7?\nA:",
     "The quick brown fox jumps over the lazy dog. Translate this sentence into French:",
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
 
 
 def smollm2(**config: object) -> LLM:
@@ -101,6 +101,25 @@ def smollm2(**config: object) -> LLM:
 def free_cuda() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def fresh_gpu() -> None:
+    """An engine an earlier test left to the garbage collector would count as memory held by others."""
+    if torch.cuda.is_available():
+        free_cuda()
+
+
+def assert_greedy_close(ours: list, theirs: list, name: str) -> None:
+    """vLLM's check for two implementations in 16-bit floats: the same tokens up to a first
+    difference, where each side's pick is among the other's top 5 (a near-tie that rounding
+    flipped); nothing is compared after it, since the texts differ from there."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        for pos, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                top_a, top_b = ({t for t, _ in o.logprobs[pos]["top"]} for o in (a, b))
+                assert x in top_b and y in top_a, f"{name}, prompt {i}, token {pos}: {x} vs {y}, not a near-tie"
+                break
 
 
 @needs_gpu
@@ -118,19 +137,23 @@ def test_kernel_tests_pass_compiled_on_the_gpu() -> None:
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_backend_matches_torch_on_smollm2(dtype: str) -> None:
-    """The engine-core prompts, greedy: the Triton backend with CUDA graphs, the same eagerly,
-    and the torch backend give the same tokens."""
+    """The engine-core prompts, greedy: the Triton backend with CUDA graphs and the same eagerly
+    give the same tokens; the torch backend the same tokens in float32, and in bfloat16 the same
+    up to near-ties (on the H200, 6 of 8 prompts identical over 32 tokens)."""
     outputs = {}
     for name, config in {"triton+graphs": {}, "triton eager": {"enforce_eager": True},
                          "torch": {"attention_backend": "torch"}}.items():
         llm = smollm2(dtype=dtype, **config)
         assert (llm.engine.runner.graphs is not None) == (name == "triton+graphs")
-        outputs[name] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        outputs[name] = llm.generate(PROMPTS, GREEDY)
         del llm
         free_cuda()
-    for name in ("triton eager", "torch"):
-        same = sum(a == b for a, b in zip(outputs["triton+graphs"], outputs[name]))
-        assert outputs["triton+graphs"] == outputs[name], f"{name}: {same}/{len(PROMPTS)} prompts agree"
+    tokens = {name: [o.token_ids for o in outs] for name, outs in outputs.items()}
+    assert tokens["triton eager"] == tokens["triton+graphs"]
+    if dtype == "float32":
+        assert tokens["torch"] == tokens["triton+graphs"]
+    else:
+        assert_greedy_close(outputs["triton+graphs"], outputs["torch"], "torch vs triton")
 
 
 @needs_gpu
