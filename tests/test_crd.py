@@ -126,7 +126,7 @@ def test_api_server_fills_defaults_and_keeps_the_full_example(custom_api, kiln_i
                "metadata": {"name": "minimal"}, "spec": GOOD}
     stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
                                                         "inferenceservices", minimal, dry_run="All")
-    assert stored["spec"]["engine"]["kvCache"] == {"memory": "1Gi", "prefixCaching": True, "dtype": "auto"}
+    assert stored["spec"]["engine"]["kvCache"] == {"prefixCaching": True, "dtype": "auto"}
     assert stored["spec"]["resources"]["gpus"] == 0 and stored["spec"]["replicas"] == 1
     full["metadata"] = {"name": "chat"}
     stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,

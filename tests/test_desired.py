@@ -209,7 +209,10 @@ def test_engine_command_is_accepted_by_kiln_serve():
                  .stable.deployment)["containers"][0]
     assert c["command"][:2] == ["kiln", "serve"]
     args = parser.parse_args(c["command"][2:])
-    assert (args.model, args.port, args.max_model_len, args.kv_cache_memory) == ("smollm2-135m", 8000, 512, 1 << 30)
+    # No kvCache.memory: the engine sizes the pool (from GPU memory on a GPU, 1Gi on a CPU).
+    assert (args.model, args.port, args.max_model_len, args.kv_cache_memory) == ("smollm2-135m", 8000, 512, None)
+    c = pod_spec(want(spec_of(engine={"kvCache": {"memory": "2Gi"}})).stable.deployment)["containers"][0]
+    assert parser.parse_args(c["command"][2:]).kv_cache_memory == 2 << 30
 
 
 @pytest.mark.parametrize("source, model_arg, volume", [

@@ -114,8 +114,9 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
     engine = spec.engine
     args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
-            "--max-num-seqs", str(engine.maxNumSeqs),
-            "--kv-cache-memory", str(int(parse_quantity(engine.kvCache.memory)))]
+            "--max-num-seqs", str(engine.maxNumSeqs)]
+    if engine.kvCache.memory is not None:  # else the engine sizes it (from GPU memory on GPUs)
+        args += ["--kv-cache-memory", str(int(parse_quantity(engine.kvCache.memory)))]
     if engine.maxModelLen is not None:
         args += ["--max-model-len", str(engine.maxModelLen)]
     if not engine.kvCache.prefixCaching:
