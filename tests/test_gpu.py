@@ -20,6 +20,7 @@ import torch
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.config import Config, ModelLoadError
 from kiln.engine.model_runner import gpu_kv_budget, graph_batch_sizes, profile_seq_lens
+from test_engine_generate import PROMPTS as ENGINE_CORE_PROMPTS
 
 GiB = 2 ** 30
 REPO = Path(__file__).resolve().parents[1]
@@ -79,17 +80,8 @@ def test_dummy_weights_need_no_weight_files(tiny_llama_dir: Path, tmp_path: Path
 # ---------------------------------------------------------------------------------------------
 # On the GPU
 # ---------------------------------------------------------------------------------------------
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
-    "Once upon a time, in a small village at the edge of a dark forest, there lived an old woodcutter "
-    "who had three sons. The youngest son was",
-    "List three primary colors:",
-    "Water boils at",
-    "In 1969, astronauts landed on the Moon. The mission was called Apollo 11 and its crew were Neil Armstrong,",
-    "Q: What is 12 times 7?\nA:",
-    "The quick brown fox jumps over the lazy dog. Translate this sentence into French:",
-]
+# The engine-core prompts (tests/test_engine_generate.py), the last one shortened, as run on the H200.
+PROMPTS = ENGINE_CORE_PROMPTS[:7] + ["The quick brown fox jumps over the lazy dog. Translate this sentence into French:"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
 
 
