@@ -51,6 +51,10 @@ GEMM_CANDIDATES = [
     {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 2}, {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4},
     # per-channel int8 only (a K tile must stay inside one quantization group)
     {"BLOCK_N": 16, "BLOCK_K": 256}, {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2},
+    # a row a program on the CUDA cores (_dequant_gemv_kernel), not yet timed on a GPU
+    {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8},
+    {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4},
 ]
 MIN_GAIN = 0.98  # a candidate must beat the defaults by 2% to be written
 

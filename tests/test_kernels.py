@@ -251,6 +251,31 @@ def test_quant_gemm_split_k(dtype: torch.dtype, bits: int) -> None:
     assert_close(out, ref(x, *args))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["w8", "w4-zeros", "w4-symmetric", "w4-mins"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_quant_gemv(dtype: torch.dtype, kind: str, m: int) -> None:
+    """A tuned GEMV entry (a row a program, no tensor cores), split over K, each weight format."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(m, 256, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(40, 256, generator=gen).to(dtype)
+    if kind == "w8":
+        args, kw, group = [t.to(DEVICE) for t in quantize_w8(w)], {}, 0
+        kernel, ref = w8a16_gemm, w8a16_gemm_ref
+    else:
+        qweight, scales, zeros = quantize_w4(w, 64, symmetric=kind == "w4-symmetric")
+        kw, group = {}, 64
+        if kind == "w4-mins":  # GGUF Q4_1: q * s + m
+            zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
+        args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [group]
+        kernel, ref = w4a16_gemm, w4a16_gemm_ref
+    out = poisoned((m, 40), dtype)
+    config = {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2}
+    with tuned.override("quant_gemm", f"w{8 if kind == 'w8' else 4}-g{group}-m{1 if m == 1 else 16}", config):
+        kernel(x, *args, **kw, out=out)
+    assert_close(out, ref(x, *args, **kw))
+
+
 def test_int4_rejects_bad_groups() -> None:
     with pytest.raises(ValueError, match="group size"):
         quantize_w4(torch.randn(8, 96), group_size=48)
@@ -326,7 +351,7 @@ def test_kernels_compile_for_h100() -> None:
     assert {line.split()[1] for line in compiled} == {"_paged_attention_kernel:", "_merge_splits_kernel:",
                                                       "_store_kvcache_kernel:", "_rms_norm_kernel:",
                                                       "_rope_kernel:", "_dequant_gemm_kernel:",
-                                                      "_sum_splits_kernel:"}
+                                                      "_sum_splits_kernel:", "_dequant_gemv_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
 
 

@@ -79,6 +79,13 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
            dict(quant_gemm.tile_config(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=True, HAS_MINS=False,
                 DOT_PREC=paged_attention.dot_precision(dtype)), 4)
     yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), dict(BLOCK=quant_gemm.SUM_BLOCK), 4)
+    # The GEMV configs (a row a program): int8 per channel, int4 with zeros, GGUF Q4_1's mins.
+    for int4, offsets, group, s in ((False, None, 0, t), (True, "zeros", 128, t), (True, "mins", 32, "fp16")):
+        yield (quant_gemm._dequant_gemv_kernel,
+               dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{s}",
+                    z_ptr="*u8" if offsets == "zeros" else f"*{s}", y_ptr="*fp32"),
+               dict(INT4=int4, HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
+                    BLOCK_K=min(128, group or 256)), 4)
 
 
 def jobs(everything: bool) -> Iterator[Job]:

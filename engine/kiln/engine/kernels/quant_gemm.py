@@ -156,6 +156,56 @@ def _dequant_gemm_kernel(
 
 
 @triton.jit
+def _dequant_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
+    INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The same product for one row of x a program (grid: rows, N tiles, K splits), on the CUDA
+    # cores: a [BLOCK_N, BLOCK_K] weight tile times the row, summed along K, without the 15 idle
+    # rows a 16-row tensor-core tile carries at M = 1. Integer zeros come off as z * sum(x).
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_w = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k_lo = tl.program_id(2) * k_per_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+        if INT4:
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            j_ok = offs_j < K // 2
+            x_lo = tl.load(x_ptr + row * stride_xm + 2 * offs_j, mask=j_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptr + row * stride_xm + 2 * offs_j + 1, mask=j_ok, other=0.0).to(tl.float32)
+            packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
+                             mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+            part = tl.sum((packed & 0xF).to(tl.float32) * x_lo[None, :]
+                          + ((packed >> 4) & 0xF).to(tl.float32) * x_hi[None, :], axis=1)
+            x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
+                part -= zero * x_sum
+            elif not HAS_MINS:
+                part -= 8.0 * x_sum
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+        if GROUP:
+            part *= tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            part += x_sum * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        acc += part
+    if not GROUP:
+        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, y_ptr, M, N, splits, stride_ym, BLOCK: tl.constexpr):
     # part [splits, M, N] fp32 contiguous -> y [M, N] rows of stride_ym.
     row = tl.program_id(0).to(tl.int64)
@@ -176,7 +226,8 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
     quantization group (group_size 0: int8 with per-channel scales).
 
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
-    may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages and SPLIT_K (K partitions)."""
+    may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
+    GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel)."""
     tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
                  BLOCK_K=min(64, group_size) if group_size else 64)
     if device is not None:
@@ -201,14 +252,18 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     k_per_split = triton.cdiv(triton.cdiv(k, tiles.pop("SPLIT_K", 1)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # every partition non-empty
     target = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
     z = next((t for t in (zeros, mins) if t is not None), scales)  # scales: a placeholder, unread
-    _dequant_gemm_kernel[grid](
-        x2, qweight, scales, z, target, m, n, k, k_per_split,
-        x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
-        target.stride(0) if splits > 1 else 0,
-        INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, **tiles, DOT_PREC=dot_precision(x.dtype),
-    )
+    strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
+               target.stride(0) if splits > 1 else 0)
+    kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None)
+    if tiles.pop("GEMV", 0):
+        del tiles["BLOCK_M"]
+        _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
+            x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles)
+    else:
+        grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
+        _dequant_gemm_kernel[grid](x2, qweight, scales, z, target, m, n, k, k_per_split, *strides, **kinds, **tiles,
+                                   DOT_PREC=dot_precision(x.dtype))
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](target, y, m, n, splits, y.stride(0), BLOCK=SUM_BLOCK)
     return y.view(*x.shape[:-1], n)
