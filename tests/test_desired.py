@@ -213,6 +213,10 @@ def test_engine_command_is_accepted_by_kiln_serve():
     assert (args.model, args.port, args.max_model_len, args.kv_cache_memory) == ("smollm2-135m", 8000, 512, None)
     c = pod_spec(want(spec_of(engine={"kvCache": {"memory": "2Gi"}})).stable.deployment)["containers"][0]
     assert parser.parse_args(c["command"][2:]).kv_cache_memory == 2 << 30
+    # Tensor-parallel ranks cannot profile a step alone: unset, they keep 1Gi each.
+    tp = spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})
+    assert parser.parse_args(pod_spec(want(tp).stable.deployment)["containers"][0]["command"][2:]).kv_cache_memory \
+        == 1 << 30
 
 
 @pytest.mark.parametrize("source, model_arg, volume", [

@@ -59,8 +59,9 @@ class ModelSpec(Spec):
 
 class KVCache(Spec):
     memory: Quantity | None = Field(None, description=(
-        "Memory for the paged KV cache per replica. Unset: on GPUs what 90% of the GPU's memory leaves "
-        "after the weights and a full step's activations (the engine's gpu_memory_utilization), on CPUs 1Gi."))
+        "Memory for the paged KV cache per replica (per rank with tensor parallelism). Unset: on GPUs what "
+        "90% of the GPU's memory leaves after the weights and a full step's activations (the engine's "
+        "gpu_memory_utilization), on CPUs and under tensor parallelism 1Gi."))
     prefixCaching: bool = True
     dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="KV cache element type: auto (the model dtype), int8 or fp8 (half a 16-bit "

@@ -110,13 +110,19 @@ def model_location(spec: InferenceServiceSpec) -> tuple[str, list[dict], list[di
     return path, [volume], [{"name": "model", "mountPath": path, "readOnly": True}]
 
 
+TP_KV_CACHE_MEMORY = "1Gi"
+
+
 def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
     engine = spec.engine
     args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
             "--max-num-seqs", str(engine.maxNumSeqs)]
-    if engine.kvCache.memory is not None:  # else the engine sizes it (from GPU memory on GPUs)
-        args += ["--kv-cache-memory", str(int(parse_quantity(engine.kvCache.memory)))]
+    # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
+    # whose ranks cannot profile a step alone: they keep 1Gi each.
+    memory = engine.kvCache.memory or (TP_KV_CACHE_MEMORY if engine.tensorParallelSize > 1 else None)
+    if memory is not None:
+        args += ["--kv-cache-memory", str(int(parse_quantity(memory)))]
     if engine.maxModelLen is not None:
         args += ["--max-model-len", str(engine.maxModelLen)]
     if not engine.kvCache.prefixCaching:
