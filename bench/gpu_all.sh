@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD/engine${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem \
     --format=csv >"$out/nvidia-smi.csv" 2>&1
-slug=$($py -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name(0).lower()).strip('-'))")
+slug=$($py -c "import torch; from kiln.engine.kernels.tuned import slug; print(slug(torch.cuda.get_device_name(0)))")
 
 # No conftest: its cluster fixtures import the operator's packages, which a GPU box need not have.
 pytest_args="-q -s -rs -p no:cacheprovider --noconftest tests/test_gpu.py"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -67,7 +66,8 @@ def machine() -> dict[str, Any]:
 
 
 def device_slug() -> str:
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    from kiln.engine.kernels.tuned import slug
+    return slug(torch.cuda.get_device_name(0))
 
 
 def write_results(path: Path | None, default_name: str, payload: dict[str, Any]) -> Path:

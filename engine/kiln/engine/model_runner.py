@@ -111,13 +111,7 @@ class ModelRunner:
         """Size the pool from the memory budget and allocate it; returns its block count."""
         self.kv_dtype = config.kv_cache_torch_dtype
         block_bytes = kv_block_bytes(model_config, config.block_size, self.kv_dtype)
-        memory = config.kv_cache_memory
-        if memory is None and self.device.type == "cuda" and config.tensor_parallel_size > 1:
-            # Each rank's profile forward would wait on collectives the others are not running yet.
-            raise ValueError("tensor parallelism on CUDA needs kv_cache_memory (per rank): the pool is not sized "
-                             "from free GPU memory across ranks")
-        if memory is None:
-            memory = self._measure_gpu_kv_budget(config) if self.device.type == "cuda" else CPU_KV_CACHE_MEMORY
+        memory, self.kv_source = self._kv_budget(config)
         num_blocks = memory // block_bytes
         if num_blocks < 1:
             raise ValueError(
@@ -126,14 +120,22 @@ class ModelRunner:
             )
         self.kv_shape = (2, len(self._attention_layers()), num_blocks, config.block_size,
                          model_config.num_key_value_heads, model_config.head_dim)
-        # What sized the pool, for the start-up log.
-        self.kv_source = ("kv_cache_memory" if config.kv_cache_memory is not None else
-                          f"gpu_memory_utilization={config.gpu_memory_utilization}" if self.device.type == "cuda"
-                          else "the CPU default")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, num_blocks * block_bytes / GiB, self.kv_source)
         self.allocate_kv_cache()
         return num_blocks
+
+    def _kv_budget(self, config: Config) -> tuple[int, str]:
+        """The pool's bytes, and what set them (for the start-up log)."""
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory, "kv_cache_memory"
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_MEMORY, "the CPU default"
+        if config.tensor_parallel_size > 1:
+            # Each rank's profile forward would wait on collectives the others are not running yet.
+            raise ValueError("tensor parallelism on CUDA needs kv_cache_memory (per rank): the pool is not sized "
+                             "from free GPU memory across ranks")
+        return self._measure_gpu_kv_budget(config), f"gpu_memory_utilization={config.gpu_memory_utilization}"
 
     @torch.inference_mode()
     def _measure_gpu_kv_budget(self, config: Config) -> int:
