@@ -37,9 +37,9 @@ for s in $steps; do
     case $s in
         kernel-tests) step gpu-tests-kernels 130 $py -m pytest $pytest_args -k kernel_tests ;;
         engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
-        tune) step log 130 $py bench/tune_kernels.py --budget-s 70 --report "$out/tune-report.json" &&
+        tune) step log 240 $py bench/tune_kernels.py --budget-s 150 --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
-        kernels) step log 130 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
+        kernels) step log 200 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
         engine) step log 200 $py bench/gpu_engine.py --new-tokens 64 --out "$out/gpu-engine-$slug.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

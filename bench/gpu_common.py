@@ -1,5 +1,10 @@
 """What the GPU benchmarks share: the CUDA check, the machine's two ceilings measured in the
-same run (copy bandwidth, matmul FLOP/s), timing, and the results file."""
+same run (copy bandwidth, matmul FLOP/s), timing, and the results file.
+
+Two timings. `median_ms`: triton's do_bench, one eager call at a time after an L2 flush; a
+small kernel's figure there is mostly the host's launch cost. `graph_ms`: device time per call
+with no launch cost, the calls captured in one CUDA graph (as the engine runs decode), each over
+its own copy of the inputs so that consecutive calls read HBM, not the L2 the last one filled."""
 from __future__ import annotations
 
 import json
@@ -26,6 +31,44 @@ def require_cuda(script: str) -> None:
 def median_ms(fn: Callable[[], Any]) -> float:
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def l2_bytes() -> int:
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 50 << 20
+
+
+def copies_for(op_bytes: int, most: int = 32) -> int:
+    """How many copies of an op's inputs span 4x the L2, so a graph cycling through them reads HBM."""
+    return max(1, min(most, -(-4 * l2_bytes() // max(op_bytes, 1))))
+
+
+def graph_ms(ops: list[Callable[[], Any]], rep_ms: float = 40, replays: int = 5) -> float:
+    """Median device ms per call of `ops` (one op over distinct copies of its inputs), captured
+    round-robin in one CUDA graph. Raises where an op cannot be captured (one that syncs the host)."""
+    for op in ops:  # compile and warm up outside the capture
+        op()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for op in ops:
+        op()
+    end.record()
+    torch.cuda.synchronize()
+    rounds = max(1, min(500, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for op in ops:
+                op()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / (rounds * len(ops)))
+    del graph
+    return sorted(times)[len(times) // 2]
 
 
 def measure_peaks(dtype: torch.dtype) -> dict[str, float]:

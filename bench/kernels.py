@@ -1,8 +1,10 @@
 """GPU kernel benchmark: each Triton kernel against its torch reference and a torch peer.
 
-Times are triton.testing.do_bench medians. The machine's ceilings (copy bandwidth, matmul
-FLOP/s) are measured in the same run; each kernel reports achieved GB/s (bytes it must
-move / time) and TFLOP/s against them. Peers: torch SDPA (flash / memory-efficient) on the
+Each op is timed twice (gpu_common): eagerly (do_bench medians: small kernels there mostly
+show the host's launch cost) and under a CUDA graph over copies of its inputs spanning 4x the
+L2 (device time, reads from HBM), as decode runs in the engine. The machine's ceilings (copy
+bandwidth, matmul FLOP/s) are measured in the same run; each kernel reports achieved GB/s
+(bytes it must move / graph time) and TFLOP/s against them; speedups compare graph times. Peers: torch SDPA (flash / memory-efficient) on the
 same K/V made contiguous for attention, cuBLAS on 16-bit weights for the quantized GEMMs,
 F.rms_norm for the norm. The run ends with the issue's goals (GOALS), each met or not.
 Needs CUDA; exits 2 without it.
@@ -12,6 +14,7 @@ Needs CUDA; exits 2 without it.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from gpu_common import DTYPES, machine, measure_peaks, median_ms, require_cuda, write_results
+from gpu_common import DTYPES, copies_for, graph_ms, machine, measure_peaks, median_ms, require_cuda, write_results
 
 
 @dataclass
@@ -29,7 +32,12 @@ class Case:
     shape: dict
     bytes: int  # the least memory traffic the op needs
     flops: int
-    impls: dict[str, Callable[[], object]] = field(default_factory=dict)  # "triton" first
+    make: Callable[[], dict[str, Callable[[], object]]]  # fresh inputs -> the impls over them, "triton" first
+    graphed: tuple[str, ...] = ("triton",)  # impls also timed under a CUDA graph (those that never sync)
+    impls: dict[str, Callable[[], object]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.impls = self.make()
 
 
 def paged_kv(batch: int, ctx: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
@@ -56,91 +64,114 @@ def attention_case(batch: int, q_len: int, ctx: int, dtype: torch.dtype, device:
                    heads: int = 32, kv_heads: int = 8, head_dim: int = 128) -> Case:
     from kiln.engine import attention as torch_backend
     from kiln.engine.kernels.paged_attention import default_num_splits, paged_attention
-    args = attention_args(batch, q_len, ctx, dtype, device, heads, kv_heads, head_dim)
-    q = args["q"]
+    split = default_num_splits(batch, kv_heads, q_len, ctx, torch.device(device), heads // kv_heads, head_dim) > 1
+    peer = q_len == ctx or q_len == 1
+
+    def make() -> dict[str, Callable[[], object]]:
+        args = attention_args(batch, q_len, ctx, dtype, device, heads, kv_heads, head_dim)
+        impls = {"triton": lambda: paged_attention(**args)}
+        if split:
+            impls["triton_nosplit"] = lambda: paged_attention(**args, num_splits=1)
+        impls["torch_ref"] = lambda: torch_backend.paged_attention(**args)
+        if peer:
+            # Peer: SDPA over the same K/V gathered contiguous (no paging), causal with the new tokens at the end.
+            k, v = (args[name][args["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+                    for name in ("k_cache", "v_cache"))
+            qs = args["q"].view(batch, q_len, heads, head_dim).transpose(1, 2)
+            impls["sdpa"] = lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=q_len > 1, enable_gqa=True)
+        return impls
+
     visible = sum(ctx - q_len + i + 1 for i in range(q_len))  # keys each query sees, causal
     item = dtype.itemsize
-    case = Case("paged_attention", {"batch": batch, "q_len": q_len, "ctx": ctx, "heads": heads,
+    return Case("paged_attention", {"batch": batch, "q_len": q_len, "ctx": ctx, "heads": heads,
                                     "kv_heads": kv_heads, "head_dim": head_dim},
-                bytes=2 * batch * ctx * kv_heads * head_dim * item + 2 * q.numel() * item,
-                flops=4 * batch * visible * heads * head_dim)
-    case.impls["triton"] = lambda: paged_attention(**args)
-    if default_num_splits(batch, kv_heads, q_len, ctx, q.device) > 1:
-        case.impls["triton_nosplit"] = lambda: paged_attention(**args, num_splits=1)
-    case.impls["torch_ref"] = lambda: torch_backend.paged_attention(**args)
-    if q_len == ctx or q_len == 1:
-        # Peer: SDPA over the same K/V gathered contiguous (no paging), causal with the new tokens at the end.
-        k, v = (args[name][args["block_tables"].long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
-                for name in ("k_cache", "v_cache"))
-        qs = q.view(batch, q_len, heads, head_dim).transpose(1, 2)
-        case.impls["sdpa"] = lambda: F.scaled_dot_product_attention(qs, k, v, is_causal=q_len > 1, enable_gqa=True)
-    return case
+                bytes=2 * batch * ctx * kv_heads * head_dim * item + 2 * batch * q_len * heads * head_dim * item,
+                flops=4 * batch * visible * heads * head_dim, make=make,
+                graphed=("triton",) + (("triton_nosplit",) if split else ()) + (("sdpa",) if peer else ()))
 
 
 def kv_store_case(tokens: int, dtype: torch.dtype, device: str, kv_heads: int = 8, head_dim: int = 128) -> Case:
     from kiln.engine import attention as torch_backend
     from kiln.engine.kernels.kv_store import store_kvcache
-    kv = paged_kv(1, tokens, kv_heads, head_dim, dtype, device)
-    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
-    v = torch.randn_like(k)
-    slots = torch.randperm(tokens, device=device)
-    args = (k, v, kv["k_cache"], kv["v_cache"], slots)
-    case = Case("store_kvcache", {"tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim},
-                bytes=4 * k.numel() * dtype.itemsize, flops=0)
-    case.impls["triton"] = lambda: store_kvcache(*args)
-    case.impls["torch_ref"] = lambda: torch_backend.store_kvcache(*args)
-    return case
+
+    def make() -> dict[str, Callable[[], object]]:
+        kv = paged_kv(1, tokens, kv_heads, head_dim, dtype, device)
+        k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        args = (k, torch.randn_like(k), kv["k_cache"], kv["v_cache"], torch.randperm(tokens, device=device))
+        return {"triton": lambda: store_kvcache(*args), "torch_ref": lambda: torch_backend.store_kvcache(*args)}
+
+    return Case("store_kvcache", {"tokens": tokens, "kv_heads": kv_heads, "head_dim": head_dim},
+                bytes=4 * tokens * kv_heads * head_dim * dtype.itemsize, flops=0, make=make)
 
 
 def rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> Case:
     from kiln.engine.kernels.norm_rope import rms_norm, rms_norm_ref
-    x, res = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
-    w = torch.randn(hidden, dtype=dtype, device=device)
-    case = Case("rms_norm+residual", {"tokens": tokens, "hidden": hidden},
-                bytes=4 * x.numel() * dtype.itemsize, flops=0)
-    case.impls["triton"] = lambda: rms_norm(x, w, 1e-5, res)
-    case.impls["torch_ref"] = lambda: rms_norm_ref(x, w, 1e-5, res)
-    case.impls["F.rms_norm"] = lambda: F.rms_norm(x + res, (hidden,), w, 1e-5)
-    return case
+
+    def make() -> dict[str, Callable[[], object]]:
+        x, res = (torch.randn(tokens, hidden, dtype=dtype, device=device) for _ in range(2))
+        w = torch.randn(hidden, dtype=dtype, device=device)
+        return {"triton": lambda: rms_norm(x, w, 1e-5, res), "torch_ref": lambda: rms_norm_ref(x, w, 1e-5, res),
+                "F.rms_norm": lambda: F.rms_norm(x + res, (hidden,), w, 1e-5)}
+
+    return Case("rms_norm+residual", {"tokens": tokens, "hidden": hidden},
+                bytes=4 * tokens * hidden * dtype.itemsize, flops=0, make=make, graphed=("triton", "F.rms_norm"))
 
 
 def rope_case(tokens: int, dtype: torch.dtype, device: str, heads: int = 32, kv_heads: int = 8,
               head_dim: int = 128) -> Case:
     from kiln.engine.kernels.norm_rope import cos_sin_cache, rope, rope_ref
-    inv_freq = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    cache = cos_sin_cache(inv_freq, 8192)
-    pos = torch.randint(0, 8192, (tokens,), device=device)
-    q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
-    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
-    case = Case("rope", {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
-                bytes=2 * (q.numel() + k.numel()) * dtype.itemsize + tokens * head_dim * 4, flops=0)
-    case.impls["triton"] = lambda: rope(pos, q, k, cache)
-    case.impls["torch_ref"] = lambda: rope_ref(pos, q, k, cache)
-    return case
+
+    def make() -> dict[str, Callable[[], object]]:
+        inv_freq = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+        cache = cos_sin_cache(inv_freq, 8192)
+        pos = torch.randint(0, 8192, (tokens,), device=device)
+        q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
+        k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
+        return {"triton": lambda: rope(pos, q, k, cache), "torch_ref": lambda: rope_ref(pos, q, k, cache)}
+
+    return Case("rope", {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
+                bytes=2 * tokens * (heads + kv_heads) * head_dim * dtype.itemsize + tokens * head_dim * 4, flops=0,
+                make=make)
 
 
 def gemm_case(bits: int, m: int, n: int, k: int, dtype: torch.dtype, device: str, group_size: int = 128) -> Case:
     from kiln.engine.kernels import quant_gemm as qg
-    w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
-    x = torch.randn(m, k, dtype=dtype, device=device)
-    if bits == 8:
-        qweight, scales = qg.quantize_w8(w)
-        args: tuple = (x, qweight, scales)
-        kernel, ref, weight_bytes = qg.w8a16_gemm, qg.w8a16_gemm_ref, n * k + n * dtype.itemsize
-    else:
-        qweight, scales, zeros = qg.quantize_w4(w, group_size)
-        args = (x, qweight, scales, zeros, group_size)
-        kernel, ref = qg.w4a16_gemm, qg.w4a16_gemm_ref
-        weight_bytes = n * k // 2 + scales.numel() * (dtype.itemsize + 1)
-    case = Case(f"w{bits}a16_gemm", {"m": m, "n": n, "k": k, **({"group": group_size} if bits == 4 else {})},
-                bytes=weight_bytes + (m * k + m * n) * dtype.itemsize, flops=2 * m * n * k)
-    case.impls["triton"] = lambda: kernel(*args)
-    case.impls["torch_ref"] = lambda: ref(*args)
-    case.impls["cublas_16bit"] = lambda: F.linear(x, w)
-    return case
+
+    def make() -> dict[str, Callable[[], object]]:
+        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        x = torch.randn(m, k, dtype=dtype, device=device)
+        if bits == 8:
+            args: tuple = (x, *qg.quantize_w8(w))
+            kernel, ref = qg.w8a16_gemm, qg.w8a16_gemm_ref
+        else:
+            args = (x, *qg.quantize_w4(w, group_size), group_size)
+            kernel, ref = qg.w4a16_gemm, qg.w4a16_gemm_ref
+        return {"triton": lambda: kernel(*args), "torch_ref": lambda: ref(*args), "cublas_16bit": lambda: F.linear(x, w)}
+
+    scale_bytes = n * dtype.itemsize if bits == 8 else n * k // group_size * (dtype.itemsize + 1)
+    return Case(f"w{bits}a16_gemm", {"m": m, "n": n, "k": k, **({"group": group_size} if bits == 4 else {})},
+                bytes=n * k * bits // 8 + scale_bytes + (m * k + m * n) * dtype.itemsize, flops=2 * m * n * k,
+                make=make, graphed=("triton", "cublas_16bit"))
+
+
+def gemv_case(n: int, k: int, dtype: torch.dtype, device: str) -> Case:
+    """Batch-1 decode's GEMM on 16-bit weights: Kiln's GEMV kernel (its tuned config, else the defaults)
+    vs cuBLAS; "linear" is what the engine calls (the kernel where tuned, else cuBLAS)."""
+    from kiln.engine.kernels import quant_gemm as qg, tuned
+
+    def make() -> dict[str, Callable[[], object]]:
+        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        x = torch.randn(1, k, dtype=dtype, device=device)
+        return {"triton": lambda: qg.gemv(x, w, tuned.lookup("gemv", f"n{n}-k{k}", w.device)),
+                "cublas_16bit": lambda: F.linear(x, w), "linear": lambda: qg.linear(x, w)}
+
+    return Case("gemv_16bit", {"m": 1, "n": n, "k": k}, bytes=(n * k + k + n) * dtype.itemsize, flops=2 * n * k,
+                make=make, graphed=("triton", "cublas_16bit"))
 
 
 GEMM_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # (N, K): Llama-3-8B's down, up/gate, o
+# (N, K) of Llama-3-8B's batch-1 decode GEMMs as Kiln fuses them: qkv, o, gate_up, down, lm_head
+GEMV_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
 def cases(dtype: torch.dtype, quick: bool, device: str = "cuda") -> Iterator[Case]:
@@ -161,16 +192,30 @@ def cases(dtype: torch.dtype, quick: bool, device: str = "cuda") -> Iterator[Cas
         for m in (1, 16) if quick else (1, 16, 64, 256):
             for n, k in GEMM_SHAPES[:1] if quick else GEMM_SHAPES:
                 yield gemm_case(bits, m, n, k, dtype, device)
+    for n, k in GEMV_SHAPES[:2] if quick else GEMV_SHAPES:
+        yield gemv_case(n, k, dtype, device)
 
 
 def measure(case: Case, peaks: dict[str, float]) -> dict:
-    times = {name: median_ms(fn) for name, fn in case.impls.items()}
+    """Eager do_bench times for every impl; graph times (no launch cost, inputs rotated past the L2)
+    for the graphed ones. Rates and speedups use the graph times: decode runs under CUDA graphs."""
+    eager = {name: median_ms(fn) for name, fn in case.impls.items()}
+    sets = [case.impls] + [case.make() for _ in range(copies_for(case.bytes) - 1)]
+    graphed: dict[str, float] = {}
+    for name in case.graphed:
+        try:
+            graphed[name] = graph_ms([impls[name] for impls in sets])
+        except RuntimeError as error:  # a failed capture loses one figure, not the run
+            print(f"  {case.kernel} {case.shape} {name}: no graph time ({str(error)[:200]})")
+    del sets
+    times = graphed if "triton" in graphed else eager  # rates from graph times where there are some
     ms = times["triton"]
     gbps, tflops = case.bytes / ms / 1e6, case.flops / ms / 1e9
-    return {"kernel": case.kernel, "shape": case.shape, "ms": times, "bytes": case.bytes, "flops": case.flops,
-            "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / peaks["copy_GBps"],
-            "pct_matmul": 100 * tflops / peaks["matmul_TFLOPs"],
-            "speedup": {name: t / ms for name, t in times.items() if name != "triton"}}
+    return {"kernel": case.kernel, "shape": case.shape, "ms": eager, "graph_ms": graphed, "bytes": case.bytes,
+            "flops": case.flops, "GBps": gbps, "TFLOPs": tflops, "pct_copy_bw": 100 * gbps / peaks["copy_GBps"],
+            "pct_matmul": 100 * tflops / peaks["matmul_TFLOPs"], "timed": "graph" if times is graphed else "eager",
+            "speedup": {name: t / ms for name, t in times.items() if name != "triton"},
+            "eager_speedup": {name: t / eager["triton"] for name, t in eager.items() if name != "triton"}}
 
 
 # The issue's goals: (title, kernel, shape filter, value of a result, target).
@@ -211,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(case, peaks)
             results.append(r)
             others = " ".join(f"{name} x{s:.2f}" for name, s in r["speedup"].items())
-            print(f"{case.kernel:18s} {str(case.shape):70s} {r['ms']['triton']:8.4f} ms {r['GBps']:7.0f} GB/s "
+            print(f"{case.kernel:18s} {str(case.shape):70s} {r['graph_ms'].get('triton', math.nan):8.4f} ms "
+                  f"(eager {r['ms']['triton']:8.4f}) {r['GBps']:7.0f} GB/s "
                   f"({r['pct_copy_bw']:3.0f}%) {r['TFLOPs']:6.1f} TFLOP/s ({r['pct_matmul']:3.0f}%)  "
                   f"triton is faster than: {others}")
             del case
@@ -221,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     for g in met:
         print(f"  {'met    ' if g['met'] else 'NOT met'} {g['goal']} {g['shape']}: {g['value']:.2f} (goal {g['target']})")
     write_results(args.out, "kernels", {"machine": machine(), "dtype": args.dtype, "peaks": peaks,
-                                        "note": "speedup = peer time / triton time; GB/s from the bytes the op must move",
+                                        "note": "ms: eager do_bench medians; graph_ms: device time per call under a CUDA graph over "
+                                                "input copies spanning 4x the L2. speedup = peer graph_ms / triton "
+                                                "graph_ms (eager_speedup from ms); GB/s from the bytes the op must "
+                                                "move over graph_ms",
                                         "results": results, "goals": met})
     return 0
 

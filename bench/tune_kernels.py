@@ -3,12 +3,16 @@
 Each shape key (kiln.engine.kernels.tuned) has a small candidate grid, timed on the issue's
 shapes: decode attention at batch 64 (key decode-g4-d128) and batch 1 (split-KV,
 decode-split-g4-d128) over 1k/4k/16k contexts, GQA 32/8, head 128; W4A16 (group 128) and W8A16
-(per channel) at M=1 and M=16 on (N, K) = (4096, 14336), (14336, 4096), (4096, 4096).
-A candidate counts only where its output matches the default config's. A key keeps the
+(per channel) at M=1, 16 and 64 on (N, K) = (4096, 14336), (14336, 4096), (4096, 4096); and the
+GEMV on bf16 weights at M=1 (key gemv n<N>-k<K>) on each of Llama-3-8B's decode GEMMs, where
+candidate 0 is cuBLAS: an entry there switches the engine's batch-1 GEMM to the kernel.
+Batch-1 keys go first, so a short budget still covers them. A candidate counts only where its output matches the default config's. A key keeps the
 candidate with the lowest geometric mean of (time / default time) over its shapes, if that
 beats the default by more than 2%; otherwise the key keeps the defaults (no entry). Times are
-do_bench medians, shorter than bench/kernels.py's so the whole run stays near 2 minutes; past
---budget-s the remaining candidates are skipped. Needs CUDA; exits 2 without it.
+device times under a CUDA graph over input copies spanning 4x the L2 (gpu_common.graph_ms: what
+decode runs, with no launch cost to drown a small kernel's), shorter than bench/kernels.py's so
+the whole run stays near 3 minutes; past --budget-s the remaining candidates are skipped.
+Needs CUDA; exits 2 without it.
 
     python bench/tune_kernels.py [--out FILE] [--report FILE] [--budget-s 150]
 """
@@ -24,20 +28,25 @@ from typing import Callable
 
 import torch
 
-from gpu_common import machine, require_cuda, write_results
-from kernels import GEMM_SHAPES, attention_args, gemm_case
+from gpu_common import copies_for, graph_ms, machine, require_cuda, write_results
+from kernels import GEMM_SHAPES, GEMV_SHAPES, Case, attention_case, gemm_case, gemv_case
 
-Op = Callable[[], torch.Tensor]
-Shape = tuple[str, Callable[[], Op]]  # label, builder of the op (called once; tensors live while it is timed)
+Shape = tuple[str, Callable[[], Case]]  # label, builder of the case whose "triton" impl is tuned
 
 ATTENTION = "paged_attention"
 GEMM = "quant_gemm"
+GEMV = "gemv"
 # Decode attention: KV tile length and warps (the rows are the GQA group's heads, fixed). The
 # gathered K/V loads are not software-pipelined, so num_stages barely matters.
 ATTENTION_CANDIDATES = [
     {}, {"num_warps": 2}, {"num_warps": 8},
     {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 2}, {"BLOCK_N": 64, "num_warps": 8}, {"BLOCK_N": 64, "num_stages": 2},
     {"BLOCK_N": 128}, {"BLOCK_N": 128, "num_warps": 8}, {"BLOCK_N": 128, "num_stages": 2},
+]
+# Batch-1 decode also tries shorter split partitions (more programs, shorter serial loops).
+SPLIT_CANDIDATES = ATTENTION_CANDIDATES + [
+    {"BLOCK_N": 64, "num_warps": 8, "SPLIT_KEYS": 64}, {"BLOCK_N": 64, "SPLIT_KEYS": 64},
+    {"BLOCK_N": 32, "SPLIT_KEYS": 32}, {"BLOCK_N": 64, "num_warps": 2, "SPLIT_KEYS": 64},
 ]
 # Small-M GEMMs: narrower N tiles and split-K give the GPU enough programs; BLOCK_K divides 128.
 GEMM_CANDIDATES = [
@@ -55,17 +64,33 @@ GEMM_CANDIDATES = [
     {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
     {"GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8},
     {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4},
+    # int4 codes made floats without conversions (quant_gemm._codes): 2**23 in fp32, or 16-bit
+    {"MAGIC": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8}, {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"MAGIC": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4}, {"MAGIC": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4},
+    {"MAGIC": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 8},
+    {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 2},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 2},
+    # dequantize the whole weight, then cuBLAS (kernels.dequant; the default above 16 rows)
+    {"DEQUANT": 1},
 ]
+# The GEMV on 16-bit weights at batch 1 (quant_gemm.linear), against cuBLAS (candidate 0).
+GEMV_CANDIDATES = [
+    {"BLOCK_N": 32, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 256},
+    {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2},
+    {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8},
+]
+TUNED_IMPL = {GEMV: "linear"}  # the case's impl a kernel's candidates run under (else "triton")
 MIN_GAIN = 0.98  # a candidate must beat the defaults by 2% to be written
 
 
 def attention_keys(device: str) -> list[tuple[str, list[Shape]]]:
     def shape(batch: int, ctx: int) -> Shape:
-        def build() -> Op:
-            from kiln.engine.kernels.paged_attention import paged_attention
-            args = attention_args(batch, 1, ctx, torch.bfloat16, device)
-            return lambda: paged_attention(**args)
-        return f"batch {batch} ctx {ctx}", build
+        return f"batch {batch} ctx {ctx}", lambda: attention_case(batch, 1, ctx, torch.bfloat16, device)
     contexts = (1024, 4096, 16384)
     return [("decode-g4-d128", [shape(64, c) for c in contexts]),
             ("decode-split-g4-d128", [shape(1, c) for c in contexts])]
@@ -73,14 +98,16 @@ def attention_keys(device: str) -> list[tuple[str, list[Shape]]]:
 
 def gemm_keys(device: str) -> list[tuple[str, list[Shape]]]:
     def shape(bits: int, m: int, n: int, k: int) -> Shape:
-        return f"m {m} n {n} k {k}", lambda: gemm_case(bits, m, n, k, torch.bfloat16, device).impls["triton"]
+        return f"m {m} n {n} k {k}", lambda: gemm_case(bits, m, n, k, torch.bfloat16, device)
     return [(f"w{bits}-g{128 if bits == 4 else 0}-m{m}", [shape(bits, m, n, k) for n, k in GEMM_SHAPES])
-            for bits in (4, 8) for m in (1, 16)]
+            for bits in (4, 8) for m in (1, 16, 64)]
 
 
-def median_ms(fn: Op) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=10, rep=30, return_mode="median"))
+def gemv_keys(device: str) -> list[tuple[str, list[Shape]]]:
+    """One key a weight shape; candidate 0 (None: no entry) is cuBLAS."""
+    def shape(n: int, k: int) -> Shape:
+        return f"m 1 n {n} k {k}", lambda: gemv_case(n, k, torch.bfloat16, device)
+    return [(f"n{n}-k{k}", [shape(n, k)]) for n, k in GEMV_SHAPES]
 
 
 def matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -95,23 +122,25 @@ def time_candidates(kernel: str, key: str, candidates: list[dict], shapes: list[
     from kiln.engine.kernels import tuned
     ms = [[] for _ in candidates]
     for label, build in shapes:
-        op = build()
-        with tuned.override(kernel, key, {}):  # the defaults, whatever a tuned file holds
-            ref = op()
+        case = build()
+        impl = TUNED_IMPL.get(kernel, "triton")
+        ops = [case.impls[impl]] + [case.make()[impl] for _ in range(copies_for(case.bytes) - 1)]
+        with tuned.override(kernel, key, candidates[0]):  # the defaults, whatever a tuned file holds
+            ref = ops[0]()
         for i, config in enumerate(candidates):
             if i and time.monotonic() > deadline:
                 ms[i].append(math.inf)
                 continue
             try:
                 with tuned.override(kernel, key, config):
-                    ok = matches(op(), ref)
-                    ms[i].append(median_ms(op) if ok else math.inf)
+                    ok = matches(ops[0](), ref)
+                    ms[i].append(graph_ms(ops, rep_ms=10, replays=3) if ok else math.inf)
                 if not ok:
                     print(f"  {key} {label} {config}: output differs from the defaults; skipped")
             except Exception as error:  # e.g. out of shared memory: the candidate just does not count
                 print(f"  {key} {label} {config}: {type(error).__name__}: {str(error)[:200]}")
                 ms[i].append(math.inf)
-        del op, ref
+        del case, ops, ref
         torch.cuda.empty_cache()
     return ms
 
@@ -128,11 +157,23 @@ def finite(times: list[float]) -> list[float | None]:
     return [None if math.isinf(t) else t for t in times]
 
 
+def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[dict | None]:
+    """K tiles stay inside one quantization group; MAGIC only changes int4 kernels; one row never
+    pays for dequantizing a whole weight; above 16 rows (where DEQUANT is the default) the tile
+    candidates switch it off and GEMV (a row a program) is left out."""
+    def fits(c: dict) -> bool:
+        return ((not group or c.get("BLOCK_K", 0) <= group) and not (key.startswith("w8") and c.get("MAGIC"))
+                and not (key.endswith("-m1") and c.get("DEQUANT")) and not (key.endswith("-m64") and c.get("GEMV")))
+    many_rows = key.endswith("-m64")
+    return [c if c is None or not many_rows or "DEQUANT" in c or not c else {**c, "DEQUANT": 0}
+            for c in candidates if c is None or fits(c)]
+
+
 def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict], deadline: float,
          configs: dict[str, dict], report: list[dict]) -> None:
     for key, shapes in keys:
         group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
-        fitting = [c for c in candidates if not group or c.get("BLOCK_K", 0) <= group]
+        fitting = candidates_for(key, group, candidates)
         ms = time_candidates(kernel, key, fitting, shapes, deadline)
         best = choose(ms)
         if best:
@@ -163,14 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     report: list[dict] = []
     torch.manual_seed(0)
     with torch.inference_mode():
-        tune(GEMM, gemm_keys("cuda"), GEMM_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, attention_keys("cuda"), ATTENTION_CANDIDATES, deadline, configs, report)
+        # Batch-1 decode's keys first: the issue's goals (W4A16 at M=1, the 8B model's decode).
+        gemm, attention = gemm_keys("cuda"), attention_keys("cuda")
+        tune(GEMM, gemm[:1], GEMM_CANDIDATES, deadline, configs, report)
+        tune(GEMV, gemv_keys("cuda"), [None] + GEMV_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, attention[1:], SPLIT_CANDIDATES, deadline, configs, report)
+        tune(GEMM, gemm[1:], GEMM_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, attention[:1], ATTENTION_CANDIDATES, deadline, configs, report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": gpu, "machine": machine(), "tuned_by": "bench/tune_kernels.py",
                                "configs": {k: v for k, v in configs.items() if v}}, indent=2) + "\n")
     print(f"wrote {out}")
     write_results(args.report, "tune_kernels", {"machine": machine(), "out": str(out), "keys": report,
-                                                "note": "ms per shape (do_bench medians, warmup 10 ms, rep 30 ms); "
+                                                "note": "ms per shape (device time under a CUDA graph over input copies "
+                                                        "spanning 4x the L2, median of 3 replays); "
                                                         "null: failed, mismatched or past the budget"})
     return 0
 

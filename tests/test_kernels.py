@@ -276,6 +276,95 @@ def test_quant_gemv(dtype: torch.dtype, kind: str, m: int) -> None:
     assert_close(out, ref(x, *args, **kw))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
+@pytest.mark.parametrize("magic,gemv", [(1, False), (2, False), (1, True)])
+def test_int4_codes_without_conversions(dtype: torch.dtype, kind: str, magic: int, gemv: bool) -> None:
+    """The MAGIC configs build the codes by OR-ing them into a float's mantissa: results as exact
+    as the converting kernel's, in the tensor-core GEMM and the GEMV, for every int4 format."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
+    qweight, scales, zeros = quantize_w4(torch.randn(40, 256, generator=gen).to(dtype), 64,
+                                         symmetric=kind == "w4-symmetric")
+    kw = {}
+    if kind == "w4-mins":
+        zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
+    args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [64]
+    config = {"MAGIC": magic, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2, **({"GEMV": 1} if gemv else {})}
+    out = poisoned((3, 40), dtype)
+    with tuned.override("quant_gemm", "w4-g64-m16", config):
+        w4a16_gemm(x, *args, **kw, out=out)
+    assert_close(out, w4a16_gemm_ref(x, *args, **kw))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["w8", "w8-groups", "w4-zeros", "w4-symmetric", "w4-mins"])
+@pytest.mark.parametrize("dequant", [1, 0])
+def test_prefill_sized_gemm(dtype: torch.dtype, kind: str, dequant: int) -> None:
+    """Above 16 rows the weight is dequantized whole, then multiplied by torch (cuBLAS on a GPU);
+    a tuned DEQUANT 0 keeps the tensor-core kernel with 64-row tiles. K = 320: ragged tiles."""
+    gen = torch.Generator().manual_seed(17)
+    x = torch.randn(33, 320, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(40, 320, generator=gen).to(dtype)
+    kw, group = {}, 64
+    if kind.startswith("w8"):
+        qweight, scales = quantize_w8(w)
+        if kind == "w8-groups":  # GGUF Q8_0: a scale per 32 columns
+            scales = scales[:, None].repeat(1, 320 // 32) * torch.rand(40, 10, generator=gen).to(dtype)
+            group = 32
+        else:
+            group = 0
+        args = [qweight.to(DEVICE), scales.to(DEVICE)]
+        kernel, ref = w8a16_gemm, w8a16_gemm_ref
+    else:
+        qweight, scales, zeros = quantize_w4(w, 64, symmetric=kind == "w4-symmetric")
+        if kind == "w4-mins":
+            zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
+        args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [64]
+        kernel, ref = w4a16_gemm, w4a16_gemm_ref
+    assert quant_gemm.tile_config(33, group)["DEQUANT"] == 1
+    out = poisoned((33, 40), dtype)
+    with tuned.override("quant_gemm", f"w{8 if kind.startswith('w8') else 4}-g{group}-m64", {"DEQUANT": dequant}):
+        kernel(x, *args, **kw, out=out)
+    assert_close(out, ref(x, *args, **kw))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_on_16bit_weights(dtype: torch.dtype) -> None:
+    """quant_gemm.linear: F.linear unless the GPU's tuned file names the weight's shape; then, for
+    one row of x, the GEMV kernel (split over K here), matching F.linear."""
+    gen = torch.Generator().manual_seed(15)
+    w = torch.randn(40, 320, generator=gen).to(dtype).to(DEVICE)
+    x = torch.randn(1, 320, generator=gen).to(dtype).to(DEVICE)
+    ref = torch.nn.functional.linear(x.float(), w.float()).to(dtype)
+    assert torch.equal(quant_gemm.linear(x, w), torch.nn.functional.linear(x, w))  # no entry: cuBLAS/torch
+    with tuned.override("gemv", "n40-k320", {"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2}):
+        assert_close(quant_gemm.linear(x, w), ref)
+        rows = torch.randn(2, 320, generator=gen).to(dtype).to(DEVICE)  # not decode at batch 1
+        assert torch.equal(quant_gemm.linear(rows, w), torch.nn.functional.linear(rows, w))
+    with tuned.override("gemv", "n40-k320", None):  # None: as if the file had no entry
+        assert torch.equal(quant_gemm.linear(x, w), torch.nn.functional.linear(x, w))
+    assert_close(quant_gemm.gemv(x, w), ref)  # the defaults
+    with pytest.raises(ValueError, match="rows contiguous in x's dtype"):
+        quant_gemm.gemv(x, w.t().contiguous().t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype: torch.dtype) -> None:
+    from kiln.engine.kernels.activation import silu_mul, silu_mul_ref
+    from kiln.engine.kernels.backend import torch_silu_mul
+    gen = torch.Generator().manual_seed(16)
+    gate_up = (torch.randn(5, 2 * 1500, generator=gen) * 4).to(dtype).to(DEVICE)  # 1500: two ragged blocks
+    ref = silu_mul_ref(gate_up)
+    out = silu_mul(gate_up)
+    assert out.shape == (5, 1500) and out.is_contiguous()
+    assert_close(out, ref)
+    assert_close(torch_silu_mul(gate_up.clone()), ref)  # the torch backend's in-place version
+    assert silu_mul(gate_up[:0]).shape == (0, 1500)
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul(gate_up[:, :-1])
+
+
 def test_int4_rejects_bad_groups() -> None:
     with pytest.raises(ValueError, match="group size"):
         quantize_w4(torch.randn(8, 96), group_size=48)
@@ -351,7 +440,8 @@ def test_kernels_compile_for_h100() -> None:
     assert {line.split()[1] for line in compiled} == {"_paged_attention_kernel:", "_merge_splits_kernel:",
                                                       "_store_kvcache_kernel:", "_rms_norm_kernel:",
                                                       "_rope_kernel:", "_dequant_gemm_kernel:",
-                                                      "_sum_splits_kernel:", "_dequant_gemv_kernel:"}
+                                                      "_sum_splits_kernel:", "_dequant_gemv_kernel:",
+                                                      "_silu_mul_kernel:", "_dequant_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
 
 

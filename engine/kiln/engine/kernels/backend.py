@@ -1,5 +1,5 @@
 """The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm, RoPE and
-the float GEMM, chosen together by one name (Config.attention_backend, `--attention-backend`).
+the float GEMM and the MLP's SiLU-and-multiply, chosen together by one name (Config.attention_backend, `--attention-backend`).
 Quantized GEMMs follow the weights' device (kiln.engine.quantization): Triton's W8A16/W4A16 on
 CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
 
@@ -28,6 +28,12 @@ def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [N, 2I], in place in gate_up's gate half (no [N, I] buffer)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -49,6 +55,8 @@ class Backend:
     # (layers, x, rope prepared, attention.StepAttention) -> (hidden, residual) after every decoder
     # layer in one call, or None where the step or the layers need the module loop (cpu_decoder)
     decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # gate_up [N, 2I] -> silu(gate) * up [N, I], the MLP's activation
+    silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
@@ -82,9 +90,10 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     # Imported here: Triton modules must be defined after a test has set TRITON_INTERPRET.
     from kiln.engine import attention, cpu_ops
     if name == "triton":
-        from kiln.engine.kernels import kv_store, norm_rope, paged_attention
+        from kiln.engine.kernels import activation, kv_store, norm_rope, paged_attention, quant_gemm
         return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
-                       _triton_rope_prepare, _triton_rope, attention.write_kvcache)
+                       _triton_rope_prepare, _triton_rope, attention.write_kvcache, quant_gemm.linear,
+                       silu_mul=activation.silu_mul)
     if name == "cpu":
         from kiln.engine import cpu_attention, cpu_decoder, cpu_kernels as k
         return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,

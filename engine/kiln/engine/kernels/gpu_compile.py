@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.engine.kernels import kv_store, norm_rope, paged_attention, quant_gemm
+from kiln.engine.kernels import activation, dequant, kv_store, norm_rope, paged_attention, quant_gemm
 
 Job = tuple[object, dict[str, str], dict[str, object], int]  # kernel, arg types, constexprs, warps
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -51,6 +51,13 @@ def store_jobs(dtype: torch.dtype, kv_heads: int, head_dim: int) -> Iterator[Job
                dict(shape, **kv_store.quant_constexprs(cache_dtype)), 4)
 
 
+def gemm_tiles(m: int, group: int) -> dict[str, int]:
+    """The tensor-core GEMM's constexprs for m rows (tile_config less its launcher-only DEQUANT flag)."""
+    tiles = quant_gemm.tile_config(m, group)
+    del tiles["DEQUANT"]
+    return tiles
+
+
 def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int) -> Iterator[Job]:
     t, p2 = TYPES[dtype], triton.next_power_of_2
     yield (paged_attention._merge_splits_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=f"*{t}"),
@@ -67,25 +74,32 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
     # int8 per channel, int4 asymmetric and symmetric; GGUF's Q8_0 and Q4_1 with their fp16 scales/mins.
     for int4, offsets, group, s in ((False, None, 0, t), (True, "zeros", 128, t), (True, None, 32, t),
                                     (False, None, 32, "fp16"), (True, "mins", 32, "fp16")):
-        for m in (1, 64):
-            yield (quant_gemm._dequant_gemm_kernel,
-                   dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{s}",
-                        z_ptr="*u8" if offsets == "zeros" else f"*{s}", y_ptr=f"*{t}"),
-                   dict(quant_gemm.tile_config(m, group), INT4=int4, HAS_ZEROS=offsets == "zeros",
-                        HAS_MINS=offsets == "mins", DOT_PREC=paged_attention.dot_precision(dtype)), 4)
-    # A split-K config (tuned on a GPU, see kernels.tuned): fp32 partial products, then their sum.
-    yield (quant_gemm._dequant_gemm_kernel,
-           dict(x_ptr=f"*{t}", w_ptr="*u8", s_ptr=f"*{t}", z_ptr="*u8", y_ptr="*fp32"),
-           dict(quant_gemm.tile_config(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=True, HAS_MINS=False,
-                DOT_PREC=paged_attention.dot_precision(dtype)), 4)
+        pointers = dict(w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}")
+        for m in (1, 64):  # 64: the tensor-core kernel a tuned entry may keep (DEQUANT 0) above 16 rows
+            yield (quant_gemm._dequant_gemm_kernel, dict(pointers, x_ptr=f"*{t}", y_ptr=f"*{t}"),
+                   dict(gemm_tiles(m, group), INT4=int4, HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins",
+                        DOT_PREC=paged_attention.dot_precision(dtype), MAGIC=0), 4)
+        yield (dequant._dequant_kernel, dict(pointers, out_ptr=f"*{t}"),
+               dict(INT4=int4, HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group,
+                    BLOCK_N=dequant.BLOCK_N, BLOCK_K=dequant.BLOCK_K), 4)
+    # A split-K config (tuned on a GPU, see kernels.tuned): fp32 partial products, then their sum;
+    # with int4 codes made floats each way (quant_gemm._codes).
+    for magic in (0, 1, 2):
+        yield (quant_gemm._dequant_gemm_kernel,
+               dict(x_ptr=f"*{t}", w_ptr="*u8", s_ptr=f"*{t}", z_ptr="*u8", y_ptr="*fp32"),
+               dict(gemm_tiles(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=True,
+                    HAS_MINS=False, DOT_PREC=paged_attention.dot_precision(dtype), MAGIC=magic), 4)
     yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), dict(BLOCK=quant_gemm.SUM_BLOCK), 4)
-    # The GEMV configs (a row a program): int8 per channel, int4 with zeros, GGUF Q4_1's mins.
-    for int4, offsets, group, s in ((False, None, 0, t), (True, "zeros", 128, t), (True, "mins", 32, "fp16")):
+    # The GEMV configs (a row a program): int8 per channel, int4 with zeros (converted, or by the 2**23 trick),
+    # GGUF Q4_1's mins, and 16-bit weights (quant_gemm.linear).
+    for w, offsets, group, s, magic in (("i8", None, 0, t, 0), ("u8", "zeros", 128, t, 0),
+                                        ("u8", "zeros", 128, t, 1), ("u8", "mins", 32, "fp16", 1), (t, None, 0, t, 0)):
         yield (quant_gemm._dequant_gemv_kernel,
-               dict(x_ptr=f"*{t}", w_ptr="*u8" if int4 else "*i8", s_ptr=f"*{s}",
-                    z_ptr="*u8" if offsets == "zeros" else f"*{s}", y_ptr="*fp32"),
-               dict(INT4=int4, HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
-                    BLOCK_K=min(128, group or 256)), 4)
+               dict(x_ptr=f"*{t}", w_ptr=f"*{w}", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
+                    y_ptr="*fp32"),
+               dict(INT4=w == "u8", HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
+                    BLOCK_K=min(128, group or 256), MAGIC=magic, SCALED=w != t), 4)
+    yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
 
 def jobs(everything: bool) -> Iterator[Job]:

@@ -175,14 +175,16 @@ def tile_config(max_seqlen_q: int, group: int, head_dim: int, device: torch.devi
     block, prefill blocks hold many. 16 rows is the tensor-core minimum.
 
     Given a device, decode steps take its GPU's tuned entry (kiln.engine.kernels.tuned, key
-    decode[-split]-g<group>-d<head_dim>): BLOCK_N, num_warps, num_stages."""
+    decode[-split]-g<group>-d<head_dim>): BLOCK_N, num_warps, num_stages (and SPLIT_KEYS, read by
+    default_num_splits)."""
     group_pad = triton.next_power_of_2(group)
     block_m = max(16 if max_seqlen_q == 1 else 64, group_pad)
     tiles = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
                  BLOCK_N=64 if head_dim <= 64 else 32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
     if device is not None and max_seqlen_q == 1:
         key = f"decode{'-split' if split else ''}-g{group}-d{head_dim}"
-        tiles.update(tuned.lookup("paged_attention", key, device) or {})
+        tiles.update({k: v for k, v in (tuned.lookup("paged_attention", key, device) or {}).items()
+                      if k != "SPLIT_KEYS"})
     return tiles
 
 
@@ -191,15 +193,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+SPLIT_KEYS = 128  # default least keys a split partition averages
+MAX_SPLITS = 16
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int,
-                       device: torch.device) -> int:
-    """Split only decode batches whose programs cannot fill the GPU on their own, into
-    partitions of at least 128 keys on average (an 8B model's batch-1 decode at 1k keys: 8)."""
+                       device: torch.device, group: int = 4, head_dim: int = 128) -> int:
+    """Split only decode batches whose programs cannot fill the GPU on their own, into partitions
+    of at least SPLIT_KEYS keys on average (an 8B model's batch-1 decode at 1k keys: 8), or the
+    GPU's tuned SPLIT_KEYS (key decode-split-g<group>-d<head_dim>)."""
     if max_seqlen_q != 1 or max_seqlen_k < 256 or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = math.ceil(2 * sms / (num_seqs * num_kv_heads))
-    return max(1, min(want, math.ceil(max_seqlen_k / 128), 16))
+    entry = tuned.lookup("paged_attention", f"decode-split-g{group}-d{head_dim}", device) or {}
+    return max(1, min(want, math.ceil(max_seqlen_k / entry.get("SPLIT_KEYS", SPLIT_KEYS)), MAX_SPLITS))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -229,7 +237,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n == 0:
         return out
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k, q.device)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k, q.device,
+                                        num_heads // num_kv_heads, head_dim)
     split = num_splits > 1
     tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim, q.device, split)
     block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]

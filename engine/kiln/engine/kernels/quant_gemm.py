@@ -13,13 +13,15 @@ dequantize tiles in registers, so the 4-/8-bit weight is all that crosses memory
 references dequantize whole matrices in torch.
 
 Small-M (decode) GEMMs have few output tiles to spread over the GPU; a tuned split-K config
-cuts K into partitions whose fp32 partial products a second kernel sums.
+cuts K into partitions whose fp32 partial products a second kernel sums. The same GEMV kernel
+also serves 16-bit weights at batch 1 (`linear`) on the shapes where it was tuned to beat cuBLAS.
 """
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.engine.kernels import tuned
+from kiln.engine.kernels import dequant, tuned
 from kiln.engine.kernels.paged_attention import dot_precision
 
 GROUP_SIZES = (32, 64, 128)
@@ -89,11 +91,31 @@ def _check_w4_shape(n: int, k: int, group_size: int) -> None:
 
 
 @triton.jit
+def _codes(packed, shift: tl.constexpr, offset, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
+    # The 4-bit codes at `shift` of int32 `packed`, less `offset` (a zero point per row, 8 or 0).
+    # MAGIC 0: int32 (the caller converts). 1: fp32, made by OR-ing the code into the mantissa of
+    # 2**23 and subtracting 2**23 + offset. 2: the same in DTYPE's 16 bits (bf16 128.0, fp16 1024.0),
+    # no conversion at all. An int-to-float conversion runs at a quarter of the FMA rate or less.
+    # Every step is exact: |code - offset| <= 15.
+    q = (packed >> shift) & 0xF
+    if MAGIC == 0:
+        q = q - offset
+    elif MAGIC == 2 and DTYPE == tl.bfloat16:
+        q = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (offset + 128.0).to(tl.bfloat16)
+    elif MAGIC == 2 and DTYPE == tl.float16:
+        q = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (offset + 1024.0).to(tl.float16)
+    else:
+        q = (q | 0x4B000000).to(tl.float32, bitcast=True) - (offset + 8388608.0)
+    return q
+
+
+@triton.jit
 def _dequant_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
     INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     # GROUP = 0: int8 with per-channel scales. Else BLOCK_K divides GROUP, so each K tile shares
     # one (row, group) scale. z_ptr holds integer zeros (HAS_ZEROS) or float mins (HAS_MINS).
@@ -121,15 +143,14 @@ def _dequant_gemm_kernel(
             x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0)
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
                              mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
-            lo = packed & 0xF
-            hi = (packed >> 4) & 0xF
             if HAS_ZEROS:
-                zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.int32)
-                lo -= zero[:, None]  # |q - z| <= 15: exact in 16-bit floats
-                hi -= zero[:, None]
-            elif not HAS_MINS:  # symmetric: codes centred on 8 (with mins, q * s + m: see below)
-                lo -= 8
-                hi -= 8
+                offset = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.int32)[:, None]
+            elif HAS_MINS:  # q * s + m: see below
+                offset = 0
+            else:  # symmetric: codes centred on 8
+                offset = 8
+            lo = _codes(packed, 0, offset, MAGIC, x_lo.dtype)  # |q - z| <= 15: exact in 16-bit floats
+            hi = _codes(packed, 4, offset, MAGIC, x_lo.dtype)
             part = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), input_precision=DOT_PREC)
             part += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), input_precision=DOT_PREC)
             x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
@@ -160,7 +181,7 @@ def _dequant_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
     INT4: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, SCALED: tl.constexpr,
 ):
     # The same product for one row of x a program (grid: rows, N tiles, K splits), on the CUDA
     # cores: a [BLOCK_N, BLOCK_K] weight tile times the row, summed along K, without the 15 idle
@@ -179,8 +200,8 @@ def _dequant_gemv_kernel(
             x_hi = tl.load(x_ptr + row * stride_xm + 2 * offs_j + 1, mask=j_ok, other=0.0).to(tl.float32)
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
                              mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
-            part = tl.sum((packed & 0xF).to(tl.float32) * x_lo[None, :]
-                          + ((packed >> 4) & 0xF).to(tl.float32) * x_hi[None, :], axis=1)
+            part = tl.sum(_codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
+                          + _codes(packed, 4, 0, MAGIC, tl.float32).to(tl.float32) * x_hi[None, :], axis=1)
             x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
             if HAS_ZEROS:
                 zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
@@ -199,7 +220,7 @@ def _dequant_gemv_kernel(
         if HAS_MINS:
             part += x_sum * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
         acc += part
-    if not GROUP:
+    if SCALED and not GROUP:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -227,9 +248,10 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
 
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
     may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
-    GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel)."""
+    GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel), MAGIC (_codes) and DEQUANT.
+    DEQUANT (the default above 16 rows): dequantize the whole weight, then cuBLAS (kernels.dequant)."""
     tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
-                 BLOCK_K=min(64, group_size) if group_size else 64)
+                 BLOCK_K=min(64, group_size) if group_size else 64, DEQUANT=int(m > 16))
     if device is not None:
         key = f"w{4 if int4 else 8}-g{group_size}-m{_m_bucket(m)}"
         tiles.update(tuned.lookup("quant_gemm", key, device) or {})
@@ -237,8 +259,9 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            mins: torch.Tensor | None, n: int, group_size: int, int4: bool, out: torch.Tensor | None
-            ) -> torch.Tensor:
+            mins: torch.Tensor | None, n: int, group_size: int, int4: bool, out: torch.Tensor | None,
+            tiles: dict[str, int] | None = None, scaled: bool = True) -> torch.Tensor:
+    """tiles: the launch config (default tile_config's); scaled=False: 16-bit weights, no scales (GEMV only)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
@@ -247,7 +270,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
-    tiles = tile_config(m, group_size, x.device, int4)
+    tiles = dict(tiles or tile_config(m, group_size, x.device, int4))
+    if tiles.pop("DEQUANT", 0):
+        w = dequant.dequantize(qweight, scales, zeros if zeros is not None else mins, k, group_size, int4,
+                               zeros is not None, x.dtype)
+        torch.matmul(x2, w.t(), out=y)
+        return y.view(*x.shape[:-1], n)
     block_k = tiles["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, tiles.pop("SPLIT_K", 1)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # every partition non-empty
@@ -255,11 +283,11 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     z = next((t for t in (zeros, mins) if t is not None), scales)  # scales: a placeholder, unread
     strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
                target.stride(0) if splits > 1 else 0)
-    kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None)
+    kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, MAGIC=tiles.pop("MAGIC", 0))
     if tiles.pop("GEMV", 0):
         del tiles["BLOCK_M"]
         _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
-            x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles)
+            x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
     else:
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
         _dequant_gemm_kernel[grid](x2, qweight, scales, z, target, m, n, k, k_per_split, *strides, **kinds, **tiles,
@@ -267,6 +295,32 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if splits > 1:
         _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](target, y, m, n, splits, y.stride(0), BLOCK=SUM_BLOCK)
     return y.view(*x.shape[:-1], n)
+
+
+GEMV_DEFAULTS = dict(GROUP=0, BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, GEMV=1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int] | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T by the GEMV kernel on 16-bit weights (one program a row of x and
+    BLOCK_N outputs); config: BLOCK_N, BLOCK_K, SPLIT_K, num_warps over GEMV_DEFAULTS."""
+    n, k = weight.shape
+    _check_x(x, k, "gemv")
+    if weight.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(f"gemv: weight must be [N, K] rows contiguous in x's dtype; got {weight.dtype} "
+                         f"strides {weight.stride()}")
+    return _launch(x, weight, weight, None, None, n, 0, False, None, GEMV_DEFAULTS | (config or {}), scaled=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear (cuBLAS), or for one row of x (decode at batch 1) `gemv` where this GPU's tuned file
+    has an entry for the weight's shape (kernel gemv, key n<N>-k<K>): bench/tune_kernels.py writes
+    one only where the kernel beat cuBLAS there."""
+    n, k = weight.shape
+    if bias is None and x.numel() == k and x.dtype == weight.dtype and weight.stride(1) == 1:
+        config = tuned.lookup("gemv", f"n{n}-k{k}", x.device)
+        if config is not None:
+            return gemv(x, weight, config)
+    return F.linear(x, weight, bias)
 
 
 def _check_x(x: torch.Tensor, k: int, name: str) -> None:

@@ -23,7 +23,7 @@ import torch
 
 FOLDER = Path(__file__).resolve().parent / "tuned"
 
-_overrides: dict[tuple[str, str], dict[str, Any]] = {}
+_overrides: dict[tuple[str, str], dict[str, Any] | None] = {}
 
 
 def slug(gpu_name: str) -> str:
@@ -38,9 +38,8 @@ def _table(device_index: int) -> dict[str, dict[str, dict[str, Any]]]:
 
 def lookup(kernel: str, key: str, device: torch.device) -> dict[str, Any] | None:
     """The tuned entry for (kernel, key) on this device's GPU model, or None for the defaults."""
-    found = _overrides.get((kernel, key))
-    if found is not None:
-        return found
+    if (kernel, key) in _overrides:
+        return _overrides[(kernel, key)]
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -48,15 +47,15 @@ def lookup(kernel: str, key: str, device: torch.device) -> dict[str, Any] | None
 
 
 @contextlib.contextmanager
-def override(kernel: str, key: str, config: dict[str, Any]) -> Iterator[None]:
-    """Use `config` for (kernel, key) on any device, the interpreter included: how the tuner
-    times candidates and tests run non-default configs."""
-    previous = _overrides.get((kernel, key))
+def override(kernel: str, key: str, config: dict[str, Any] | None) -> Iterator[None]:
+    """Use `config` (None: no entry, the launcher's defaults) for (kernel, key) on any device, the
+    interpreter included: how the tuner times candidates and tests run non-default configs."""
+    previous = _overrides.get((kernel, key), _overrides)  # _overrides: a sentinel for "none set"
     _overrides[(kernel, key)] = config
     try:
         yield
     finally:
-        if previous is None:
+        if previous is _overrides:
             del _overrides[(kernel, key)]
         else:
             _overrides[(kernel, key)] = previous
