@@ -26,10 +26,23 @@ def cpu_kind() -> str:
     return next((w for w in words if w in ("xeon", "epyc", "core", "ryzen", "neoverse")), "cpu")
 
 
+_written: dict[str, Path] = {}  # name -> the file this process writes it to
+
+
 def write_result(name: str, record: dict) -> Path:
-    """record as bench/results/<name>-<today, YYYYMMDD>-<cpu kind>.json; the path written."""
+    """record as bench/results/<name>-<today, YYYYMMDD>-<cpu kind>.json, or -2, -3, ... where an
+    earlier run of the day has that file: a run's later writes (partial results) replace its own
+    file, never another run's. The path written."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{name}-{datetime.date.today():%Y%m%d}-{cpu_kind()}.json"
+    out = _written.get(name)
+    if out is None:
+        stem = f"{name}-{datetime.date.today():%Y%m%d}-{cpu_kind()}"
+        out = RESULTS / f"{stem}.json"
+        run = 1
+        while out.exists():
+            run += 1
+            out = RESULTS / f"{stem}-{run}.json"
+        _written[name] = out
     out.write_text(json.dumps(record, indent=1) + "\n")
     return out
 

@@ -74,6 +74,13 @@ GEMM_CANDIDATES = [
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8},
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 8, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 2},
+    # more bytes in flight a program: plain register loads are not pipelined, only occupancy hides them
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 8},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 8},
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
+    # the tensor-core tile's loads are software-pipelined (cp.async into shared memory)
+    {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_stages": 4},
+    {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "num_stages": 4},
     # dequantize the whole weight, then cuBLAS (kernels.dequant; the default above 16 rows)
     {"DEQUANT": 1},
 ]
@@ -83,6 +90,7 @@ GEMV_CANDIDATES = [
     {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 2}, {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4},
     {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2},
     {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8}, {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8},
 ]
 TUNED_IMPL = {GEMV: "linear"}  # the case's impl a kernel's candidates run under (else "triton")
 MIN_GAIN = 0.98  # a candidate must beat the defaults by 2% to be written

@@ -1,10 +1,16 @@
 """Shared pytest fixtures. Each area adds its fixtures in a section of its own."""
+import os
+
+# A Triton kernel is interpreted or compiled as TRITON_INTERPRET says when its module is first
+# imported, once a process. Set it here, before any test module imports one (as test_kernels.py
+# does for itself), so the suite's outcome does not hang on which file pytest collects first.
+# GPU runs (bench/gpu_all.sh) skip this file and compile.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # ---------------------------------------------------------------------------
 # cluster fixtures (kiln.local): a real control plane, shared by the whole session
 # ---------------------------------------------------------------------------
-import os  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
