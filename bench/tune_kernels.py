@@ -78,6 +78,8 @@ GEMM_CANDIDATES = [
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 4, "num_warps": 8},
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 8},
     {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
+    # no split (no second kernel): enough programs on wide N alone
+    {"MAGIC": 1, "GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128}, {"MAGIC": 2, "BLOCK_N": 16, "BLOCK_K": 128},
     # the tensor-core tile's loads are software-pipelined (cp.async into shared memory)
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_stages": 4},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "num_stages": 4},

@@ -137,10 +137,10 @@ def _dequant_gemm_kernel(
             # two codes meet x's even and odd columns in two dots over half the tile each.
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             j_ok = offs_j < K // 2
-            x_at = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + 2 * offs_j[None, :]
-            x_mask = m_ok[:, None] & j_ok[None, :]
-            x_lo = tl.load(x_at, mask=x_mask, other=0.0)
-            x_hi = tl.load(x_at + 1, mask=x_mask, other=0.0)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
+                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+            x_lo, x_hi = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))  # even, odd columns
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
                              mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
             if HAS_ZEROS:
@@ -196,8 +196,10 @@ def _dequant_gemv_kernel(
         if INT4:
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             j_ok = offs_j < K // 2
-            x_lo = tl.load(x_ptr + row * stride_xm + 2 * offs_j, mask=j_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptr + row * stride_xm + 2 * offs_j + 1, mask=j_ok, other=0.0).to(tl.float32)
+            # x's tile in one contiguous (vector) load, then its even and odd columns
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            x_lo, x_hi = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
                              mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
             part = tl.sum(_codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
