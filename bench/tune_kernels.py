@@ -2,11 +2,14 @@
 
 Each shape key (kiln.engine.kernels.tuned) has a small candidate grid, timed on the issue's
 shapes: decode attention at batch 64 (key decode-g4-d128) and batch 1 (split-KV,
-decode-split-g4-d128) over 1k/4k/16k contexts, GQA 32/8, head 128; W4A16 (group 128) and W8A16
+decode-split-g4-d128) over 1k/4k/16k contexts, GQA 32/8, head 128, and prefill (prefill-g4-d128:
+4 x 1024 fresh tokens, 4 x 512 over 1536 cached); W4A16 (group 128) and W8A16
 (per channel) at M=1, 16 and 64 on (N, K) = (4096, 14336), (14336, 4096), (4096, 4096); and the
 GEMV on bf16 weights at M=1 (key gemv n<N>-k<K>) on each of Llama-3-8B's decode GEMMs, where
 candidate 0 is cuBLAS: an entry there switches the engine's batch-1 GEMM to the kernel.
-Batch-1 keys go first, so a short budget still covers them. A candidate counts only where its output matches the default config's. A key keeps the
+Batch-1 keys go first, so a short budget still covers them.
+
+A candidate counts only where its output matches the default config's. A key keeps the
 candidate with the lowest geometric mean of (time / default time) over its shapes, if that
 beats the default by more than 2%; otherwise the key keeps the defaults (no entry). Times are
 device times under a CUDA graph over input copies spanning 4x the L2 (gpu_common.graph_ms: what
@@ -47,6 +50,12 @@ ATTENTION_CANDIDATES = [
 SPLIT_CANDIDATES = ATTENTION_CANDIDATES + [
     {"BLOCK_N": 64, "num_warps": 8, "SPLIT_KEYS": 64}, {"BLOCK_N": 64, "SPLIT_KEYS": 64},
     {"BLOCK_N": 32, "SPLIT_KEYS": 32}, {"BLOCK_N": 64, "num_warps": 2, "SPLIT_KEYS": 64},
+]
+# Prefill and chunked prefill: query rows a program (BLOCK_M, GQA heads included) and KV tile.
+PREFILL_CANDIDATES = [
+    {}, {"num_warps": 8}, {"BLOCK_N": 64}, {"BLOCK_N": 64, "num_warps": 8}, {"BLOCK_N": 64, "num_stages": 3},
+    {"BLOCK_M": 128, "num_warps": 8}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4},
 ]
 # Small-M GEMMs: narrower N tiles and split-K give the GPU enough programs; BLOCK_K divides 128.
 GEMM_CANDIDATES = [
@@ -102,8 +111,10 @@ def attention_keys(device: str) -> list[tuple[str, list[Shape]]]:
     def shape(batch: int, ctx: int) -> Shape:
         return f"batch {batch} ctx {ctx}", lambda: attention_case(batch, 1, ctx, torch.bfloat16, device)
     contexts = (1024, 4096, 16384)
+    prefill = [(f"batch 4 q {q} ctx {c}", lambda q=q, c=c: attention_case(4, q, c, torch.bfloat16, device))
+               for q, c in ((1024, 1024), (512, 2048))]  # fresh, and chunked over a cached prefix
     return [("decode-g4-d128", [shape(64, c) for c in contexts]),
-            ("decode-split-g4-d128", [shape(1, c) for c in contexts])]
+            ("decode-split-g4-d128", [shape(1, c) for c in contexts]), ("prefill-g4-d128", prefill)]
 
 
 def gemm_keys(device: str) -> list[tuple[str, list[Shape]]]:
@@ -218,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         gemm, attention = gemm_keys("cuda"), attention_keys("cuda")
         tune(GEMM, gemm[:1], GEMM_CANDIDATES, deadline, configs, report)
         tune(GEMV, gemv_keys("cuda"), [None] + GEMV_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, attention[1:], SPLIT_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, attention[1:2], SPLIT_CANDIDATES, deadline, configs, report)
         tune(GEMM, gemm[1:], GEMM_CANDIDATES, deadline, configs, report)
         tune(ATTENTION, attention[:1], ATTENTION_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, attention[2:], PREFILL_CANDIDATES, deadline, configs, report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": gpu, "machine": machine(), "tuned_by": "bench/tune_kernels.py",
                                "configs": {k: v for k, v in configs.items() if v}}, indent=2) + "\n")

@@ -111,6 +111,18 @@ def test_tuned_decode_config(splits: int) -> None:
     assert tile_config(1, 4, 32, torch.device(DEVICE), splits > 1)["BLOCK_N"] == 64  # defaults again
 
 
+def test_tuned_prefill_config() -> None:
+    """A tuned prefill entry may set BLOCK_M too: the tokens a program takes follow from it."""
+    batch = paged_batch(*MIXED, 8, 2, 32, torch.float32, block_size=16, seed=5)
+    with tuned.override("paged_attention", "prefill-g4-d32", {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 2}):
+        tiles = tile_config(40, 4, 32, torch.device(DEVICE))
+        assert (tiles["BLOCK_M"], tiles["BLOCK_Q"], tiles["BLOCK_N"]) == (32, 8, 16)
+        out = poisoned(batch["q"].shape, torch.float32)
+        paged_attention(**batch, out=out)
+    assert_close(out, paged_attention_ref(**batch))
+    assert tile_config(40, 4, 32, torch.device(DEVICE))["BLOCK_Q"] == 16  # defaults again
+
+
 def test_split_kv_on_mixed_batch() -> None:
     batch = paged_batch(*MIXED, 6, 2, 32, torch.float32, block_size=16, seed=4)
     assert_close(paged_attention(**batch, num_splits=3), paged_attention_ref(**batch))

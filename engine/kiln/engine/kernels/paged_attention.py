@@ -174,17 +174,20 @@ def tile_config(max_seqlen_q: int, group: int, head_dim: int, device: torch.devi
     """Tile sizes: rows are (token, head-in-group) pairs; decode-only steps need one token per
     block, prefill blocks hold many. 16 rows is the tensor-core minimum.
 
-    Given a device, decode steps take its GPU's tuned entry (kiln.engine.kernels.tuned, key
-    decode[-split]-g<group>-d<head_dim>): BLOCK_N, num_warps, num_stages (and SPLIT_KEYS, read by
+    Given a device, steps take its GPU's tuned entry (kiln.engine.kernels.tuned, key
+    decode[-split]-g<group>-d<head_dim>, or prefill-g<group>-d<head_dim> for steps with several
+    query tokens): BLOCK_M (prefill), BLOCK_N, num_warps, num_stages (and SPLIT_KEYS, read by
     default_num_splits)."""
     group_pad = triton.next_power_of_2(group)
     block_m = max(16 if max_seqlen_q == 1 else 64, group_pad)
     tiles = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_m // group_pad, BLOCK_M=block_m,
                  BLOCK_N=64 if head_dim <= 64 else 32, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
-    if device is not None and max_seqlen_q == 1:
-        key = f"decode{'-split' if split else ''}-g{group}-d{head_dim}"
+    if device is not None:
+        key = f"decode{'-split' if split else ''}-g{group}-d{head_dim}" if max_seqlen_q == 1 else \
+            f"prefill-g{group}-d{head_dim}"
         tiles.update({k: v for k, v in (tuned.lookup("paged_attention", key, device) or {}).items()
                       if k != "SPLIT_KEYS"})
+        tiles["BLOCK_Q"] = tiles["BLOCK_M"] // group_pad
     return tiles
 
 
