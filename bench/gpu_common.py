@@ -45,28 +45,29 @@ def copies_for(op_bytes: int, most: int = 32) -> int:
 def graph_ms(ops: list[Callable[[], Any]], rep_ms: float = 40, replays: int = 5) -> float:
     """Median device ms per call of `ops` (one op over distinct copies of its inputs), captured
     round-robin in one CUDA graph. Raises where an op cannot be captured (one that syncs the host)."""
-    for op in ops:  # compile and warm up outside the capture
-        op()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for op in ops:
-        op()
-    end.record()
-    torch.cuda.synchronize()
-    rounds = max(1, min(500, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for op in ops:
-                op()
-    times = []
-    for _ in range(replays):
+    with torch.cuda.stream(torch.cuda.Stream()):  # warm up (compile, cuBLAS workspaces) off the default stream
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for op in ops:
+            op()
         start.record()
-        graph.replay()
+        for op in ops:
+            op()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / (rounds * len(ops)))
+        rounds = max(1, min(500, int(rep_ms / max(start.elapsed_time(end), 1e-3))))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(rounds):
+                for op in ops:
+                    op()
+        times = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / (rounds * len(ops)))
     del graph
     return sorted(times)[len(times) // 2]
 

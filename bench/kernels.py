@@ -205,7 +205,7 @@ def measure(case: Case, peaks: dict[str, float]) -> dict:
     for name in case.graphed:
         try:
             graphed[name] = graph_ms([impls[name] for impls in sets])
-        except RuntimeError as error:  # a failed capture loses one figure, not the run
+        except Exception as error:  # a failed capture loses one figure, not the run
             print(f"  {case.kernel} {case.shape} {name}: no graph time ({str(error)[:200]})")
     del sets
     times = graphed if "triton" in graphed else eager  # rates from graph times where there are some
