@@ -84,11 +84,12 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                     BLOCK_N=dequant.BLOCK_N, BLOCK_K=dequant.BLOCK_K), 4)
     # A split-K config (tuned on a GPU, see kernels.tuned): fp32 partial products, then their sum;
     # with int4 codes made floats each way (quant_gemm._codes).
-    for magic in (0, 1, 2):
+    for magic, offsets in ((0, "zeros"), (1, "zeros"), (2, "zeros"), (2, None), (2, "mins")):
         yield (quant_gemm._dequant_gemm_kernel,
-               dict(x_ptr=f"*{t}", w_ptr="*u8", s_ptr=f"*{t}", z_ptr="*u8", y_ptr="*fp32"),
-               dict(gemm_tiles(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=True,
-                    HAS_MINS=False, DOT_PREC=paged_attention.dot_precision(dtype), MAGIC=magic), 4)
+               dict(x_ptr=f"*{t}", w_ptr="*u8", s_ptr=f"*{t}", z_ptr="*u8" if offsets == "zeros" else f"*{t}",
+                    y_ptr="*fp32"),
+               dict(gemm_tiles(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=offsets == "zeros",
+                    HAS_MINS=offsets == "mins", DOT_PREC=paged_attention.dot_precision(dtype), MAGIC=magic), 4)
     yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), dict(BLOCK=quant_gemm.SUM_BLOCK), 4)
     # The GEMV configs (a row a program): int8 per channel, int4 with zeros (converted, or by the 2**23 trick),
     # GGUF Q4_1's mins, and 16-bit weights (quant_gemm.linear).
