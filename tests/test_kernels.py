@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from kiln.engine.kernels import get_backend, quant_gemm, tuned  # noqa: E402
 from kiln.engine.kernels.backend import resolve_backend_name  # noqa: E402
 from kiln.engine.kernels.kv_store import store_kvcache, store_kvcache_ref  # noqa: E402
-from kiln.engine.kernels.norm_rope import cos_sin_cache, rms_norm, rms_norm_ref, rope, rope_ref  # noqa: E402
+from kiln.engine.kernels.norm_rope import (cos_sin_cache, rms_norm, rms_norm_ref, rope, rope_ref,  # noqa: E402
+                                           rope_store)
 from kiln.engine.kernels.paged_attention import paged_attention, paged_attention_ref, tile_config  # noqa: E402
 from kiln.engine.kernels.quant_gemm import (dequantize_w4, dequantize_w8, pack_int4, quantize_w4,  # noqa: E402
                                             quantize_w8, unpack_int4, w4a16_gemm, w4a16_gemm_ref, w8a16_gemm,
@@ -191,6 +192,30 @@ def test_rope(dtype: torch.dtype, rotary_dim: int) -> None:
     q_ref, k_ref = rope_ref(pos, q, k, cos_sin)
     assert_close(q_out, q_ref)
     assert_close(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store(dtype: torch.dtype) -> None:
+    """RoPE with the K/V store fused: q as rope's, the cache as store_kvcache's after rope (slot -1
+    skips a token; partial rotary passes the tail through); quantized caches are refused."""
+    gen = torch.Generator().manual_seed(18)
+    n, hq, hkv, d = 7, 4, 2, 32
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
+    cos_sin = cos_sin_cache(1.0 / 10000 ** (torch.arange(0, 24, 2).float() / 24), 64).to(DEVICE)  # rotary dim 24
+    positions = torch.randint(0, 64, (n,), generator=gen).to(DEVICE)
+    slots = torch.tensor([5, 0, -1, 17, 30, -1, 2]).to(DEVICE)
+    k_cache, v_cache = (torch.full((4, 8, hkv, d), NAN, dtype=dtype, device=DEVICE) for _ in range(2))
+    q_out = poisoned(q.shape, dtype)
+    rope_store(positions, q, k, v, cos_sin, k_cache, v_cache, slots, q_out=q_out)
+    q_ref, k_ref = rope_ref(positions, q, k, cos_sin)
+    k_ref_cache, v_ref_cache = (torch.full_like(k_cache, NAN) for _ in range(2))
+    store_kvcache_ref(k_ref, v, k_ref_cache, v_ref_cache, slots)
+    assert_close(q_out, q_ref)
+    for out, ref in ((k_cache, k_ref_cache), (v_cache, v_ref_cache)):
+        assert torch.equal(out.isnan(), ref.isnan())  # the same slots written, the others untouched
+        assert_close(out.nan_to_num(), ref.nan_to_num())
+    with pytest.raises(ValueError, match="float caches"):
+        rope_store(positions, q, k, v, cos_sin, k_cache.to(torch.int8), v_cache.to(torch.int8), slots)
 
 
 def test_rope_matches_transformers() -> None:

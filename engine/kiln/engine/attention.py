@@ -228,6 +228,22 @@ class Attention(nn.Module):
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
 
+    def rotate_and_attend(self, qk: torch.Tensor, v: torch.Tensor, rope: object) -> torch.Tensor:
+        """qk [N, Hq + Hkv, D] (q and k side by side, not yet rotated), v [N, Hkv, D]: the backend's
+        RoPE (rope: this step's RotaryEmbedding.prepare), then forward. Triton over a float cache
+        rotates and stores K/V in one kernel."""
+        if self.backend.rope_store is not None and self.k_cache.numel() > 0 and self.k_scales is None:
+            ctx = get_context()
+            q = self.backend.rope_store(qk, v, self.num_heads, rope, self.k_cache, self.v_cache, ctx.slot_mapping)
+            return self._attend_cache(q, ctx)
+        q, k = self.backend.rope(qk, self.num_heads, rope)
+        return self(q, k, v)
+
+    def _attend_cache(self, q: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
+                                            ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                                            k_scales=self.k_scales, v_scales=self.v_scales)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         has_cache = self.k_cache.numel() > 0
@@ -235,9 +251,7 @@ class Attention(nn.Module):
         if step is None:  # Triton over the cache: its kernels read the metadata on the device
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scales,
                                        self.v_scales)
-            return self.backend.paged_attention(q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens,
-                                                ctx.block_tables, self.scale, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                                                k_scales=self.k_scales, v_scales=self.v_scales)
+            return self._attend_cache(q, ctx)
         if has_cache:
             stored = (k, v) if step.keep is None else (k[step.keep], v[step.keep])
             self.backend.write_kvcache(*stored, self.k_cache, self.v_cache, step.slots, self.k_scales, self.v_scales)

@@ -97,7 +97,6 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, backend.linear)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, backend.linear)
-        self.backend = backend
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, backend)
 
     def forward(self, x: torch.Tensor, rope: object) -> torch.Tensor:
@@ -105,9 +104,9 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k sit side by side in qkv, so one rotary call covers both.
-        q, k = self.backend.rope(qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim), self.num_heads, rope)
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, -1, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v)
+        o = self.attn.rotate_and_attend(qk, v, rope)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

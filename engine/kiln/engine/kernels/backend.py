@@ -57,6 +57,9 @@ class Backend:
     decoder_layers: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
     # gate_up [N, 2I] -> silu(gate) * up [N, I], the MLP's activation
     silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_silu_mul
+    # rope and the float-cache store in one: (qk, v, Hq, rope prepared, k_cache, v_cache, slot_mapping)
+    # -> rotated q; None where the backend runs them apart
+    rope_store: Callable[..., torch.Tensor] | None = None
 
 
 def resolve_backend_name(name: str, device: torch.device | str) -> str:
@@ -93,7 +96,7 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
         from kiln.engine.kernels import activation, kv_store, norm_rope, paged_attention, quant_gemm
         return Backend("triton", kv_store.store_kvcache, paged_attention.paged_attention, norm_rope.rms_norm,
                        _triton_rope_prepare, _triton_rope, attention.write_kvcache, quant_gemm.linear,
-                       silu_mul=activation.silu_mul)
+                       silu_mul=activation.silu_mul, rope_store=_triton_rope_store)
     if name == "cpu":
         from kiln.engine import cpu_attention, cpu_decoder, cpu_kernels as k
         return Backend(name, attention.store_kvcache, cpu_attention.paged_attention, k.rms_norm, k.rope_prepare,
@@ -112,3 +115,10 @@ def _triton_rope(qk: torch.Tensor, num_q_heads: int, prepared: tuple[torch.Tenso
     from kiln.engine.kernels.norm_rope import rope
     positions, cos_sin = prepared
     return rope(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], cos_sin)
+
+
+def _triton_rope_store(qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, prepared: tuple[torch.Tensor, torch.Tensor],
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    from kiln.engine.kernels.norm_rope import rope_store
+    positions, cos_sin = prepared
+    return rope_store(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], v, cos_sin, k_cache, v_cache, slot_mapping)

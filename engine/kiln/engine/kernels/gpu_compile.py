@@ -67,10 +67,12 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
         yield (norm_rope._rms_norm_kernel,
                dict(x_ptr=f"*{t}", res_ptr=f"*{t}", w_ptr=f"*{t}", out_ptr=f"*{t}", res_out_ptr=f"*{t}", eps="fp32"),
                dict(HIDDEN=hidden, BLOCK=p2(hidden), HAS_RESIDUAL=residual), 8 if hidden >= 2048 else 4)
-    yield (norm_rope._rope_kernel,
-           dict(pos_ptr="*i64", q_ptr=f"*{t}", k_ptr=f"*{t}", cache_ptr="*fp32", q_out_ptr=f"*{t}", k_out_ptr=f"*{t}"),
-           dict(NUM_Q_HEADS=heads, NUM_K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_QH=p2(heads),
-                BLOCK_KH=p2(kv_heads), BLOCK_HALF=p2(head_dim // 2), BLOCK_D=p2(head_dim)), 4)
+    rope_shape = dict(NUM_Q_HEADS=heads, NUM_K_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+                      BLOCK_QH=p2(heads), BLOCK_KH=p2(kv_heads), BLOCK_HALF=p2(head_dim // 2), BLOCK_D=p2(head_dim))
+    for store in (False, True):  # rope alone, and with the K/V store
+        yield (norm_rope._rope_kernel,
+               dict(pos_ptr="*i64", q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", cache_ptr="*fp32", q_out_ptr=f"*{t}",
+                    k_out_ptr=f"*{t}", v_out_ptr=f"*{t}", slot_ptr="*i64"), dict(rope_shape, STORE=store), 4)
     # int8 per channel, int4 asymmetric and symmetric; GGUF's Q8_0 and Q4_1 with their fp16 scales/mins.
     for int4, offsets, group, s in ((False, None, 0, t), (True, "zeros", 128, t), (True, None, 32, t),
                                     (False, None, 32, "fp16"), (True, "mins", 32, "fp16")):

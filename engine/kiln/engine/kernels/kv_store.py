@@ -83,14 +83,30 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                          f"slot_mapping {tuple(slot_mapping.shape)}")
 
 
+def _slot_after_slot(t: torch.Tensor) -> bool:
+    return t.stride(0) == t.shape[1] * t.stride(1)
+
+
+def _check_layout(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("store_kvcache needs the head dim contiguous")
+    if not (_slot_after_slot(k_cache) and _slot_after_slot(v_cache)):
+        raise ValueError("store_kvcache needs each cache's blocks laid out slot after slot")
+
+
+def check_float_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """What a kernel writing k, v straight into a float cache (norm_rope.rope_store) needs."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    if is_quantized(k_cache.dtype):
+        raise ValueError(f"a fused store writes float caches; this one holds {k_cache.dtype} (use store_kvcache)")
+    _check_layout(k, v, k_cache, v_cache)
+
+
 def quant_constexprs(cache_dtype: torch.dtype) -> dict[str, float | bool]:
     """The store kernel's QMAX (0 = a float cache, stored as is) and ROUND (int8) for a cache dtype."""
     quantized = is_quantized(cache_dtype)
     return dict(QMAX=qmax(cache_dtype) if quantized else 0.0, ROUND=cache_dtype == torch.int8)
-
-
-def _slot_after_slot(t: torch.Tensor) -> bool:
-    return t.stride(0) == t.shape[1] * t.stride(1)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,10 +118,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     check_scales(k_cache, k_scales, v_scales)
     if k.shape[0] == 0:
         return
-    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("store_kvcache needs the head dim contiguous")
-    if not (_slot_after_slot(k_cache) and _slot_after_slot(v_cache)):
-        raise ValueError("store_kvcache needs each cache's blocks laid out slot after slot")
+    _check_layout(k, v, k_cache, v_cache)
     quantized = is_quantized(k_cache.dtype)
     if quantized and (k_scales.stride() != v_scales.stride() or not _slot_after_slot(k_scales)):
         raise ValueError("store_kvcache needs k_scales and v_scales laid out alike, slot after slot")

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.engine.kernels.kv_store import check_float_cache
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
@@ -81,19 +83,20 @@ def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, stride_xn, stride_xh, stride_on, stride_oh, token, cos, sin,
+def _rotate_heads(x_row, o_row, stride_xh, stride_oh, cos, sin,
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    # x_row, o_row: one token's heads (head h at + h * stride)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_r = tl.arange(0, BLOCK_HALF)[None, :]
     h_ok = offs_h < NUM_HEADS
     mask = h_ok & (offs_r < HALF)
-    x_row = x_ptr + token * stride_xn + offs_h * stride_xh
-    o_row = o_ptr + token * stride_on + offs_h * stride_oh
+    x_row += offs_h * stride_xh
+    o_row += offs_h * stride_oh
     x1 = tl.load(x_row + offs_r, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF + offs_r, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_row + offs_r, (x1 * cos - x2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(o_row + HALF + offs_r, (x2 * cos + x1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + offs_r, (x1 * cos - x2 * sin).to(o_row.dtype.element_ty), mask=mask)
+    tl.store(o_row + HALF + offs_r, (x2 * cos + x1 * sin).to(o_row.dtype.element_ty), mask=mask)
     if 2 * HALF < HEAD_DIM:  # partial rotary: the tail passes through
         offs_d = tl.arange(0, BLOCK_D)[None, :]
         tail = h_ok & (offs_d >= 2 * HALF) & (offs_d < HEAD_DIM)
@@ -101,21 +104,41 @@ def _rotate_heads(x_ptr, o_ptr, stride_xn, stride_xh, stride_on, stride_oh, toke
 
 
 @triton.jit
-def _rope_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, q_out_ptr, k_out_ptr,
-                 stride_qn, stride_qh, stride_kn, stride_kh, stride_qon, stride_qoh, stride_kon, stride_koh,
-                 stride_cache,
+def _rope_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cache_ptr, q_out_ptr, k_out_ptr, v_out_ptr, slot_ptr,
+                 stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_qon, stride_qoh,
+                 stride_kon, stride_koh, stride_von, stride_voh, stride_cache,
                  NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr):
+    # Rotated k goes to row `token` of k_out; with STORE, to the token's slot of a float cache
+    # (k_out, v_out: the caches; slot -1: no write), and v with it: decode's K/V skip a trip
+    # through memory and a second launch.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cache_ptr + pos * stride_cache + offs_r, mask=offs_r < HALF, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + offs_r, mask=offs_r < HALF, other=0.0)
-    _rotate_heads(q_ptr, q_out_ptr, stride_qn, stride_qh, stride_qon, stride_qoh, token, cos, sin,
+    _rotate_heads(q_ptr + token * stride_qn, q_out_ptr + token * stride_qon, stride_qh, stride_qoh, cos, sin,
                   NUM_Q_HEADS, HEAD_DIM, HALF, BLOCK_QH, BLOCK_HALF, BLOCK_D)
-    _rotate_heads(k_ptr, k_out_ptr, stride_kn, stride_kh, stride_kon, stride_koh, token, cos, sin,
-                  NUM_K_HEADS, HEAD_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_D)
+    row = token
+    if STORE:
+        row = tl.load(slot_ptr + token).to(tl.int64)
+    if row >= 0:
+        _rotate_heads(k_ptr + token * stride_kn, k_out_ptr + row * stride_kon, stride_kh, stride_koh, cos, sin,
+                      NUM_K_HEADS, HEAD_DIM, HALF, BLOCK_KH, BLOCK_HALF, BLOCK_D)
+        if STORE:
+            offs_h = tl.arange(0, BLOCK_KH)[:, None]
+            offs_d = tl.arange(0, BLOCK_D)[None, :]
+            mask = (offs_h < NUM_K_HEADS) & (offs_d < HEAD_DIM)
+            v = tl.load(v_ptr + token * stride_vn + offs_h * stride_vh + offs_d, mask=mask)
+            tl.store(v_out_ptr + row * stride_von + offs_h * stride_voh + offs_d, v.to(v_out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
+def _shape_constexprs(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> dict[str, int]:
+    half, head_dim, p2 = cos_sin.shape[1] // 2, q.shape[2], triton.next_power_of_2
+    return dict(NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HEAD_DIM=head_dim, HALF=half,
+                BLOCK_QH=p2(q.shape[1]), BLOCK_KH=p2(k.shape[1]), BLOCK_HALF=p2(half), BLOCK_D=p2(head_dim))
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, *,
@@ -126,16 +149,28 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: tor
     q_out = torch.empty_like(q) if q_out is None else q_out
     k_out = torch.empty_like(k) if k_out is None else k_out
     if q.shape[0]:
-        half, head_dim = cos_sin.shape[1] // 2, q.shape[2]
-        _rope_kernel[(q.shape[0],)](
-            positions, q, k, cos_sin, q_out, k_out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
-            NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HEAD_DIM=head_dim, HALF=half,
-            BLOCK_QH=triton.next_power_of_2(q.shape[1]), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(head_dim),
-        )
+        _rope_kernel[(q.shape[0],)](  # k, k_out and positions also stand in for the unused v, v_out, slots
+            positions, q, k, k, cos_sin, q_out, k_out, k_out, positions,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, q_out.stride(0), q_out.stride(1),
+            k_out.stride(0), k_out.stride(1), 0, 0, cos_sin.stride(0), **_shape_constexprs(q, k, cos_sin), STORE=False)
     return q_out, k_out
+
+
+def rope_store(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+               q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """rope, then the rotated k and v stored at their slots of a float cache (kv_store.store_kvcache's
+    layout; slot -1 skips), in one kernel: returns the rotated q."""
+    _check_rope(positions, q, k, cos_sin)
+    check_float_cache(k, v, k_cache, v_cache, slot_mapping)
+    q_out = torch.empty_like(q) if q_out is None else q_out
+    if q.shape[0]:
+        _rope_kernel[(q.shape[0],)](
+            positions, q, k, v, cos_sin, q_out, k_cache, v_cache, slot_mapping,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), q_out.stride(0),
+            q_out.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+            cos_sin.stride(0), **_shape_constexprs(q, k, cos_sin), STORE=True)
+    return q_out
 
 
 def rope_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
