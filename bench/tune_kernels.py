@@ -102,6 +102,10 @@ GEMV_CANDIDATES = [
     {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 2},
     {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "num_warps": 8},
     {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8}, {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8},
+    # long K tiles: 8 16-byte loads in flight a thread
+    {"BLOCK_N": 16, "BLOCK_K": 512}, {"BLOCK_N": 8, "BLOCK_K": 512}, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8},
+    {"BLOCK_N": 8, "BLOCK_K": 512, "SPLIT_K": 2}, {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2},
+    {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4},
 ]
 TUNED_IMPL = {GEMV: "linear"}  # the case's impl a kernel's candidates run under (else "triton")
 MIN_GAIN = 0.98  # a candidate must beat the defaults by 2% to be written

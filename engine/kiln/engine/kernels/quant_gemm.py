@@ -186,11 +186,15 @@ def _dequant_gemv_kernel(
     # The same product for one row of x a program (grid: rows, N tiles, K splits), on the CUDA
     # cores: a [BLOCK_N, BLOCK_K] weight tile times the row, summed along K, without the 15 idle
     # rows a 16-row tensor-core tile carries at M = 1. Integer zeros come off as z * sum(x).
+    # Weights are read once: loaded evict-first, so x and the outputs keep the cache.
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_w = offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
+    # Without group scales (16-bit or per-channel int8 weights) the products add up elementwise and
+    # are summed along K once, after the loop: one FMA an element, no per-tile reduction.
+    acc_2d = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     k_lo = tl.program_id(2) * k_per_split
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
         if INT4:
@@ -201,7 +205,7 @@ def _dequant_gemv_kernel(
             x = tl.load(x_ptr + row * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             x_lo, x_hi = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
-                             mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+                             mask=n_ok[:, None] & j_ok[None, :], other=0, eviction_policy="evict_first").to(tl.int32)
             part = tl.sum(_codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
                           + _codes(packed, 4, 0, MAGIC, tl.float32).to(tl.float32) * x_hi[None, :], axis=1)
             x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
@@ -213,15 +217,22 @@ def _dequant_gemv_kernel(
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
-            x = tl.load(x_ptr + row * stride_xm + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            # x as a [1, BLOCK_K] row: loaded in the weight tile's layout, no shuffle through shared memory
+            x = tl.load(x_ptr + row * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
+                        mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first").to(tl.float32)
+            if GROUP:
+                part = tl.sum(w * x, axis=1)
+            else:
+                acc_2d += w * x
         if GROUP:
             part *= tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             part += x_sum * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        acc += part
+        if INT4 or GROUP:
+            acc += part
+    if not (INT4 or GROUP):
+        acc = tl.sum(acc_2d, axis=1)
     if SCALED and not GROUP:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
