@@ -14,7 +14,8 @@ candidate with the lowest geometric mean of (time / default time) over its shape
 beats the default by more than 2%; otherwise the key keeps the defaults (no entry). Times are
 device times under a CUDA graph over input copies spanning 4x the L2 (gpu_common.graph_ms: what
 decode runs, with no launch cost to drown a small kernel's), shorter than bench/kernels.py's so
-the whole run stays near 3 minutes; past --budget-s the remaining candidates are skipped.
+the whole run stays near 3 minutes; past --budget-s the remaining candidates are skipped, and keys
+not yet begun keep what the file holds.
 Needs CUDA; exits 2 without it.
 
     python bench/tune_kernels.py [--out FILE] [--report FILE] [--budget-s 150]
@@ -197,6 +198,10 @@ def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[
 def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict], deadline: float,
          configs: dict[str, dict], report: list[dict]) -> None:
     for key, shapes in keys:
+        if time.monotonic() > deadline:  # untimed: whatever the file holds for it stays
+            print(f"{kernel} {key}: skipped, past the budget")
+            report.append({"kernel": kernel, "key": key, "skipped": "past the budget"})
+            continue
         group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
         fitting = candidates_for(key, group, candidates)
         ms = time_candidates(kernel, key, fitting, shapes, deadline)
