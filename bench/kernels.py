@@ -119,19 +119,42 @@ def rms_norm_case(tokens: int, hidden: int, dtype: torch.dtype, device: str) -> 
 
 def rope_case(tokens: int, dtype: torch.dtype, device: str, heads: int = 32, kv_heads: int = 8,
               head_dim: int = 128) -> Case:
-    from kiln.engine.kernels.norm_rope import cos_sin_cache, rope, rope_ref
+    """RoPE alone; beside it, the engine's fused RoPE + K/V store and the two kernels it replaces."""
+    from kiln.engine.kernels.kv_store import store_kvcache
+    from kiln.engine.kernels.norm_rope import cos_sin_cache, rope, rope_ref, rope_store
 
     def make() -> dict[str, Callable[[], object]]:
         inv_freq = 1.0 / 500000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
         cache = cos_sin_cache(inv_freq, 8192)
         pos = torch.randint(0, 8192, (tokens,), device=device)
         q = torch.randn(tokens, heads, head_dim, dtype=dtype, device=device)
-        k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device)
-        return {"triton": lambda: rope(pos, q, k, cache), "torch_ref": lambda: rope_ref(pos, q, k, cache)}
+        k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+        kv = paged_kv(1, tokens, kv_heads, head_dim, dtype, device)
+        slots = torch.randperm(tokens, device=device)
+
+        def rope_then_store() -> None:
+            q_out, k_out = rope(pos, q, k, cache)
+            store_kvcache(k_out, v, kv["k_cache"], kv["v_cache"], slots)
+
+        return {"triton": lambda: rope(pos, q, k, cache), "torch_ref": lambda: rope_ref(pos, q, k, cache),
+                "triton_rope_store": lambda: rope_store(pos, q, k, v, cache, kv["k_cache"], kv["v_cache"], slots),
+                "triton_rope_then_store": rope_then_store}
 
     return Case("rope", {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
                 bytes=2 * tokens * (heads + kv_heads) * head_dim * dtype.itemsize + tokens * head_dim * 4, flops=0,
-                make=make)
+                make=make, graphed=("triton", "triton_rope_store", "triton_rope_then_store"))
+
+
+def silu_mul_case(tokens: int, inter: int, dtype: torch.dtype, device: str) -> Case:
+    """The MLP's activation: one kernel vs torch's silu then mul."""
+    from kiln.engine.kernels.activation import silu_mul, silu_mul_ref
+
+    def make() -> dict[str, Callable[[], object]]:
+        gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device=device)
+        return {"triton": lambda: silu_mul(gate_up), "torch": lambda: silu_mul_ref(gate_up)}
+
+    return Case("silu_mul", {"tokens": tokens, "intermediate": inter}, bytes=3 * tokens * inter * dtype.itemsize,
+                flops=0, make=make, graphed=("triton", "torch"))
 
 
 def gemm_case(bits: int, m: int, n: int, k: int, dtype: torch.dtype, device: str, group_size: int = 128) -> Case:
@@ -186,6 +209,7 @@ def cases(dtype: torch.dtype, quick: bool, device: str = "cuda") -> Iterator[Cas
     for t in (64, 4096):
         yield kv_store_case(t, dtype, device)
         yield rope_case(t, dtype, device)
+        yield silu_mul_case(t, 14336, dtype, device)
     for t in [4096] if quick else [4096, 16384]:
         yield rms_norm_case(t, 4096, dtype, device)
     for bits in (8, 4):
