@@ -39,6 +39,11 @@ class Case:
     def __post_init__(self) -> None:
         self.impls = self.make()
 
+    def input_copies(self) -> list[dict[str, Callable[[], object]]]:
+        """The impls over copies of the inputs spanning 4x the L2 (gpu_common.copies_for), the
+        first this case's own: what graph_ms cycles through so that every call reads HBM."""
+        return [self.impls] + [self.make() for _ in range(copies_for(self.bytes) - 1)]
+
 
 def paged_kv(batch: int, ctx: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str,
              block_size: int = 16) -> dict:
@@ -224,7 +229,7 @@ def measure(case: Case, peaks: dict[str, float]) -> dict:
     """Eager do_bench times for every impl; graph times (no launch cost, inputs rotated past the L2)
     for the graphed ones. Rates and speedups use the graph times: decode runs under CUDA graphs."""
     eager = {name: median_ms(fn) for name, fn in case.impls.items()}
-    sets = [case.impls] + [case.make() for _ in range(copies_for(case.bytes) - 1)]
+    sets = case.input_copies()
     graphed: dict[str, float] = {}
     for name in case.graphed:
         try:

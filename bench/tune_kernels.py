@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from gpu_common import copies_for, graph_ms, machine, require_cuda, write_results
+from gpu_common import graph_ms, machine, require_cuda, write_results
 from kernels import GEMM_SHAPES, GEMV_SHAPES, Case, attention_case, gemm_case, gemv_case
 
 Shape = tuple[str, Callable[[], Case]]  # label, builder of the case whose "triton" impl is tuned
@@ -150,7 +150,7 @@ def time_candidates(kernel: str, key: str, candidates: list[dict], shapes: list[
     for label, build in shapes:
         case = build()
         impl = TUNED_IMPL.get(kernel, "triton")
-        ops = [case.impls[impl]] + [case.make()[impl] for _ in range(copies_for(case.bytes) - 1)]
+        ops = [impls[impl] for impls in case.input_copies()]
         with tuned.override(kernel, key, candidates[0]):  # the defaults, whatever a tuned file holds
             ref = ops[0]()
         for i, config in enumerate(candidates):
@@ -190,9 +190,11 @@ def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[
     def fits(c: dict) -> bool:
         return ((not group or c.get("BLOCK_K", 0) <= group) and not (key.startswith("w8") and c.get("MAGIC"))
                 and not (key.endswith("-m1") and c.get("DEQUANT")) and not (key.endswith("-m64") and c.get("GEMV")))
-    many_rows = key.endswith("-m64")
-    return [c if c is None or not many_rows or "DEQUANT" in c or not c else {**c, "DEQUANT": 0}
-            for c in candidates if c is None or fits(c)]
+    def tile_candidate(c: dict | None) -> dict | None:
+        if key.endswith("-m64") and c and "DEQUANT" not in c:
+            return {**c, "DEQUANT": 0}
+        return c
+    return [tile_candidate(c) for c in candidates if c is None or fits(c)]
 
 
 def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict], deadline: float,

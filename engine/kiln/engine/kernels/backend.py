@@ -1,5 +1,6 @@
-"""The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm, RoPE and
-the float GEMM and the MLP's SiLU-and-multiply, chosen together by one name (Config.attention_backend, `--attention-backend`).
+"""The engine's one backend switch: attention, KV store, fused residual-add + RMSNorm, RoPE, the
+float GEMM and the MLP's SiLU-and-multiply, chosen together by one name (Config.attention_backend,
+`--attention-backend`).
 Quantized GEMMs follow the weights' device (kiln.engine.quantization): Triton's W8A16/W4A16 on
 CUDA, torch's packed ops on CPU, which is what "auto" pairs them with.
 

@@ -28,14 +28,14 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sn, st
     else:
         w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=ok, other=0).to(tl.float32)
     if GROUP:
-        at = rows * stride_sn + offs_k[None, :] // GROUP
+        group = offs_k[None, :] // GROUP
         if INT4 and HAS_ZEROS:
-            w -= tl.load(z_ptr + rows * stride_zn + offs_k[None, :] // GROUP, mask=ok, other=0).to(tl.float32)
+            w -= tl.load(z_ptr + rows * stride_zn + group, mask=ok, other=0).to(tl.float32)
         elif INT4 and not HAS_MINS:
             w -= 8.0
-        w *= tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        w *= tl.load(s_ptr + rows * stride_sn + group, mask=ok, other=0.0).to(tl.float32)
         if HAS_MINS:
-            w += tl.load(z_ptr + rows * stride_zn + offs_k[None, :] // GROUP, mask=ok, other=0.0).to(tl.float32)
+            w += tl.load(z_ptr + rows * stride_zn + group, mask=ok, other=0.0).to(tl.float32)
     else:  # int8 per channel
         w *= tl.load(s_ptr + rows, mask=(offs_n < N)[:, None], other=0.0).to(tl.float32)
     tl.store(out_ptr + rows * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
