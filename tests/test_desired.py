@@ -51,6 +51,18 @@ def test_unknown_field_is_an_error():
         spec_of(engine={"quantisation": "int4"})
 
 
+def test_quantities_are_checked_by_the_operator_too():
+    # A spec stored under an older CRD reaches the operator unchecked: a negative count or a
+    # non-quantity is an invalid spec naming the field, never a pod the API server refuses or
+    # a crash converting the KV cache's size.
+    for block, value in (("resources", {"cpu": -2}), ("resources", {"memory": "16GB"}),
+                         ("engine", {"kvCache": {"memory": "4GB"}})):
+        with pytest.raises(ValueError, match="must be a Kubernetes quantity"):
+            spec_of(**{block: value})
+    assert spec_of(resources={"cpu": "500m", "memory": "1.5Gi"}).resources.memory == "1.5Gi"
+    assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
+
+
 def test_children_carry_owner_labels_and_matching_selectors():
     wanted = want(spec_of(replicas=2))
     for obj in wanted.objects():
@@ -253,6 +265,10 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
     assert desired_replicas(spec_of(replicas=3)) == 3
     assert desired_replicas(spec_of(replicas=9, autoscaling={"minReplicas": 1, "maxReplicas": 4})) == 4
     assert desired_replicas(spec_of(replicas=0, autoscaling={"minReplicas": 2, "maxReplicas": 4})) == 2
+    # mode none: no autoscaler reads the bounds (here only their defaults, 1 and 4), so
+    # `kubectl scale isvc --replicas=N` is obeyed, zero and above four included.
+    for replicas in (0, 9):
+        assert desired_replicas(spec_of(replicas=replicas, autoscaling={"mode": "none"})) == replicas
 
 
 def test_later_features_are_reported_not_ignored():

@@ -13,6 +13,7 @@ from kiln.operator.desired import desired
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
 from kiln.operator.plan import CREATE, DELETE, PATCH, SCALE, contains, plan
+from kiln.operator.quantity import canonical
 from kiln.operator.render import Owner
 
 RECORDED = Path(__file__).parent / "data" / "observed-serving.json"
@@ -62,6 +63,23 @@ def test_a_hand_edit_is_patched_back(recording):
         dep["metadata"]["labels"]["extra"] = "kept"  # a label we never set is not our business
         return objects
     assert replay(recording, edit=edit)[1] == [(PATCH, "Deployment", revision, None)]
+
+
+def test_quantities_stored_in_canonical_form_are_no_difference(recording):
+    # The API server stores a quantity canonically (1.5Gi as 1536Mi, 0.5 as 500m, 2000 as 2k;
+    # these pairs are what apimachinery's Quantity stores): rendered as the user wrote them,
+    # every pass would patch the Deployment again.
+    assert [canonical(q) for q in ("1.5Gi", "0.5", "2000", "2e3", "1024Ki", "0.5Ki", "16Gi", "1e-4", 4)] == \
+        ["1536Mi", "500m", "2k", "2e3", "1Mi", "512", "16Gi", "100e-6", "4"]
+    spec = copy.deepcopy(recording["spec"])
+    spec["resources"].update({"cpu": "0.5", "memory": "1.5Gi"})
+    wanted, _ = replay(recording, spec)
+
+    def stored(objects):
+        container = named(objects, "Deployment", wanted.stable.name)["spec"]["template"]["spec"]["containers"][0]
+        container["resources"] = {"requests": {"cpu": "500m", "memory": "1536Mi"}, "limits": {"memory": "1536Mi"}}
+        return objects
+    assert replay(recording, spec, edit=stored)[1] == []
 
 
 def test_replicas_follow_their_one_writer(recording):

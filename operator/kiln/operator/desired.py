@@ -62,8 +62,10 @@ class Desired:
 
 
 def desired_replicas(spec: InferenceServiceSpec) -> int:
-    """spec.replicas (what /scale writes), kept inside the autoscaling bounds when they are set."""
-    if spec.autoscaling is None:
+    """spec.replicas (what /scale writes), kept inside the autoscaling bounds when an autoscaler
+    uses them. With `mode: none` the bounds (perhaps only their defaults, 1 and 4) mean nothing:
+    `kubectl scale isvc` or an outside autoscaler may set any count, zero included."""
+    if spec.autoscaling is None or spec.autoscaling.mode == "none":
         return spec.replicas
     return min(max(spec.replicas, spec.autoscaling.minReplicas), spec.autoscaling.maxReplicas)
 

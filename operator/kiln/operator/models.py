@@ -2,9 +2,10 @@
 (crds.py generates it, CEL rules included) and for how the operator reads a spec."""
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 GROUP = "kiln.dev"
 VERSION = "v1alpha1"
@@ -22,13 +23,25 @@ def rules(*entries: dict[str, Any]) -> dict[str, Any]:
 
 
 # Same grammar as Kubernetes resource quantities (1, 500m, 16Gi, 1e3), as a regex because the
-# CEL quantity library is missing on older API servers. int-or-string so `cpu: 4` works too.
+# CEL quantity library is missing on older API servers. int-or-string so `cpu: 4` works too; a
+# negative count is no amount of a resource (a pod asking for it is refused).
 QUANTITY_RE = r"^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]+|[mkMGTPE]|[KMGTPE]i)?$"
+QUANTITY_MESSAGE = "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"
+
+
+def check_quantity(value: str | int) -> str | int:
+    """The CEL rule below, also applied by the operator: a spec stored under an older CRD must
+    become InvalidSpec, not a crash when the quantity is converted."""
+    if (isinstance(value, int) and value < 0) or (isinstance(value, str) and not re.match(QUANTITY_RE, value)):
+        raise ValueError(QUANTITY_MESSAGE)
+    return value
+
+
 Quantity = Annotated[
     str | int,
+    AfterValidator(check_quantity),
     Field(json_schema_extra={"maxLength": 64, **rules(cel(
-        f"type(self) == int || self.matches('{QUANTITY_RE}')",
-        "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"))}),
+        f"type(self) == int ? self >= 0 : self.matches('{QUANTITY_RE}')", QUANTITY_MESSAGE))}),
 ]
 # Go-style durations limited to what a person writes: 500ms, 30s, 5m, 1h, 1h30m.
 Duration = Annotated[
@@ -92,9 +105,15 @@ class Engine(Spec):
 
 
 class Toleration(Spec):
+    # Kubernetes' own rules for a pod's tolerations, checked here so that a bad one is refused
+    # with the InferenceService instead of by every engine Deployment the operator applies.
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.operator != 'Exists' || !has(self.value)",
-        "a toleration with operator Exists must not set value")))
+        "a toleration with operator Exists must not set value"), cel(
+        "self.operator == 'Exists' || (has(self.key) && self.key != '')",
+        "a toleration without key must have operator Exists (it then tolerates every taint)"), cel(
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "a toleration with tolerationSeconds must have effect NoExecute")))
     key: str | None = Field(None, max_length=317)
     operator: Literal["Exists", "Equal"] = "Equal"
     value: str | None = Field(None, max_length=63)
@@ -115,7 +134,11 @@ class Autoscaling(Spec):
     """Scaling on queue depth: `builtin` (the operator's own autoscaler), `hpa`, `keda`, or `none`."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.minReplicas <= self.maxReplicas",
-        "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")))
+        "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas"), cel(
+        # The HPA's scale-down stabilization window is what carries it there; the API server
+        # refuses an HPA whose window is longer than an hour.
+        "self.mode != 'hpa' || duration(self.scaleDownDelay) <= duration('1h')",
+        "autoscaling.scaleDownDelay must be at most 1h with mode hpa (an HPA's longest scale-down window)")))
     mode: Literal["builtin", "hpa", "keda", "none"] = "builtin"
     minReplicas: int = Field(1, ge=0, le=1000)
     maxReplicas: int = Field(4, ge=1, le=1000)

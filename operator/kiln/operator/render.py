@@ -13,6 +13,7 @@ from kubernetes.utils import parse_quantity
 
 from . import images
 from .models import GROUP, KIND, VERSION, Auth, InferenceServiceSpec
+from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
 PORT = 8000
@@ -146,9 +147,11 @@ NCCL_ENV = [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "TORCH_NCCL_ASYNC_
 
 def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     res = spec.resources
-    requests = {"cpu": str(res.cpu), "memory": str(res.memory)}
+    # Canonical, as stored: `1.5Gi` rendered as written would differ from the stored `1536Mi`
+    # on every pass (plan.py compares strings) and be patched back forever.
+    requests = {"cpu": canonical(res.cpu), "memory": canonical(res.memory)}
     # No CPU limit: throttling a decode loop only adds latency. Memory is capped to be evictable.
-    limits: dict[str, str] = {"memory": str(res.memory)}
+    limits: dict[str, str] = {"memory": canonical(res.memory)}
     if res.gpus > 0:
         limits["nvidia.com/gpu"] = str(res.gpus)
     return {"requests": requests, "limits": limits}

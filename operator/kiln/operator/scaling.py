@@ -11,6 +11,7 @@ from typing import Any
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
+from .quantity import canonical
 from .render import LABEL_ISVC, LABEL_SERVING, Owner, metadata
 from .status import condition
 
@@ -123,7 +124,7 @@ def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
             "minReplicas": max(1, scaling.minReplicas), "maxReplicas": scaling.maxReplicas,
             "metrics": [{"type": "Pods", "pods": {"metric": {"name": HPA_METRIC},
                                                   "target": {"type": "AverageValue",
-                                                             "averageValue": str(scaling.targetQueueDepth)}}}],
+                                                             "averageValue": canonical(scaling.targetQueueDepth)}}}],
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": int(seconds(scaling.scaleDownDelay))}},
         },
     }
