@@ -189,6 +189,7 @@ BAD = [
     ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400,
      "logit_bias"),
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
     ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
      "temperature"),
     ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
@@ -224,6 +225,28 @@ def test_bad_input_through_openai_client(server):
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi")
     assert get(server.url + "/health")[0] == 200  # nothing crashed
+
+
+def test_null_means_the_default_as_openai_and_vllm_take_it(server):
+    # The openai SDK sends an explicit None as null, as other SDKs do for every unset field: was a 400.
+    unset = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,
+                 extra_body={"ignore_eos": True})
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=3, logprobs=None, **unset)
+    text = server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, echo=None, best_of=None, **unset)
+    assert chat.usage.completion_tokens == text.usage.completion_tokens == 3
+    code, reply = post(server.url + "/v1/completions", {"model": MODEL, "prompt": None})
+    assert code == 400 and reply["error"]["param"] == "prompt"  # a required field stays required
+
+
+def test_undecodable_body_is_a_400(server):
+    # aiohttp fails reading a body sent as gzip that is not gzip: that was an unhandled 500.
+    req = urllib.request.Request(server.url + "/v1/completions", data=b"not gzip", method="POST",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(req, timeout=60)
+    reply = json.loads(answer.value.read())
+    assert answer.value.code == 400 and "could not be read" in reply["error"]["message"], reply
 
 
 def test_disconnect_mid_stream_frees_blocks(server):

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from kiln.engine import SamplingParams
 
@@ -53,9 +53,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """The document's side of _null_means_default: every optional field also takes null."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema["properties"].items():
+        if name in required or prop.get("type") == "null" or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        outer = {key: prop.pop(key) for key in ("default", "title") if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
-    model_config = STRICT_NUMBERS
+    model_config = ConfigDict(**STRICT_NUMBERS, json_schema_extra=_nullable_optionals)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -80,6 +90,13 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's spec makes the optional fields nullable and SDKs send null for "not set"
+        # (`"temperature": null`, `"n": null`); vLLM takes it as the default, Kiln answered 400.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, n: int) -> int:
@@ -90,7 +107,8 @@ class _SamplingFields(BaseModel):
     @field_validator("stop")
     @classmethod
     def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, list) and (len(stop) > 4 or any(not s for s in stop)):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or not all(stops):  # "" too: it was a 400 naming no param, from SamplingParams
             raise ValueError("stop takes at most 4 non-empty strings")
         return stop
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams, openapi
@@ -121,6 +122,9 @@ class Server:
             err = APIError(e.status, f"{request.method} {request.path}: {e.reason}", type_="invalid_request_error")
             allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # keep 405's hint
             return web.json_response(err.body(), status=e.status, headers=allow)
+        except RequestPayloadError as e:  # a body aiohttp could not decode (corrupt gzip, bad chunks): was a 500
+            why = getattr(e.__cause__, "message", None) or str(e)
+            return web.json_response(APIError(400, f"the request body could not be read: {why}").body(), status=400)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
