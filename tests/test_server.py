@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -103,6 +104,7 @@ def test_completion_stream_reassembles_to_greedy_text_with_usage(server, tokeniz
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert not chunks[-1].choices and chunks[-1].usage == full.usage
     assert all(c.usage is None for c in chunks[:-1])
+    assert len({(c.id, c.created) for c in chunks}) == 1  # one response: one id and one creation time
 
 
 def test_chat_stream_matches_nonstream(server, tokenizer):
@@ -189,6 +191,8 @@ BAD = [
     ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400,
      "logit_bias"),
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("stream options without a stream", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
     ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
      "temperature"),
@@ -217,6 +221,19 @@ def test_bad_input_gets_openai_error(server, name, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
     if name == "n > 1":
         assert "n > 1 is not supported" in err["message"]
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, tokenizer):
+    # 256 tokens of context: text beyond what 256 of the longest tokens could cover is refused on
+    # its length alone. A prompt near the bound is still tokenized and refused on its token count.
+    bound = 2 * 256 * tokenizer.most_chars_per_token
+    for path, body in (("/v1/completions", {"prompt": "x" * (bound + 1)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]})):
+        code, reply = post(server.url + path, {"model": MODEL, **body})
+        assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        assert "characters" in reply["error"]["message"], reply
+    code, reply = post(server.url + "/v1/completions", {"model": MODEL, "prompt": "x" * (bound - 1)})
+    assert code == 400 and "tokens" in reply["error"]["message"] and "characters" not in reply["error"]["message"]
 
 
 def test_bad_input_through_openai_client(server):
@@ -364,3 +381,18 @@ def test_bad_cli_arguments_exit_nonzero(caplog, capsys):
     assert "bad configuration" in caplog.text
     assert cli_main(["serve", "--model", "/nonexistent/model.gguf", "--host", "127.0.0.1", "--port", "0"]) == 1
     assert "failed to start" in caplog.text and "not found" in caplog.text
+
+
+def test_a_port_out_of_range_or_taken_is_one_error_line(caplog, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve", "--port", "99999"])
+    assert exc.value.code == 2 and "not a port number: 99999" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        # Both servers bind before they load anything, so this costs no model load.
+        assert cli_main(["serve", "--host", "127.0.0.1", "--port", port]) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+        assert cli_main(["router", "--endpoints", "127.0.0.1:9", "--host", "127.0.0.1", "--port", port]) == 1
+        assert f"kiln router: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

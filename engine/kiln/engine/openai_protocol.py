@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
 from kiln.engine import SamplingParams
 
@@ -103,6 +103,14 @@ class _SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("n > 1 is not supported by Kiln; send n separate requests instead")
         return n
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # As OpenAI and vLLM: options for a stream that is not one are a mistake, not ignored.
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return options
 
     @field_validator("stop")
     @classmethod
@@ -232,9 +240,12 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"id": id_, "object": object_, "created": int(time.time()), "model": model,
-            "choices": choices, **extra}
+def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], created: int | None = None,
+             **extra: Any) -> dict[str, Any]:
+    """A response or stream chunk; a stream passes its start time as `created` so every chunk carries
+    the same one, as OpenAI's do."""
+    return {"id": id_, "object": object_, "created": int(time.time()) if created is None else created,
+            "model": model, "choices": choices, **extra}
 
 
 def _token_entry(token_text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:

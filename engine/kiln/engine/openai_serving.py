@@ -3,6 +3,7 @@ engine, then answer with one JSON body or an SSE stream of OpenAI-format chunks.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from aiohttp import web
@@ -94,7 +95,7 @@ class OpenAIServing:
         self._check_model(req.model)
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self._encode(prompt, "prompt", add_special_tokens=True)
         else:
             ids = prompt
             if any(not 0 <= t < self.vocab_size for t in ids):
@@ -114,11 +115,20 @@ class OpenAIServing:
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         # The template already wrote the special tokens.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
         return await self._generate(request, req, ids, params, _ChatShape(self.token_text, top is not None))
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        # Tokenizing holds the GIL, so a prompt of megabytes stalled every stream and /health for
+        # seconds only to be refused for its length. Text longer than the context's tokens could
+        # cover is refused first (x2: Unicode normalization may merge up to 3 characters into 2).
+        if len(text) > 2 * self.max_model_len * self.tokenizer.most_chars_per_token:
+            raise APIError(400, f"the prompt has {len(text)} characters, more than the model's context of "
+                                f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -176,7 +186,7 @@ class OpenAIServing:
                       outputs: asyncio.Queue, shape, fields: _TokenFields) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        extra = {"usage": None} if req.include_usage else {}
+        extra: dict[str, Any] = {"created": int(time.time()), **({"usage": None} if req.include_usage else {})}
 
         def chunk(choices: list[dict[str, Any]], **fields: Any) -> bytes:
             return sse(envelope(request_id, shape.object_chunk, self.model_name, choices, **{**extra, **fields}))

@@ -44,6 +44,13 @@ def _positive(kind: type):
     return parse
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number: {text}")
+    return port
+
+
 class Server:
     def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
                  max_queued_tokens: int | None = None, fault_step: int | None = None) -> None:
@@ -252,7 +259,12 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:  # the port is taken or the address is not this machine's: say so, no traceback
+        log.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
+        await runner.cleanup()
+        return 1
     log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, args.port)
 
     stop = asyncio.Event()
@@ -279,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model name, HF folder or .gguf path")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: bfloat16 on CUDA and on CPUs with AVX512_BF16 or AMX, else float32")
     parser.add_argument("--device", default="auto")

@@ -61,6 +61,12 @@ class Tokenizer:
         self.decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
+    @functools.cached_property
+    def most_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary entry's length, which
+        byte-level (`Ġ`, `Ã©`) and metaspace (`▁`) entries and byte fallbacks (`<0x0A>`) only overstate."""
+        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 

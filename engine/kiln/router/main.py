@@ -184,5 +184,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if api_keys is None:
         log.warning("no API key: anyone who reaches the router can use the model")
-    asyncio.run(_serve_until_stopped(build_app(source, limits, traffic, api_keys), args.host, args.port))
+    try:
+        asyncio.run(_serve_until_stopped(build_app(source, limits, traffic, api_keys), args.host, args.port))
+    except OSError as exc:  # the port is taken or the address is not this machine's
+        print(f"kiln router: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     return 0
