@@ -141,3 +141,8 @@ def test_api_server_fills_defaults_and_keeps_the_full_example(custom_api, kiln_i
     stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
                                                         "inferenceservices", full, dry_run="All")
     assert stored["spec"] == full["spec"] | {"replicas": 1}  # nothing pruned, only defaults added
+    # A claim's name is a DNS subdomain: dots allowed.
+    dotted = {**minimal, "spec": {**GOOD, "model": {"source": "pvc://weights.v2/llama/model.gguf"}}}
+    stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
+                                                        "inferenceservices", dotted, dry_run="All")
+    assert stored["spec"]["model"]["source"] == "pvc://weights.v2/llama/model.gguf"

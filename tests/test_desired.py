@@ -59,6 +59,9 @@ def test_quantities_are_checked_by_the_operator_too():
                          ("engine", {"kvCache": {"memory": "4GB"}})):
         with pytest.raises(ValueError, match="must be a Kubernetes quantity"):
             spec_of(**{block: value})
+    for memory in (0, "0", "500m", "1e-3"):  # quantities, but no whole byte of KV cache
+        with pytest.raises(ValueError, match="must be at least one byte"):
+            spec_of(engine={"kvCache": {"memory": memory}})
     assert spec_of(resources={"cpu": "500m", "memory": "1.5Gi"}).resources.memory == "1.5Gi"
     assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from kubernetes.utils import parse_quantity
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 GROUP = "kiln.dev"
 VERSION = "v1alpha1"
@@ -65,7 +66,7 @@ class ModelSpec(Spec):
     source: str = Field(max_length=512, description=(
         "builtin://<name>, pvc://<claim>/<path> (HF folder or .gguf) or hostpath:///<absolute path>."),
         json_schema_extra=rules(cel(
-            "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^/].*)?"
+            "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?"
             "|hostpath:///.+)$')",
             "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>")))
 
@@ -79,6 +80,15 @@ class KVCache(Spec):
     dtype: Literal["auto", "int8", "fp8"] = Field(
         "auto", description="KV cache element type: auto (the model dtype), int8 or fp8 (half a 16-bit "
                             "cache: about twice the sequences in the same memory).")
+
+    @field_validator("memory")
+    @classmethod
+    def _some_bytes(cls, memory: str | int | None) -> str | int | None:
+        # A valid quantity may still round to no bytes (0, 500m, 1e-3): the engine would refuse it
+        # and its pods crash-loop; refused here, the spec's status says why.
+        if memory is not None and int(parse_quantity(memory)) < 1:
+            raise ValueError(f"must be at least one byte, got {memory!r}")
+        return memory
 
 
 class Speculative(Spec):
