@@ -103,6 +103,8 @@ INVALID = [
      "autoscaling.scaleDownDelay must be at most 1h with mode hpa"),
     ("bad-source-scheme", "bad", with_spec(model__source="s3://bucket/model"),
      "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
+    ("host-root-as-source", "bad", with_spec(model__source="hostpath:////"),  # would mount the node's / over the pod's
+     "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
     ("ratio-below-one", "bad", with_spec(rollout__steps=[{"weight": 10}],
                                          rollout__analysis={"maxTimeToFirstTokenP95Ratio": 0.8}),
      "maxTimeToFirstTokenP95Ratio in body should be greater than or equal to 1"),

@@ -67,7 +67,7 @@ class ModelSpec(Spec):
         "builtin://<name>, pvc://<claim>/<path> (HF folder or .gguf) or hostpath:///<absolute path>."),
         json_schema_extra=rules(cel(
             "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?"
-            "|hostpath:///.+)$')",
+            "|hostpath:///[^/].*)$')",
             "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>")))
 
 
