@@ -9,7 +9,7 @@ import itertools
 import json
 import re
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.router.auth import ApiKeys
 from kiln.router.endpoints import Changes, Endpoint, EndpointSource, ReadyEndpoints, StaticEndpoints
 from kiln.router.main import serving
 from kiln.router.proxy import Limits, build_app
@@ -40,26 +41,40 @@ class FakeEngine:
     hanging up cancels its handler). Scripts: answer; hold (answer once `release` is set);
     stream (one SSE event, then the rest once `release` is set); paced (three SSE events,
     one per item put in `steps`); endless (SSE events until the client goes away); break
-    (one SSE event, then drop the connection); hang_up (drop the connection unanswered)."""
+    (one SSE event, then drop the connection); hang_up (drop the connection unanswered).
+    It keeps the last request's body and headers, and has the engine's POST /sleep, a route
+    no client of the router may reach."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.hits = 0
+        self.slept = 0
+        self.body = b""
+        self.headers: Mapping[str, str] = {}
         self.streams_finished = 0
         self.clients_gone = 0
         self.release = asyncio.Event()
         self.steps: asyncio.Queue[None] = asyncio.Queue()
         self.app = web.Application()
         self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/sleep", self.sleep)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.hits += 1
-        script = (await request.json()).get("fake", "answer")
+        self.body, self.headers = await request.read(), request.headers
+        try:
+            script = json.loads(self.body).get("fake", "answer")
+        except (ValueError, RecursionError):
+            script = "answer"
         try:
             return await getattr(self, f"_{script}")(request)
         except asyncio.CancelledError:  # the client hung up; a real engine aborts the request
             self.clients_gone += 1
             raise
+
+    async def sleep(self, request: web.Request) -> web.StreamResponse:
+        self.slept += 1
+        return web.json_response({"is_sleeping": True})
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"engine": self.name})
@@ -182,6 +197,7 @@ class Service:
     engines: list[FakeEngine]
     endpoints: list[Endpoint]  # the router's endpoint of each engine
     source: EndpointSource
+    port: int  # the router's
 
     def hits(self) -> list[int]:
         return [engine.hits for engine in self.engines]
@@ -211,9 +227,9 @@ async def service(engines: int, also: Sequence[Endpoint] = (), revisions: Sequen
                   limits: Limits = Limits(),
                   source: Callable[[list[Endpoint]], EndpointSource] = StaticEndpoints,
                   traffic: TrafficSource | None = None, fake: type[FakeEngine] = FakeEngine,
-                  ) -> AsyncIterator[Service]:
+                  api_keys: ApiKeys | None = None) -> AsyncIterator[Service]:
     """A router over the endpoints `also` and `engines` fake engines (of `revisions`, one
-    each, if given), splitting by `traffic` if given."""
+    each, if given), splitting by `traffic` if given, demanding `api_keys` if given."""
     fakes = [fake(f"engine-{i}") for i in range(engines)]
     async with AsyncExitStack() as stack:
         ports = [await stack.enter_async_context(serving(f.app, "127.0.0.1", 0)) for f in fakes]
@@ -221,11 +237,11 @@ async def service(engines: int, also: Sequence[Endpoint] = (), revisions: Sequen
                 for port, revision in zip(ports, revisions or [""] * engines)]
         endpoints = source([*also, *mine])
         router_port = await stack.enter_async_context(
-            serving(build_app(endpoints, limits, traffic), "127.0.0.1", 0))
+            serving(build_app(endpoints, limits, traffic, api_keys), "127.0.0.1", 0))
         session = await stack.enter_async_context(
             aiohttp.ClientSession(f"http://127.0.0.1:{router_port}"))
         stack.callback(lambda: [fake.release.set() for fake in fakes])  # unblock before cleanup
-        yield Service(session, fakes, mine, endpoints)
+        yield Service(session, fakes, mine, endpoints, router_port)
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -240,3 +256,16 @@ async def until_held(router: aiohttp.ClientSession, count: int) -> None:
         return metric(parse_metrics(page), "kiln_router_held_requests")
     while await held() != count:  # bounded by the test timeout, not timed
         await asyncio.sleep(0.01)
+
+
+async def raw_post(port: int, path: bytes, body: bytes, headers: bytes = b"") -> tuple[int, bytes]:
+    """POST exactly these bytes to 127.0.0.1:`port`, where a client library would resolve '..'
+    in the path and encode the headers itself; the status and the (unchunked) body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nHost: router\r\nConnection: close\r\n%sContent-Length: %d"
+                 b"\r\n\r\n%s" % (path, headers, len(body), body))
+    answer = await reader.read()  # until the server closes, as asked
+    writer.close()
+    await writer.wait_closed()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), payload

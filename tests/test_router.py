@@ -4,13 +4,14 @@ EndpointSlice discovery is in test_router_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
-from kiln.router.endpoints import Endpoint, ReadyEndpoints
+from kiln.router.endpoints import Endpoint, ReadyEndpoints, parse_endpoints
 from kiln.router.main import serving
 from kiln.router.proxy import Limits
 from router_fakes import (
@@ -20,6 +21,7 @@ from router_fakes import (
     has_series,
     metric,
     on_event_loop,
+    raw_post,
     refusing,
     service,
     sse,
@@ -344,6 +346,45 @@ async def test_body_over_max_body_bytes_gets_413() -> None:
         assert metric(samples, "kiln_router_requests_total", revision="none", code="413") == 1
 
 
+@on_event_loop
+async def test_a_path_with_dot_segments_is_refused_not_resolved_to_an_engine_route() -> None:
+    async with service(1) as svc:
+        for path in (b"/v1/../sleep", b"/v1/%2e%2E/sleep", b"/v1/./completions"):
+            status, body = await raw_post(svc.port, path, b"{}")
+            assert status == 400 and json.loads(body)["error"]["code"] == "invalid_path", path
+        assert svc.engines[0].slept == 0 and svc.hits() == [0]
+
+
+@on_event_loop
+async def test_a_gzip_body_reaches_the_engine_decoded_and_a_corrupt_one_is_a_400() -> None:
+    async with service(1) as svc:
+        body = json.dumps({"prompt": "hi"}).encode()
+        gzipped = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        response = await svc.client.post("/v1/completions", data=gzip.compress(body),
+                                         headers=gzipped)
+        assert response.status == 200
+        engine = svc.engines[0]
+        assert engine.body == body and "Content-Encoding" not in engine.headers
+        response = await svc.client.post("/v1/completions", data=b"\x1f\x8bnot gzip",
+                                         headers=gzipped)
+        assert response.status == 400
+        assert (await response.json())["error"]["code"] == "invalid_body"
+        assert svc.hits() == [1]
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="none", code="400") == 1
+
+
+@on_event_loop
+async def test_a_path_or_method_the_router_lacks_gets_an_openai_error() -> None:
+    async with service(1) as svc:
+        missing = await svc.client.get("/v2/models")
+        assert missing.status == 404
+        assert (await missing.json())["error"]["code"] == "not_found"
+        wrong = await svc.client.post("/health")
+        assert wrong.status == 405 and wrong.headers["Allow"] == "GET,HEAD"
+        assert (await wrong.json())["error"]["code"] == "method_not_allowed"
+
+
 def none_ready(endpoints: list[Endpoint]) -> ChangingEndpoints:
     """Scaled to zero: the engines are there, none ready yet; the test makes them ready."""
     return ChangingEndpoints([])
@@ -436,6 +477,10 @@ async def test_client_hanging_up_while_held_is_never_forwarded() -> None:
     (["--endpoints", "engine-0"], "'engine-0' is not host:port"),
     (["--endpoints", "a:1,a:1"], "duplicate endpoint"),
     (["--endpoints", "a:99999"], "is not host:port"),
+    (["--endpoints", "http://127.0.0.1:8000"], "is not host:port"),
+    (["--endpoints", "a/v1:8000"], "is not host:port"),
+    (["--endpoints", "::1:8000"], "IPv6 in brackets"),
+    (["--endpoints", "[::1:8000"], "is not host:port"),
     (["--endpoints", "a:1", "--connect-timeout", "0"], "--connect-timeout must be positive"),
     (["--endpoints", "a:1", "--connect-timeout", "nan"], "--connect-timeout must be positive"),
     (["--endpoints", "a:1", "--first-byte-timeout", "-1"],
@@ -463,3 +508,8 @@ def test_cli_requires_a_source_of_endpoints(capsys: pytest.CaptureFixture[str]) 
         kiln_main(["router"])
     assert exit_.value.code == 2
     assert "--endpoints --selector is required" in capsys.readouterr().err
+
+
+def test_endpoints_take_names_ipv4_and_bracketed_ipv6() -> None:
+    assert parse_endpoints("engine-0.engines:8000, 10.0.0.7:8000,[::1]:8000") == [
+        Endpoint("engine-0.engines", 8000), Endpoint("10.0.0.7", 8000), Endpoint("::1", 8000)]

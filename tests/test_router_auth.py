@@ -1,9 +1,11 @@
 """API keys and tenants at the router: a real `kiln router` process (keys from KILN_API_KEYS, as
 the operator passes a Secret) in front of a real `kiln serve` on SmolLM2. Every path but the
 probes, /metrics and /openapi.json demands a key; each key's requests share cached prefix blocks
-only with each other, which the engine's own prefix-cache counters show."""
+only with each other, which the engine's own prefix-cache counters show. Odd headers and bodies
+go to a router in front of a fake engine (router_fakes)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +13,9 @@ import sys
 import openai
 import pytest
 
+from kiln.router.auth import ApiKeys
 from kiln_process import REPO, RouterProcess
+from router_fakes import on_event_loop, raw_post, service
 from test_server import MODEL, ServerProcess, get, post
 
 KEYS = "key-tenant-a  # team a\nkey-tenant-b\n"
@@ -85,3 +89,25 @@ def test_a_key_variable_holding_no_key_does_not_open_the_router():
                               cwd=REPO, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 2 and ("API key" in out or "api-key" in out), out
+
+
+@pytest.mark.timeout(60)
+@on_event_loop
+async def test_a_key_header_that_is_not_utf8_is_a_401_and_any_bearer_casing_will_do() -> None:
+    async with service(1, api_keys=ApiKeys(["key-a"])) as svc:
+        status, body = await raw_post(svc.port, b"/v1/completions", b"{}",
+                                      b"Authorization: Bearer \xff\xfe\r\n")
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _ = await raw_post(svc.port, b"/v1/completions", b"{}",
+                                   b"Authorization: bEARER key-a\r\n")
+        assert status == 200 and svc.hits() == [1]
+
+
+@pytest.mark.timeout(60)
+@on_event_loop
+async def test_a_body_too_deeply_nested_to_salt_goes_on_untouched_for_the_engine_to_refuse() -> None:
+    async with service(1, api_keys=ApiKeys(["key-a"])) as svc:
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        status, _ = await raw_post(svc.port, b"/v1/completions", deep,
+                                   b"Authorization: Bearer key-a\r\n")
+        assert status == 200 and svc.engines[0].body == deep

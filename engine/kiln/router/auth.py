@@ -17,7 +17,7 @@ from aiohttp import web
 
 ENV = "KILN_API_KEYS"
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
-SALT = "kiln.cache_salt"  # where the middleware leaves a request's salt
+SALT = web.RequestKey("kiln.cache_salt", str)  # where the middleware leaves a request's salt
 
 
 def parse_keys(text: str) -> list[str]:
@@ -46,7 +46,9 @@ class ApiKeys:
         """The tenant's salt when the header carries a known key, else None. Every key is
         compared in constant time, so timing says nothing about how much of a key was right."""
         scheme, _, token = (authorization or "").partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # aiohttp decodes header bytes that are not UTF-8 to surrogates: encode them back to
+        # the bytes sent (a wrong key), where a strict encode would raise (a 500).
+        given = token.strip().encode(errors="surrogateescape") if scheme.lower() == "bearer" else b""
         found = None
         for key, salt in self.salts.items():
             if hmac.compare_digest(given, key):
@@ -78,7 +80,7 @@ def salted(body: bytes, salt: str | None) -> bytes:
         return body
     try:
         request = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return body
     if not isinstance(request, dict):
         return body

@@ -4,10 +4,14 @@ zero); a static list (local use, tests) and EndpointSlices (in a cluster) both f
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
+
+HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")  # a DNS name or IPv4 address
 
 
 class Endpoint(NamedTuple):
@@ -103,12 +107,25 @@ class StaticEndpoints:
         pass
 
 
+def _valid_host(host: str) -> bool:
+    """A name or IPv4 address, or an IPv6 address in brackets. Anything else (a scheme, a path,
+    a second colon) would make every request to it fail, long after startup."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return HOST_NAME.fullmatch(host) is not None
+
+
 def parse_endpoint(text: str) -> Endpoint:
+    """'host:port' or '[IPv6]:port'."""
     host, sep, port = text.strip().rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text.strip()!r} is not host:port (port 1-65535)")
-    return Endpoint(host, int(port))
+    if not sep or not _valid_host(host) or not (port.isascii() and port.isdigit()) \
+            or not 0 < int(port) < 65536:
+        raise ValueError(f"{text.strip()!r} is not host:port (port 1-65535; IPv6 in brackets)")
+    return Endpoint(host.removeprefix("[").removesuffix("]"), int(port))
 
 
 def parse_endpoints(text: str) -> list[Endpoint]:

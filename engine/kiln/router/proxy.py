@@ -16,12 +16,13 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
 from kiln.engine.openapi import handler
@@ -29,6 +30,8 @@ from kiln.router import auth
 from kiln.router.auth import ApiKeys
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
+from kiln.router.errors import error_response, http_errors
+from kiln.router.forwarding import has_dot_segment, request_headers, response_headers
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
@@ -46,15 +49,10 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                           aiohttp.ClientConnectionResetError)
 RETRYABLE = frozenset({"connect", "stale_connection"})
-# Per-connection headers (RFC 9110 7.6.1) and ones the client library sets itself.
-HOP_BY_HOP = frozenset(h.lower() for h in (
-    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
-    "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length"))
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
 # After the only ready replica refused the connection: how long to wait for the EndpointSlice
 # to catch up (a replica gone, or a new one at the same address) before trying again.
 REFUSED_WAIT_S = 1.0
-RETRY_AFTER_S = 1  # every 429's Retry-After: slots free as requests finish, so soon is right
 
 
 @dataclass(frozen=True)
@@ -86,20 +84,6 @@ class _Retryable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.stale = reason == "stale_connection"
-
-
-def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
-    """An error shaped like OpenAI's, so OpenAI clients show the message; a 429 says when to
-    come back (OpenAI's clients honour Retry-After)."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return web.json_response(body, status=status, headers=retry)
-
-
-def _end_to_end(headers: Mapping[str, str], keep_length: bool) -> list[tuple[str, str]]:
-    """Pairs, not a dict: a header may repeat."""
-    return [(k, v) for k, v in headers.items()
-            if k.lower() not in HOP_BY_HOP or (keep_length and k.lower() == "content-length")]
 
 
 def _failure_reason(exc: Exception, reused: bool) -> str:
@@ -171,6 +155,9 @@ class Router:
                                   time.monotonic() - exchange.received)
 
     async def _admit(self, request: web.Request, exchange: _Exchange) -> web.StreamResponse:
+        if has_dot_segment(request.path):
+            return error_response(400, "a path with '.' or '..' segments is refused",
+                                  "invalid_request_error", "invalid_path")
         if not await self._take_place():
             waiting = f" and {len(self._line)} waiting" if self.limits.max_queue else ""
             return error_response(429, f"the router is at its limit of {self._active} requests "
@@ -182,6 +169,10 @@ class Router:
                 return error_response(413, f"the request body is over the router's limit of "
                                       f"{self.limits.max_body_bytes} bytes",
                                       "invalid_request_error", "request_too_large")
+            except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
+                why = getattr(exc.__cause__, "message", None) or str(exc)  # the parser's words
+                return error_response(400, f"the request body could not be read: {why}",
+                                      "invalid_request_error", "invalid_body")
             body = auth.salted(body, request.get(auth.SALT))
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
@@ -300,7 +291,7 @@ class Router:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
                 upstream = await self._session.request(
                     request.method, endpoint.url + request.rel_url.raw_path_qs,
-                    headers=_end_to_end(request.headers, keep_length=False), data=body,
+                    headers=request_headers(request.headers), data=body,
                     trace_request_ctx=attempt)
         except (aiohttp.ClientError, TimeoutError) as exc:
             reason = _failure_reason(exc, attempt.reused)
@@ -319,7 +310,7 @@ class Router:
         async with upstream:
             response = web.StreamResponse(
                 status=upstream.status, reason=upstream.reason,
-                headers=_end_to_end(upstream.headers, keep_length=True))
+                headers=response_headers(upstream.headers))
             try:
                 await response.prepare(request)
                 complete = await self._pump(upstream, response, exchange)
@@ -385,8 +376,8 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     """`traffic`: the rollout's split (None: no split, every ready replica alike); `api_keys`:
     demand one (None: open)."""
     router = Router(source, limits, traffic or StaticTraffic())
-    app = web.Application(client_max_size=limits.max_body_bytes,
-                          middlewares=[auth.middleware(api_keys)] if api_keys else [])
+    keys = [auth.middleware(api_keys)] if api_keys else []
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[http_errors, *keys])
     app.cleanup_ctx.append(router.lifecycle)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)

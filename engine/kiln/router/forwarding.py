@@ -1,0 +1,31 @@
+"""What of a client's request goes on to a replica, and what of the replica's response comes
+back: the end-to-end headers, and a path only without '.' or '..' segments."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Per-connection headers (RFC 9110 7.6.1) and ones the client library sets itself.
+HOP_BY_HOP = frozenset(h.lower() for h in (
+    "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+    "Trailer", "Transfer-Encoding", "Upgrade", "Host"))
+# The client library sets the length of what it sends, and the router's server has already
+# decoded a compressed request body: forwarded, the encoding would make the replica decode
+# plain bytes again and refuse them.
+NOT_FORWARDED = HOP_BY_HOP | {"content-length", "content-encoding"}
+
+
+def request_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Pairs, not a dict: a header may repeat."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in NOT_FORWARDED]
+
+
+def response_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The response's bytes pass through untouched, so its length and encoding stay."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP]
+
+
+def has_dot_segment(path: str) -> bool:
+    """Whether a path (percent-decoded) has a '.' or '..' segment. The client library resolves
+    those before sending, so /v1/../sleep would reach the engine's /sleep: a route no client of
+    the router may use."""
+    return any(segment in (".", "..") for segment in path.split("/"))
