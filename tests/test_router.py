@@ -347,6 +347,21 @@ async def test_body_over_max_body_bytes_gets_413() -> None:
 
 
 @on_event_loop
+async def test_a_stalled_upload_gets_408_and_frees_its_place() -> None:
+    async with service(1, limits=Limits(max_in_flight=1, body_timeout=0.3)) as svc:
+        reader, writer = await asyncio.open_connection("127.0.0.1", svc.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Length: 100\r\n\r\n{")
+        async with asyncio.timeout(30):  # the rest of the body never comes; without the limit, neither would this
+            head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        assert head.split()[1] == b"408", head
+        assert svc.hits() == [0]
+        assert (await svc.complete()).status == 200  # its one place is free again
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="none", code="408") == 1
+
+
+@on_event_loop
 async def test_a_path_with_dot_segments_is_refused_not_resolved_to_an_engine_route() -> None:
     async with service(1) as svc:
         for path in (b"/v1/../sleep", b"/v1/%2e%2E/sleep", b"/v1/./completions"):

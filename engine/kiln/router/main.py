@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help=f"demand Authorization: Bearer KEY (repeat for more tenants; also "
                              f"${auth.ENV}, one per line); without any, the router is open")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULTS.body_timeout,
+                        help="seconds to receive a request's body once admitted, then a 408 "
+                             "(default: %(default)s)")
     parser.add_argument("--activation-timeout", type=float,
                         default=DEFAULTS.activation_timeout,
                         help="seconds a held request waits for a replica to become ready, "
@@ -90,10 +93,12 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--max-held must be at least 1")
     if not (math.isfinite(args.activation_timeout) and args.activation_timeout > 0):
         raise ValueError("--activation-timeout must be positive seconds")
+    if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
+        raise ValueError("--body-timeout must be positive seconds")
     return Limits(connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
                   max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                   max_held=args.max_held, activation_timeout=args.activation_timeout,
-                  max_queue=args.max_queue)
+                  max_queue=args.max_queue, body_timeout=args.body_timeout)
 
 
 def _api_keys(args: argparse.Namespace) -> auth.ApiKeys | None:

@@ -66,6 +66,7 @@ class Limits:
     max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
     activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
     max_queue: int = 0  # requests waiting in line for one of max_in_flight; 0: none wait
+    body_timeout: float = 30.0  # seconds to receive a request's body once admitted, then a 408
 
 
 @dataclass
@@ -164,7 +165,12 @@ class Router:
                                   f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
         try:
             try:
-                body = await request.read()
+                # A client that stalls its upload would hold its place for ever (slowloris).
+                async with asyncio.timeout(self.limits.body_timeout):
+                    body = await request.read()
+            except TimeoutError:
+                return error_response(408, f"the request body did not arrive within "
+                                      f"{self.limits.body_timeout:g} s", "invalid_request_error", "request_timeout")
             except web.HTTPRequestEntityTooLarge:
                 return error_response(413, f"the request body is over the router's limit of "
                                       f"{self.limits.max_body_bytes} bytes",
