@@ -14,6 +14,7 @@ from kiln.engine.openapi import error, response, retry_later
 ROUTER_ERRORS = {
     "401": error("API keys are on and the request has no valid `Authorization: Bearer <key>` "
                  "(code invalid_api_key)"),
+    "408": error("the request body did not arrive within --body-timeout (code request_timeout)"),
     "413": error("the request body is over the router's --max-body-bytes (code request_too_large)"),
     "429": retry_later("the router is at --max-in-flight with its queue full, or --max-held "
                        "requests already wait for a replica"),
