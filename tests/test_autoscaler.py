@@ -157,3 +157,78 @@ def test_panic_threshold_is_relative_to_ready_replicas():
     # 7 replicas' worth is less than 2 x 4 ready: stable window decides, no panic.
     run.tick(28.0)
     assert run.decisions[-1].mode == "stable" and PANIC_THRESHOLD == 2.0
+
+
+def test_a_lowered_max_replicas_applies_at_once_not_after_the_scale_down_delay():
+    run = Run(spec(maxReplicas=10), replicas=8)
+    run.ready = 8
+    run.run([40.0] * 5)
+    run.scaling = spec(maxReplicas=4)  # a spec edit
+    assert run.tick(40.0).replicas == 4 and run.decisions[-1].reason == "AtMaxReplicas"
+    assert run.state.replicas == 4
+    # Also while a replica still loads, and with no fresh sample.
+    state = ScalerState(8)
+    assert decide([], spec(maxReplicas=4), state, 7, 1, 100.0)[0].replicas == 4
+    assert decide([Sample(100.0, 40.0)], spec(maxReplicas=4), state, 7, 1, 100.0)[0].replicas == 4
+
+
+def test_load_coming_back_is_not_scaled_away_on_a_stale_stable_average():
+    # Demand alternates every 5 minutes between 3 replicas' worth and almost none. Once the
+    # first trough outlasted the delay, a scale-down must not fall where the panic window
+    # already shows the load back (3 -> 1 -> 2 -> 3 every cycle).
+    run = Run(spec(scaleDownDelay="5m"), replicas=4, start_ticks=30)
+    run.ready = 4
+    replicas = run.run([10.0 if ((i + 40) // 150) % 2 == 0 else 0.5 for i in range(1800)])
+    changes = [b for a, b in zip(replicas, replicas[1:]) if a != b]
+    assert len(changes) <= 3 and replicas[-1] == 3
+    assert 1 not in replicas[400:]
+
+
+def test_pods_beyond_the_last_decision_do_not_hold_a_scale_down():
+    # 3 serving and ready; one more pod loads that is no serving capacity on its way (a warm
+    # pool refilling after a promotion, or a crash-looping standby): the delay alone holds.
+    state = ScalerState(3, lower_since=0.0)
+    samples = [Sample(1000.0 - i, 0.0) for i in range(60)]
+    decision, _ = decide(samples, spec(minReplicas=1, scaleDownDelay="60s"), state, 3, 1, 1000.0)
+    assert decision.replicas == 1
+    # One the decision ordered and that still loads does hold it.
+    decision, _ = decide(samples, spec(minReplicas=1, scaleDownDelay="60s"), state, 2, 1, 1000.0)
+    assert (decision.replicas, decision.reason) == (3, "ScaleDownDelayed")
+
+
+def pod(name: str, ready: bool, unschedulable: bool = False, serving: str | None = None) -> dict:
+    conditions = [{"type": "Ready", "status": str(ready)}]
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                           "message": "0/2 nodes have enough nvidia.com/gpu"})
+    labels = {"kiln.dev/component": "engine", "kiln.dev/revision": "r1",
+              **({"kiln.dev/serving": serving} if serving else {})}
+    return {"kind": "Pod", "metadata": {"name": name, "labels": labels}, "status": {"conditions": conditions}}
+
+
+def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import capacity, manual, pod_counts
+    observed = Observed.of(pod("a", True), pod("b", False), pod("c", False, unschedulable=True),
+                           pod("d", False, unschedulable=True), pod("e", True, serving="false"))
+    assert pod_counts(observed, "r1") == (1, 1, 2, "0/2 nodes have enough nvidia.com/gpu")
+    assert capacity(manual(), observed, "r1").condition["message"].startswith("2 replica(s) cannot be scheduled")
+    # After a burst ordered 3 and no node fits 2 of them, the load went: down after the delay.
+    ready, loading, _, _ = pod_counts(Observed.of(pod("a", True), pod("c", False, unschedulable=True),
+                                                  pod("d", False, unschedulable=True)), "r1")
+    samples = [Sample(1000.0 - i, 0.0) for i in range(60)]
+    decision, _ = decide(samples, spec(scaleDownDelay="60s"), ScalerState(3, lower_since=0.0), ready, loading,
+                         1000.0)
+    assert decision.replicas == 1
+
+
+def test_times_from_a_clock_ahead_hold_replicas_no_longer_than_this_clock_allows():
+    # A former leader whose clock ran an hour ahead wrote panicUntil and scaleDownSince.
+    now, idle = 1_000_000.0, [Sample(1_000_000.0 - i, 0.0) for i in range(60)]
+    scaling = spec(scaleDownDelay="60s")
+    _, state = decide(idle, scaling, ScalerState(5, panic_until=now + 3600), 5, 0, now)
+    assert state.panic_until == now + seconds("60s")
+    decision, state = decide(idle, scaling, ScalerState(5, lower_since=now + 3600), 5, 0, now)
+    assert (decision.reason, state.lower_since) == ("ScaleDownDelayed", now)
+    later = [Sample(now + 61 - i, 0.0) for i in range(60)]
+    assert decide(later, scaling, state, 5, 0, now + 61)[0].replicas == 1

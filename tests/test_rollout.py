@@ -183,3 +183,59 @@ def test_status_patch_removes_keys_dropped_at_any_depth():
     after = {"rollout": {"phase": "RolledBack", "analysis": {}}}
     assert merge_patch(before, after) == {"url": None, "rollout": {"phase": "RolledBack", "canary": None,
                                                                    "analysis": {"errorRate": None}}}
+
+
+def test_a_canary_failing_every_request_fails_even_with_no_mirrored_tokens():
+    # Failed requests score no tokens: too few tokens leaves quality unjudged, never the errors.
+    stable = figures(page("s", 100, 0, tokens=40, agreed=39))["s"]
+    failing = figures(page("c", 0, 20))["c"]
+    result = check(failing, stable, ROLLOUT.analysis)
+    assert result.verdict == FAIL and result.failed == ["error rate 1.000 > 0.01"]
+    # Healthy but too few tokens: still inconclusive; exactly at maxErrorRate is no failure.
+    assert check(figures(page("c", 99, 1, tokens=10))["c"], stable, ROLLOUT.analysis).verdict == INCONCLUSIVE
+    assert check(figures(page("c", 99, 1))["c"], stable, Analysis(minRequests=5)).verdict == PASS
+
+
+def test_nan_counts_are_no_figures_and_never_pass_the_quality_gate():
+    stable = figures(page("s", 100, 0, tokens=40, agreed=39))["s"]
+    for tokens, agreed in ((float("nan"), float("nan")), (100, float("nan")), (float("inf"), 100)):
+        result = check(figures(page("c", 20, 0, tokens=tokens, agreed=agreed))["c"], stable, ROLLOUT.analysis)
+        assert result.verdict != PASS
+
+
+def test_the_progress_deadline_runs_from_losing_readiness_not_from_the_steps_start():
+    rollout = ROLLOUT.model_copy(update={"steps": [ROLLOUT.steps[0].model_copy(update={"pause": "1h"})]})
+    d = advance(rollout, None, "a", "b", READY, None, 0)
+    d = advance(rollout, d.state, "a", "b", READY, None, 10)
+    assert d.state.step == 1
+    # 16 minutes into the hour-long step its one pod restarts: not a rollback on the spot.
+    d = advance(rollout, d.state, "a", "b", Facts(0, False, unready_since=995), None, 1000)
+    assert d.state.phase == PROGRESSING and "ready replica again" in d.state.message
+    # Still none ready the deadline (2m) after it went: rolled back.
+    d = advance(rollout, d.state, "a", "b", Facts(0, False, unready_since=995), None, 995 + 121)
+    assert d.state.phase == ROLLED_BACK and "progressDeadline" in d.state.message
+
+
+def test_unready_since_is_the_latest_ready_transition_of_the_pods():
+    from kiln.operator.canary import unready_since
+
+    def pod(at: str) -> dict:
+        return {"metadata": {"name": at}, "status": {"conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T00:09:00Z"},
+            {"type": "Ready", "status": "False", "lastTransitionTime": at}]}}
+    assert unready_since([pod("2026-01-01T00:01:00Z"), pod("2026-01-01T00:02:00Z")]) == 1767225720.0
+    assert unready_since([{"metadata": {"name": "new"}, "status": {}}]) is None
+
+
+def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revision():
+    from kiln.operator.canary import Baseline, roll
+    owner, key = Owner("chat", "ns", "uid"), ("ns", "chat")
+    stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    observed = Observed.of(desired(owner, spec_of("none"), Observed(), "img").stable.deployment)
+    previous = {"rollout": dump(State(PROGRESSING, stable, canary, step=1, since=0), ROLLOUT)}
+    # Its errors before the abort must not be judged in the first interval of a re-apply.
+    baselines = {key: Baseline(50, canary, {canary: Figures(requests=20, errors=20)})}
+    kept = roll(owner, spec_of("int8"), observed, {}, previous, baselines, 60)
+    assert kept.state.phase == PROGRESSING and key in baselines
+    aborted = roll(owner, spec_of("none"), observed, {}, previous, baselines, 70)
+    assert aborted.state.phase == ROLLED_BACK and key not in baselines

@@ -73,3 +73,14 @@ def test_no_sample_without_a_router_or_without_any_engine_answer():
         assert scrape([engine], [refused_url()], now=1.0).sample is None  # held requests unknown
         assert scrape([refused_url()], [router], now=1.0).sample is None  # engines run, none answered
         assert scrape([], [router], now=1.0).sample.load == 2.0  # at zero: the held requests are the load
+
+
+def test_nan_infinite_or_negative_counts_are_garbage_never_load():
+    with serving(ENGINE.format(waiting=2, running=4)) as ok, serving(ENGINE.format(waiting="NaN", running=1)) as nan, \
+            serving(ENGINE.format(waiting=-40, running=0)) as negative, \
+            serving(ENGINE.format(waiting="+Inf", running=0)) as inf, serving(ROUTER.format(held=0, cold=0)) as router, \
+            serving(ROUTER.format(held="NaN", cold=0)) as bad_router:
+        taken = scrape([ok, nan, negative, inf], [router, bad_router], now=1.0)
+        assert taken.sample.load == 6.0 * 4  # the three count at the average of the one that answered sanely
+        assert scrape([nan], [router], now=1.0).sample is None  # no engine answered sanely: no sample
+        assert scrape([], [bad_router], now=1.0).sample is None

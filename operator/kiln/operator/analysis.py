@@ -49,7 +49,7 @@ def figures(samples: Iterable[Sample]) -> dict[str, Figures]:
     out: dict[str, Figures] = {}
     for name, labels, value in samples:
         revision = labels.get("revision")
-        if revision is None:
+        if revision is None or not math.isfinite(value):  # a count that is NaN or infinite is garbage
             continue
         f = out.setdefault(revision, Figures())
         if name == "kiln_router_requests_total" and labels.get("code") != CLIENT_GONE:
@@ -101,9 +101,10 @@ def ratio(canary: float | None, stable: float | None) -> float | None:
 
 def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
-    requests, or too few mirrored tokens when the quality gate is on: inconclusive, never a
-    failure. The agreement threshold is relative to the noise floor: stable scoring its own
-    tokens on another replica (1.0 when the interval had too few of those)."""
+    requests: inconclusive, never a failure. Too few mirrored tokens leaves quality unjudged
+    (inconclusive unless another check failed: a canary failing every request scores no tokens,
+    and that must not hide its errors). The agreement threshold is relative to the noise floor:
+    stable scoring its own tokens on another replica (1.0 when the interval had too few of those)."""
     ttft = ratio(quantile(0.95, canary.ttft), quantile(0.95, stable.ttft))
     itl = ratio(quantile(0.95, canary.itl), quantile(0.95, stable.itl))
     error_rate = canary.errors / canary.requests if canary.requests else None
@@ -115,8 +116,9 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
         "errorRate": rounded(error_rate), "ttftP95Ratio": rounded(ttft), "itlP95Ratio": rounded(itl),
         "greedyAgreement": rounded(agreement), "agreementTokens": int(canary.tokens),
         "noiseFloor": rounded(floor), "noiseFloorTokens": int(stable.tokens)}
-    if canary.requests < analysis.minRequests or (quality and canary.tokens < quality.minTokens):
+    if canary.requests < analysis.minRequests:
         return Check(INCONCLUSIVE, shown, [])
+    quality_judged = quality is not None and canary.tokens >= quality.minTokens
     failed = []
     if error_rate is not None and error_rate > analysis.maxErrorRate:
         failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}")
@@ -124,13 +126,15 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
         failed.append(f"TTFT p95 ratio {ttft:.2f} > {analysis.maxTimeToFirstTokenP95Ratio}")
     if itl is not None and itl > analysis.maxInterTokenLatencyP95Ratio:
         failed.append(f"ITL p95 ratio {itl:.2f} > {analysis.maxInterTokenLatencyP95Ratio}")
-    if quality and agreement is not None:
+    if quality and quality_judged and agreement is not None:
         needed = quality.minGreedyAgreement * (floor if floor is not None else 1.0)
         if agreement < needed:
             failed.append(f"greedy agreement {agreement:.3f} < {needed:.3f} (minGreedyAgreement "
                           f"{quality.minGreedyAgreement} x noise floor {floor if floor is not None else 1.0:.3f}, "
                           f"{int(canary.tokens)} tokens)")
-    return Check(FAIL if failed else PASS, shown, failed)
+    if failed:
+        return Check(FAIL, shown, failed)
+    return Check(INCONCLUSIVE if quality and not quality_judged else PASS, shown, [])
 
 
 def rounded(value: float | None) -> float | None:

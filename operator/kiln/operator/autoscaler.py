@@ -6,10 +6,12 @@ autoscaling block, the state it left last time and the time now, after Knative's
 - desired = ceil(load / targetQueueDepth), averaged over `stableWindow`;
 - a `panicWindow` average takes over when it asks for PANIC_THRESHOLD x the ready replicas:
   scale up at once, and never down until a whole stable window passed without panic;
-- scale-down only once demand stayed lower for `scaleDownDelay`, and never while a replica is
-  still loading (it is capacity on its way);
+- scale-down only once demand stayed lower for `scaleDownDelay`, never below what the panic
+  window asks, and never while a replica the last decision ordered is still loading (it is
+  capacity on its way);
 - no sample, or only stale ones: hold (a missing sample is never zero load);
-- clamped to [minReplicas, maxReplicas]; up by at most MAX_SCALE_UP_RATE x the ready replicas.
+- clamped to [minReplicas, maxReplicas] at once (a lowered maxReplicas too); up by at most
+  MAX_SCALE_UP_RATE x the ready replicas.
 
 State that must survive an operator restart (panic-until, the scale-down timer, the last
 decision) is a `ScalerState`, kept in the InferenceService's status; the samples are not:
@@ -70,6 +72,17 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
            now: float) -> tuple[Decision, ScalerState]:
     """`ready`: replicas serving; `starting`: replicas created but not ready yet (loading)."""
     stable_window, panic_window = seconds(spec.stableWindow), seconds(spec.panicWindow)
+    # Times a clock ahead of this one wrote (a skewed former leader's, or ours before it stepped
+    # back) are held to what this clock could have written, or they would hold replicas up for
+    # as long as the skew.
+    if state.panic_until is not None and state.panic_until > now + stable_window:
+        state = replace(state, panic_until=now + stable_window)
+    if state.lower_since is not None and state.lower_since > now:
+        state = replace(state, lower_since=now)
+    # A maxReplicas lowered below the last decision applies at once, as an HPA's does: the
+    # scale-down delay waits out demand, not a limit.
+    if state.replicas > spec.maxReplicas:
+        state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None)
     fresh = [s for s in samples if now - stable_window <= s.time <= now]
     stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
     current = state.replicas
@@ -91,10 +104,17 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     capped = min(want, limit, spec.maxReplicas)
     capped = max(capped, spec.minReplicas)
     if capped < current:
+        # Never below what the panic window asks: that is load coming back that the stable
+        # average has not caught up with, and scaling it away would order it again at once.
+        capped = min(max(capped, want_panic), current)
+    # Only pods the last decision still lacks are serving capacity on its way; more (a warm
+    # pool refilling, a rolling update's surge) must not hold a scale-down.
+    loading = min(starting, max(current - ready, 0))
+    if capped < current:
         since = state.lower_since if state.lower_since is not None else now
         state = replace(state, lower_since=since)
-        if starting > 0:
-            capped, waiting = current, f"{starting} replica(s) still loading"
+        if loading > 0:
+            capped, waiting = current, f"{loading} replica(s) still loading"
         elif now - since < seconds(spec.scaleDownDelay):
             capped, waiting = current, f"demand lower since {now - since:.0f}s of {spec.scaleDownDelay}"
         else:

@@ -14,6 +14,7 @@ from .models import InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name, template_pooled
 from .rollout import RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
+from .scaling import epoch
 from .scrape import read_all
 
 
@@ -42,6 +43,14 @@ def stable_revision(previous: dict[str, Any], state: State | None, target: str) 
     if state is not None:
         return state.stable
     return next((r["name"] for r in previous.get("revisions") or [] if r.get("role") == "stable"), target)
+
+
+def unready_since(pods: list[dict[str, Any]]) -> float | None:
+    """The latest change of the pods' Ready condition: with none of them ready, since when the
+    revision has had no ready replica."""
+    times = [epoch(c.get("lastTransitionTime")) for p in pods for c in (p.get("status") or {}).get("conditions") or []
+             if c.get("type") == "Ready"]
+    return max((t for t in times if t is not None), default=None)
 
 
 def router_figures(observed: Observed) -> dict[str, Figures] | None:
@@ -93,11 +102,17 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
                   canary_full=canary_deployment is not None
                   and replicas_of(canary_deployment) >= serving_replicas(spec, observed.engine(stable))
                   and fully_ready(canary_deployment, replicas_of(canary_deployment)),
-                  retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION))
+                  retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION),
+                  unready_since=unready_since(observed.pods(canary)) if canary else None)
     result = None
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
-    return advance(spec.rollout, state, stable, target, facts, result, now)
+    decision = advance(spec.rollout, state, stable, target, facts, result, now)
+    if not decision.state.active:
+        # The rollout ended (promoted, rolled back, aborted): one that starts later, even of the
+        # same revision, must not count this one's requests in its first interval.
+        baselines.pop((owner.namespace, owner.name), None)
+    return decision
 
 
 def split(spec: InferenceServiceSpec, decision: Decision | None) -> Split | None:

@@ -255,7 +255,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     warm = None
     if want.stable.serving is not None and spec.warmPool is not None:
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
-                           pod_counts(observed, want.stable.name)[2], promoted, previous.get("warmPool") or {},
+                           pod_counts(observed, want.stable.name)[3], promoted, previous.get("warmPool") or {},
                            spec.resources.gpus, time.time())
         idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))

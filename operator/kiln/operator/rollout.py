@@ -52,6 +52,7 @@ class Facts:
     canary_full: bool  # the canary Deployment has all the replicas it was asked for, ready
     retry_token: str | None = None  # the kiln.dev/retry-rollout annotation
     resume_token: str | None = None  # the kiln.dev/resume-rollout annotation
+    unready_since: float | None = None  # the latest change of the canary pods' Ready condition
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,10 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     if state.step == 0 or not facts.canary_ready:
         if facts.canary_ready:
             return next_step(rollout, state, now, events)
-        if now - state.since > deadline:
+        # From step 1 on, the deadline runs from when the canary lost its last ready replica,
+        # not from the step's start: a step may last longer than the deadline.
+        lost = state.since if state.step == 0 else max(state.since, facts.unready_since or state.since)
+        if now - lost > deadline:
             return roll_back(state, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
                                     "(progressDeadline)")
         waiting = "to become ready" if state.step == 0 else "to have a ready replica again"

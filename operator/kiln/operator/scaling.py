@@ -37,23 +37,27 @@ def epoch(text: str | None) -> float | None:
     return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
-def pod_counts(observed: Observed, revision: str) -> tuple[int, int, str | None]:
-    """(ready, starting, why pods cannot be scheduled) for a revision's pods; terminating pods
-    are neither capacity nor on their way, and a warm pool's ready standbys serve nobody yet."""
-    ready = starting = 0
-    unschedulable = None
+def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | None]:
+    """(ready, loading, unschedulable, why they cannot be scheduled) for a revision's pods;
+    terminating pods are neither capacity nor on their way, a warm pool's ready standbys serve
+    nobody yet, and a pod no node fits is not loading: it must not hold a scale-down (it may
+    never start, and holding it would keep a cluster autoscaler adding nodes for no load)."""
+    ready = loading = unschedulable = 0
+    why = None
     for pod in observed.pods(revision):
         if pod["metadata"].get("deletionTimestamp"):
             continue
         if is_ready(pod):
             ready += (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
             continue
-        starting += 1
         conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
         scheduled = conditions.get("PodScheduled", {})
         if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
-            unschedulable = scheduled.get("message", "no node fits the pod")
-    return ready, starting, unschedulable
+            unschedulable += 1
+            why = scheduled.get("message", "no node fits the pod")
+        else:
+            loading += 1
+    return ready, loading, unschedulable, why
 
 
 def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
@@ -70,8 +74,8 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     routers' latest held-to-first-byte time, if they saw one."""
     assert spec.autoscaling is not None
     state = scaler_state(previous, initial)
-    ready, starting, _ = pod_counts(observed, stable)
-    decision, new = decide(samples, spec.autoscaling, state, ready, starting, now)
+    ready, loading, _, _ = pod_counts(observed, stable)
+    decision, new = decide(samples, spec.autoscaling, state, ready, loading, now)
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
@@ -95,11 +99,11 @@ def manual() -> Scaling:
 def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
     """Pods the scheduler cannot place override any other report: it is what a cluster
     autoscaler acts on."""
-    _, starting, unschedulable = pod_counts(observed, stable)
-    if unschedulable is None:
+    _, _, unschedulable, why = pod_counts(observed, stable)
+    if why is None:
         return scaling
     return replace(scaling, condition=condition("ScalingReady", False, "InsufficientCapacity",
-                                                f"{starting} replica(s) cannot be scheduled: {unschedulable}"))
+                                                f"{unschedulable} replica(s) cannot be scheduled: {why}"))
 
 
 def current_replicas(observed: Observed, stable: str, fallback: int) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import urllib.request
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -50,6 +51,12 @@ def totals(samples: list[tuple[str, dict[str, str], float]] | None) -> dict[str,
     return sums
 
 
+def count(value: float) -> bool:
+    """A number of requests: NaN, an infinity or a negative value is garbage, the same as no
+    answer (a NaN sample would stop every decision until it aged out of the window)."""
+    return math.isfinite(value) and value >= 0
+
+
 def in_parallel(call: Callable[[T], R], items: list[T]) -> list[R]:
     """call(item) for each item, at once (pods are slow one by one: a timeout each)."""
     if not items:
@@ -70,9 +77,10 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     urls = engines + routers
     pages = [totals(samples) for samples in read_all(urls)]
     loads = [sum(p[n] for n in ENGINE_LOAD) for p in pages[:len(engines)]
-             if p is not None and all(n in p for n in ENGINE_LOAD)]
+             if p is not None and all(n in p and count(p[n]) for n in ENGINE_LOAD)]
     # Requests a router holds or queues are demand the engines have not seen yet.
-    held = [p[ROUTER_HELD] + p.get(ROUTER_QUEUED, 0.0) for p in pages[len(engines):] if p is not None and ROUTER_HELD in p]
+    held = [p[ROUTER_HELD] + p.get(ROUTER_QUEUED, 0.0) for p in pages[len(engines):]
+            if p is not None and ROUTER_HELD in p and count(p[ROUTER_HELD]) and count(p.get(ROUTER_QUEUED, 0.0))]
     cold = [p[ROUTER_COLD_START] for p in pages[len(engines):] if p and p.get(ROUTER_COLD_START)]
     cold_start = max(cold) if cold else None
     if not held or (engines and not loads):
