@@ -4,6 +4,9 @@ batches, with chunked prefill, under preemption, and with prefix-cache hits; log
 stop handling; streaming text; bad input."""
 from __future__ import annotations
 
+import json
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -241,6 +244,10 @@ def kiln(*args: str) -> subprocess.CompletedProcess:
         (["--prompt", "hi", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
         (["--prompt", "hi", "--kv-cache-memory", "0"], "not a positive size"),
         (["--prompt", "hi", "--load-format", "zeros"], "invalid choice: 'zeros'"),
+        (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number"),
+        (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),
+        (["--prompt", "hi", "--repetition-penalty", "nan"], "repetition_penalty must be a finite number"),
+        (["--prompt", "hi", "--seed", str(2**64)], "seed must be an integer in [-2**63, 2**63 - 1]"),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
@@ -255,3 +262,54 @@ def test_cli_generates(llm: LLM) -> None:
     expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                         SamplingParams(temperature=0.0, max_tokens=12))[0].text
     assert done.stdout.strip() == expected.strip()
+
+
+def test_cli_chat_writes_bos_once(tmp_path, tiny_llama_dir) -> None:
+    """The chat template writes BOS itself; a tokenizer that also adds one must not double it."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    folder = tmp_path / "bos"
+    shutil.copytree(tiny_llama_dir, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken("<s>", special=True)])
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
+    chat = [{"role": "user", "content": "w5 w6"}]
+    text = llm.tokenizer.apply_chat_template(chat)
+    assert text.startswith("<s>") and llm.tokenizer.encode(text)[:2] == [1, 1]  # what went wrong
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [out] = llm.chat(chat, greedy)
+    assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    done = kiln("--model", str(folder), "--chat", "--prompt", "w5 w6", "--max-tokens", "6", "--ignore-eos",
+                "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == out.text.strip()
+
+
+def test_cli_chat_template_refusal_is_one_line(tmp_path, tiny_llama_dir) -> None:
+    folder = tmp_path / "no-system"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }} {% endfor %}")}))
+    done = kiln("--model", str(folder), "--chat", "--system", "be brief", "--prompt", "w5", "--dtype", "float32")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("kiln generate: error: the model's chat template rejected "
+                                                    "the messages: System role not supported")
+
+
+def test_cli_ctrl_c_exits_130_without_a_traceback() -> None:
+    # SIGINT restored to its default: a child of a non-interactive shell may inherit it ignored.
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "generate", "--prompt", "Once upon a time",
+                             "--max-tokens", "4000", "--ignore-eos", "--dtype", "float32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.read(1)  # generating: the model is loaded and the first token is out
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "kiln generate: interrupted"

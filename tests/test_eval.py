@@ -110,3 +110,18 @@ def test_cli_refuses_bad_input(tmp_path, capsys) -> None:
     assert kiln(["eval", "--model", str(tmp_path / "missing"), "--quantization", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kiln eval: error: model") and "not found" in err
+
+
+def test_cli_on_a_model_with_a_short_context(tmp_path, capsys) -> None:
+    """Held-out windows shrink to the model's context (positions past it crashed the forward);
+    a context too short for the prompts is refused in one line."""
+    from tiny_models import write_tiny_model
+
+    short = write_tiny_model("llama", tmp_path / "short", max_position_embeddings=128)
+    assert kiln(["eval", "--model", str(short), "--quantization", "int8", "--kv-cache-dtype", "int8", "--json",
+                 "--quantization-cache", "off"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens_scored"] > 900 and result["agreement_tokens"] > 0
+    tiny = write_tiny_model("llama", tmp_path / "tiny", max_position_embeddings=16)
+    assert kiln(["eval", "--model", str(tiny), "--quantization", "int8", "--quantization-cache", "off"]) == 2
+    assert "kiln eval: error: the model's context of 16 tokens is shorter" in capsys.readouterr().err

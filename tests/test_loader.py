@@ -205,6 +205,26 @@ def test_truncated_safetensors_is_named(tmp_path: Path, tiny_llama_dir: Path) ->
         load_model(Config(model=str(folder), dtype="float32"))
 
 
+@pytest.mark.parametrize("file, text, message", [
+    ("config.json", "[1, 2]", r"config\.json: not a JSON object"),
+    ("generation_config.json", "[1]", r"generation_config\.json: not a JSON object"),
+    ("config.json", None, r"config\.json: hidden_size must be a positive integer, got '64'"),
+    ("tokenizer_config.json", "{bad", r"tokenizer_config\.json: invalid JSON"),
+    ("tokenizer_config.json", json.dumps({"chat_template": "{{ x | no_such_filter }}"}),
+     r"tokenizer_config\.json: the chat template does not compile"),
+])
+def test_corrupt_folder_files_are_named(tmp_path: Path, tiny_llama_dir: Path, file: str, text: str | None,
+                                        message: str) -> None:
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_llama_dir, folder)
+    if text is None:  # a size written as a string: it failed inside torch.empty with a TypeError
+        config = json.loads((folder / file).read_text())
+        text = json.dumps({**config, "hidden_size": "64"})
+    (folder / file).write_text(text)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(Config(model=str(folder), dtype="float32"))
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"dtype": "float8"}, "dtype"), ({"max_model_len": 0}, "max_model_len"), ({"block_size": 0}, "block_size"),
     ({"max_num_seqs": -1}, "max_num_seqs"), ({"attention_backend": "cuda"}, "attention_backend"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln.cli import main as kiln
-from kiln.engine import quantize_cli, variants
+from kiln.engine import quantize_cli, quantized_folder, variants
 from kiln.engine.config import QUANTIZATION_METHODS, Config, ModelLoadError
 from kiln.engine.evaluate import Scorer, attach_pool
 from kiln.engine.llm_engine import LLM
@@ -150,3 +150,31 @@ def test_quantize_refuses_bad_input(tmp_path, capsys) -> None:
                  str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kiln quantize: error: model") and "not found" in err
+
+
+def test_quantize_refuses_an_unwritable_out_before_loading(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("")
+    assert kiln(["quantize", "--model", str(tmp_path / "missing"), "--method", "int8",
+                 "--out", str(tmp_path / "file" / "variant")]) == 2
+    assert capsys.readouterr().err.startswith(f"kiln quantize: error: --out {tmp_path / 'file' / 'variant'}: "
+                                              f"cannot write in")
+
+
+def test_quantize_cut_short_leaves_the_earlier_variant(tiny_hf_models, tmp_path, monkeypatch, capsys) -> None:
+    out = tmp_path / "variant"
+    assert kiln(["quantize", "--model", str(tiny_hf_models["llama"]), "--method", "int8", "--out", str(out),
+                 "--quantization-cache", "off"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def disk_full(*_: object, **__: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    # The weights fail after config.json and the tokenizer were written: the old marker vouched
+    # for Qwen2's config over Llama's weights.
+    monkeypatch.setattr(quantized_folder.safetensors.torch, "save", disk_full)
+    for folder in (out, tmp_path / "new"):
+        assert kiln(["quantize", "--model", str(tiny_hf_models["qwen2"]), "--method", "int8", "--out", str(folder),
+                     "--quantization-cache", "off"]) == 2
+        assert "No space left on device" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]  # no staging folder, no half-made "new"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`
@@ -29,7 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C is the user's choice, not a crash: no traceback
+        print(f"\nkiln {name}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT  # the shell's code for a process ended by SIGINT
+    except BrokenPipeError:  # stdout's reader went away (`kiln generate ... | head`)
+        # Point stdout at /dev/null so the flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

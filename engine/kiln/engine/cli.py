@@ -86,13 +86,20 @@ def run(args: argparse.Namespace) -> int:
                         enforce_eager=args.enforce_eager, load_format=args.load_format, quantization=args.quantization,
                         quantization_cache=args.quantization_cache, gguf_dequantize=args.gguf_dequantize,
                         kv_cache_dtype=args.kv_cache_dtype)
+        import jinja2
+
         from kiln.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config)
-        prompt = args.prompt
+        prompt: str | list[int] = args.prompt
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+            try:
+                text = engine.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+            except jinja2.TemplateError as e:  # e.g. a template that refuses a system message
+                raise ValueError(f"the model's chat template rejected the messages: {e}") from None
+            # The template wrote the special tokens: a tokenizer that adds BOS would double it.
+            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
         engine.add_request("cli", prompt, params)
     except ValueError as e:
         print(f"kiln generate: error: {e}", file=sys.stderr)

@@ -4,7 +4,8 @@ Both run on the same device in the same dtype (float32 on the CPU by default, so
 stable), and three figures compare them:
   perplexity  on data/heldout.txt -- Charles Dickens, A Tale of Two Cities (1859), the opening
               chapter, public domain; not the calibration text (awq.calibration_text) -- scored
-              in windows of WINDOW tokens, at most MAX_HELDOUT_TOKENS in all
+              in windows of WINDOW tokens (fewer where the model's context is shorter), at most
+              MAX_HELDOUT_TOKENS in all
   mean KL     KL(reference || variant) of the next-token distributions at the same positions
   agreement   teacher-forced greedy agreement (greedy_agreement) over the reference's own greedy
               continuations of the prompts in data/eval_prompts.txt
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.engine.config import Config, ModelConfig
+from kiln.engine.config import Config, ModelConfig, resolve_max_model_len
 from kiln.engine.context import Context, prefill_context, reset_context, set_context
 from kiln.engine.model_runner import ModelRunner, kv_block_bytes
 from kiln.engine.quantization import resident_weight_bytes
@@ -188,11 +189,13 @@ def reference_continuations(reference: Scorer, tokenizer: Tokenizer, max_tokens:
 
 
 def evaluate(reference: Scorer, variant: Scorer, tokenizer: Tokenizer, method: str, kv_cache_dtype: str = "auto",
-             continuations: tuple[list[list[int]], list[list[int]]] | None = None) -> EvalResult:
+             continuations: tuple[list[list[int]], list[list[int]]] | None = None,
+             window: int = WINDOW) -> EvalResult:
     """Compare variant against reference (see the module docstring). continuations: what
-    reference_continuations returned, to reuse across variants."""
+    reference_continuations returned, to reuse across variants; window: the held-out window's
+    length in tokens, at most the models' context."""
     ids = tokenizer.encode(heldout_text())[:MAX_HELDOUT_TOKENS]
-    windows = [ids[i:i + WINDOW] for i in range(0, len(ids), WINDOW) if len(ids[i:i + WINDOW]) > 1]
+    windows = [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
     nll_ref = nll_var = kl = 0.0
     scored = 0
     for window in windows:  # one at a time: a window's logits are WINDOW x vocab floats per model
@@ -244,15 +247,21 @@ def run(args: argparse.Namespace) -> int:
         ref, var = load_model(ref_config), load_model(var_config)
         prompts = [ref.tokenizer.encode(p) for p in eval_prompts()]
         longest = max(len(p) for p in prompts) + CONTINUATION_TOKENS
+        # Positions past the model's context are outside its RoPE table: the forward raised there.
+        max_len = resolve_max_model_len(ref_config, ref.model_config)
+        if longest > max_len:
+            raise ValueError(f"the model's context of {max_len} tokens is shorter than the evaluation's longest "
+                             f"prompt and continuation ({longest} tokens)")
+        window = min(WINDOW, max_len)
         reference = Scorer(ref.model, attach_pool(ref.model, ref.model_config, ref_config, len(prompts), longest),
                            ref_config.block_size)
         kv_quantized = args.kv_cache_dtype != "auto"
-        pool = attach_pool(var.model, var.model_config, var_config, 1, max(WINDOW, longest)) if kv_quantized else None
+        pool = attach_pool(var.model, var.model_config, var_config, 1, max(window, longest)) if kv_quantized else None
         variant = Scorer(var.model, pool, var_config.block_size, through_cache=kv_quantized)
     except ValueError as e:
         print(f"kiln eval: error: {e}", file=sys.stderr)
         return 2
     result = evaluate(reference, variant, ref.tokenizer, args.quantization, args.kv_cache_dtype,
-                      (prompts, reference.greedy(prompts, CONTINUATION_TOKENS)))
+                      (prompts, reference.greedy(prompts, CONTINUATION_TOKENS)), window)
     print(json.dumps(result.to_dict()) if args.json else result.table())
     return 0

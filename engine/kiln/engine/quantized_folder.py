@@ -12,6 +12,9 @@ A folder is a Hugging Face-style model folder that Kiln's loader reads:
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +68,24 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
                            method: str, state: dict[str, torch.Tensor], source_sha256: str) -> None:
-    """Write model's variant (state, from Quantizer) as a folder `--model out` serves."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write model's variant (state, from Quantizer) as a folder `--model out` serves. The files are
+    written to a staging folder beside out, then moved in, the marker last: a write cut short
+    (Ctrl-C, a full disk) leaves out as it was, never new files vouched for by an old marker."""
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        _write_files(staging, model, model_config, tokenizer, method, state, source_sha256)
+        out.mkdir(exist_ok=True)
+        (out / MARKER).unlink(missing_ok=True)  # an earlier variant stops being one before its files change
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == MARKER):
+            os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_files(out: Path, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
+                 method: str, state: dict[str, torch.Tensor], source_sha256: str) -> None:
     dtype = next(model.parameters()).dtype
     atomic_write(out / "config.json", json.dumps(hf_config(model_config, dtype), indent=2).encode())
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))

@@ -1,10 +1,13 @@
 """How one request wants its tokens chosen and when it wants to stop."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Beyond this many alternatives per token the response gets huge for no use (OpenAI caps at 20).
 MAX_LOGPROBS = 20
+# A seed seeds a torch.Generator, which takes an int64.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 # Below this temperature sampling is greedy (vLLM's epsilon): dividing logits by a temperature
 # near 0 overflows them to inf, and the softmax of inf is NaN, which drew token 0 every time.
 GREEDY_BELOW = 1e-5
@@ -40,16 +43,17 @@ class SamplingParams:
         """Raise ValueError naming the field and the allowed range."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN passes every comparison (`nan < 0` is False): it sampled from NaN probabilities.
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -61,8 +65,8 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.stop_token_ids is not None and any(

@@ -143,9 +143,16 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         raise ModelLoadError(f"{path}: cannot read tokenizer: {e}") from None
     template = None
     config_path = folder / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    try:
+        tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: the message alone named no file
+        raise ModelLoadError(f"{config_path}: invalid JSON: {e}") from None
+    if not isinstance(tok_config, dict):
+        raise ModelLoadError(f"{config_path}: not a JSON object")
+    template_path = config_path
     if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
+        template_path = folder / "chat_template.jinja"
+        template = template_path.read_text()
     elif isinstance(tok_config.get("chat_template"), list):  # named templates: take the default
         template = next((t["template"] for t in tok_config["chat_template"] if t.get("name") == "default"), None)
     else:
@@ -154,7 +161,10 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         eos = tok_config["eos_token"]
         eos_id = tokenizer.token_to_id(eos["content"] if isinstance(eos, dict) else eos)
         eos_token_ids = [] if eos_id is None else [eos_id]
-    return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template)
+    try:
+        return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"{template_path}: the chat template does not compile: {e}") from None
 
 
 def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
