@@ -38,6 +38,18 @@ def test_crds_check_flag_detects_a_stale_file(tmp_path):
     assert crds.run(parser.parse_args(["--out-dir", str(tmp_path), "--check"])) == 1
 
 
+def test_crds_out_dir_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    parser = __import__("argparse").ArgumentParser()
+    crds.add_arguments(parser)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for out in (a_file, a_file / "under"):
+        assert crds.run(parser.parse_args(["--out-dir", str(out)])) == 2
+        assert capsys.readouterr().err.startswith("kiln crds: ")
+    (tmp_path / "dir" / crds.CRD_FILE).mkdir(parents=True)  # --check meets a folder where the file goes
+    assert crds.run(parser.parse_args(["--out-dir", str(tmp_path / "dir"), "--check"])) == 2
+
+
 def test_schema_is_structural():
     version = crds.build_crd()["spec"]["versions"][0]
     for path, node in schema_nodes(version["schema"]["openAPIV3Schema"]):

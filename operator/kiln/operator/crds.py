@@ -155,14 +155,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.check:
-        stale = stale_files(args.out_dir)
-        for name in stale:
-            print(f"{args.out_dir / name} is stale: run `kiln crds`", file=sys.stderr)
-        return 1 if stale else 0
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    written = {args.out_dir / name: text for name, text in render().items()}
-    if args.out_dir.resolve() == REPO_CRDS and CHART_CRDS.is_dir():
+    try:
+        return _check(args.out_dir) if args.check else _write(args.out_dir)
+    except OSError as e:  # --out-dir is a file, under one, or not writable: one line, no traceback
+        print(f"kiln crds: {e.filename or args.out_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _check(out_dir: Path) -> int:
+    stale = stale_files(out_dir)
+    for name in stale:
+        print(f"{out_dir / name} is stale: run `kiln crds`", file=sys.stderr)
+    return 1 if stale else 0
+
+
+def _write(out_dir: Path) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {out_dir / name: text for name, text in render().items()}
+    if out_dir.resolve() == REPO_CRDS and CHART_CRDS.is_dir():
         written[CHART_CRDS / CRD_FILE] = render()[CRD_FILE]
     for path, text in written.items():
         path.write_text(text)
