@@ -75,6 +75,8 @@ def test_non_finite_logits_give_finite_figures() -> None:
     figures = [s.logprob for s in scored] + [lp for s in scored for _, lp, _ in s.top]
     assert all(math.isfinite(f) for f in figures), figures
     assert scored[0].top[0][0] == 2  # +inf is the most likely token, NaN the least
+    # A NaN target ranks last, in an all-NaN row too: a variant that outputs NaN agrees with nothing.
+    assert [s.rank for s in score_rows(lambda h: h, logits, [0, 0, 3], 0, chunk=8)] == [4, 4, 1]
     assert scored[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())  # finite rows unchanged
 
 

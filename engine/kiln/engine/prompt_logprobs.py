@@ -51,10 +51,14 @@ def _score(logits: torch.Tensor, targets: list[int], k: int) -> list[ScoredPosit
     """logits [R, vocab] float32 -> the R targets' figures. Non-finite logits are bounded as for
     sampling (sampler.finite_logits): a NaN would make every figure of its row NaN, which JSON
     cannot carry."""
+    index = torch.tensor(targets, device=logits.device).unsqueeze(1)
+    nan_target = logits.gather(1, index).isnan().squeeze(1)
     logits = finite_logits(logits)
     log_norm = logits.logsumexp(-1, keepdim=True)
-    target_logits = logits.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1))
-    ranks = 1 + (logits > target_logits).sum(-1)
+    target_logits = logits.gather(1, index)
+    # A NaN logit is never preferred, so its token ranks last. In a row of NaNs every bounded
+    # logit ties and would rank first: a broken canary would "agree" with every token.
+    ranks = torch.where(nan_target, logits.shape[-1], 1 + (logits > target_logits).sum(-1))
     top_logits, top_ids = logits.topk(k, dim=-1)
     # Anything strictly above a top-k logit is itself in the top k, so comparing within it is enough.
     top_ranks = 1 + (top_logits.unsqueeze(-2) > top_logits.unsqueeze(-1)).sum(-1)
