@@ -232,3 +232,15 @@ def test_times_from_a_clock_ahead_hold_replicas_no_longer_than_this_clock_allows
     assert (decision.reason, state.lower_since) == ("ScaleDownDelayed", now)
     later = [Sample(now + 61 - i, 0.0) for i in range(60)]
     assert decide(later, scaling, state, 5, 0, now + 61)[0].replicas == 1
+
+
+def test_standbys_are_not_scraped_for_load():
+    # A warm pool's ready standby serves nobody: its zero would stand in for a serving pod that
+    # did not answer, and read a busy service as idle.
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import metrics_urls
+    pods = [pod("a", True), pod("b", True, serving="false"), pod("c", False), pod("d", True, serving="true")]
+    for i, p in enumerate(pods):
+        p["status"]["podIP"] = f"10.0.0.{i}"
+    engines, routers = metrics_urls(Observed.of(*pods))
+    assert engines == ["http://10.0.0.0:8000/metrics", "http://10.0.0.3:8000/metrics"] and routers == []

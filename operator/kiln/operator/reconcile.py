@@ -21,12 +21,13 @@ from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
-from .observed import Observed, is_ready
+from .observed import Observed
 from .placement import Placements, placed
 from .plan import CREATE, DELETE, SCALE, Action, plan
-from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, revision_name, selector_string, service_url
+from .render import LABEL_ISVC, Owner, revision_name, selector_string, service_url
 from .rollout import dump
-from .scaling import KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, pod_counts
+from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
+                      pod_counts)
 from .scrape import scrape
 from .status import WARNING_REASONS, invalid, summarize, transitions
 from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
@@ -192,9 +193,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
         return capacity(scaling, observed, stable)
     assert spec.autoscaling is not None
     at = time.time()
-    engines = [f"http://{p['status']['podIP']}:{PORT}/metrics" for p in observed.pods() if is_ready(p)]
-    routers = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
-               for p in observed.pods(component="router") if is_ready(p)]
+    engines, routers = metrics_urls(observed)
     window = settings.samples.setdefault((owner.namespace, owner.name), [])
     taken = scrape(engines, routers, at)
     if taken.sample is not None:

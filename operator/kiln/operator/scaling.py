@@ -12,7 +12,7 @@ from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import Observed, is_ready, replicas_of
 from .quantity import canonical
-from .render import LABEL_ISVC, LABEL_SERVING, Owner, metadata
+from .render import LABEL_ISVC, LABEL_SERVING, PORT, ROUTER_PORT, Owner, metadata
 from .status import condition
 
 
@@ -58,6 +58,17 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
         else:
             loading += 1
     return ready, loading, unschedulable, why
+
+
+def metrics_urls(observed: Observed) -> tuple[list[str], list[str]]:
+    """The /metrics of the ready engine pods that serve (every revision's) and of the ready routers.
+    A warm pool's standbys serve nobody: counted, their zeros would pull the average down that
+    stands in for a serving pod that did not answer."""
+    engines = [f"http://{p['status']['podIP']}:{PORT}/metrics" for p in observed.pods()
+               if is_ready(p) and (p["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"]
+    routers = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
+               for p in observed.pods(component="router") if is_ready(p)]
+    return engines, routers
 
 
 def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
