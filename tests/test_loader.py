@@ -235,7 +235,8 @@ def test_config_rejects_bad_values(kwargs: dict, message: str) -> None:
         Config(**kwargs)
 
 
-def write_gguf_like_llama_cpp(folder: Path, path: Path, types: dict[str, Q] | None = None) -> Path:
+def write_gguf_like_llama_cpp(folder: Path, path: Path, types: dict[str, Q] | None = None,
+                              chat_template: str | None = None) -> Path:
     """Convert a tiny HF Llama folder to GGUF as convert_hf_to_gguf does: renamed tensors, q/k rows
     permuted, llama3 rope scaling as a rope_freqs divisor tensor, a byte-level BPE vocabulary.
     types: GGUF tensor name -> quantized type to store it as (default float32)."""
@@ -261,6 +262,8 @@ def write_gguf_like_llama_cpp(folder: Path, path: Path, types: dict[str, Q] | No
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     # llama.cpp's llama3 factors: 1 for short wavelengths, `factor` for long ones, smoothed between.
     freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
     old = rope["original_max_position_embeddings"]
@@ -299,6 +302,12 @@ def write_gguf_like_llama_cpp(folder: Path, path: Path, types: dict[str, Q] | No
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_gguf_chat_template_that_does_not_compile_is_named(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.gguf", chat_template="{% for %}")
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf: the chat template does not compile"):
+        load_model(Config(model=str(path), dtype="float32"))
 
 
 def test_gguf_llama_with_llama3_rope_matches_transformers(tmp_path: Path, tiny_llama_dir: Path) -> None:

@@ -50,12 +50,16 @@ def _render_env() -> ImmutableSandboxedEnvironment:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, template_source: str | Path = "the model") -> None:
+        """template_source: the file the chat template came from, named when it does not compile."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
-        self._template = _render_env().from_string(chat_template) if chat_template else None
+        try:
+            self._template = _render_env().from_string(chat_template) if chat_template else None
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelLoadError(f"{template_source}: the chat template does not compile: {e}") from None
         # One token's text with special tokens written out, as logprobs report it. Cached: logprob
         # responses decode the same few thousand tokens over and over.
         self.decode_token = functools.lru_cache(maxsize=65536)(
@@ -161,10 +165,7 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         eos = tok_config["eos_token"]
         eos_id = tokenizer.token_to_id(eos["content"] if isinstance(eos, dict) else eos)
         eos_token_ids = [] if eos_id is None else [eos_id]
-    try:
-        return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ModelLoadError(f"{template_path}: the chat template does not compile: {e}") from None
+    return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template, template_path)
 
 
 def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
