@@ -212,6 +212,9 @@ def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
     observed = Observed.of(pod("a", True), pod("b", False), pod("c", False, unschedulable=True),
                            pod("d", False, unschedulable=True), pod("e", True, serving="false"))
     assert pod_counts(observed, "r1") == (1, 1, 2, "0/2 nodes have enough nvidia.com/gpu")
+    evicted = pod("f", False)
+    evicted["status"]["phase"] = "Failed"  # kept until garbage collected; its replacement is already made
+    assert pod_counts(Observed.of(pod("a", True), evicted), "r1") == (1, 0, 0, None)
     assert capacity(manual(), observed, "r1").condition["message"].startswith("2 replica(s) cannot be scheduled")
     # After a burst ordered 3 and no node fits 2 of them, the load went: down after the delay.
     ready, loading, _, _ = pod_counts(Observed.of(pod("a", True), pod("c", False, unschedulable=True),

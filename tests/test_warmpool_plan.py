@@ -7,7 +7,7 @@ from kiln.operator.warmpool import ASLEEP, DELETION_COST, Pod, PoolPlan, plan_po
 
 
 def pods(*specs: str) -> list[Pod]:
-    """'s+' a ready serving pod, 'w+' a ready standby, 'w-' a standby still loading, 'z+' a ready
+    """'s+' a ready serving pod, 's-' a serving pod no longer ready, 'w+' a ready standby, 'w-' a standby still loading, 'z+' a ready
     standby asleep; named p0, p1, ... in creation order."""
     return [Pod(f"p{i}", s[1] == "+", s[0] == "s", f"2026-01-01T00:00:0{i}Z", asleep=s[0] == "z")
             for i, s in enumerate(specs)]
@@ -68,3 +68,25 @@ def test_pool_status_counts_ready_standbys_and_accumulates_idle_cost():
     assert cond["status"] == "True" and "lastPromotion" in block
     _, cond = pool_status(2, pods("s+", "w-"), "0/2 nodes have enough nvidia.com/gpu", 0, block, 1, 1020.0)
     assert (cond["status"], cond["reason"]) == ("False", "InsufficientCapacity")
+
+
+def test_a_ready_standby_takes_the_place_of_a_serving_pod_that_stopped_being_ready():
+    # p1 crashed (CrashLoopBackOff, Ready=False): it serves nobody, so p2 is promoted and p1
+    # demoted; it rejoins the pool once it recovers.
+    assert names(plan_pool(2, pods("s+", "s-", "w+"))) == {"promote": ["p2"], "demote": ["p1"]}
+    assert names(plan_pool(3, pods("s+", "s-", "w+"))) == {"promote": ["p2"]}  # still short: p1 may recover
+    assert names(plan_pool(2, pods("s+", "s-", "w-"))) == {}  # no standby ready: p1 keeps its place
+
+
+def test_a_serving_pod_that_is_not_ready_is_demoted_first():
+    assert names(plan_pool(1, pods("s-", "s+"))) == {"demote": ["p0"]}
+    assert names(plan_pool(1, pods("s+", "s-", "s+", "s-"))) == {"demote": ["p3", "p1", "p2"]}
+
+
+def test_pods_that_ended_for_good_or_terminate_are_neither_serving_nor_standby():
+    def pod(name: str, phase: str = "Running", deleted: str | None = None) -> dict:
+        return {"metadata": {"name": name, "labels": {"kiln.dev/serving": "true"}, "deletionTimestamp": deleted},
+                "status": {"phase": phase}}
+    evicted = pod("evicted", phase="Failed")  # a kubelet eviction: Failed, no deletionTimestamp
+    terminating = pod("terminating", deleted="2026-01-01T00:00:00Z")
+    assert [p.name for p in pods_of([evicted, terminating, pod("live")])] == ["live"]

@@ -45,7 +45,9 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
     ready = loading = unschedulable = 0
     why = None
     for pod in observed.pods(revision):
-        if pod["metadata"].get("deletionTimestamp"):
+        # Terminating, or ended for good (an evicted pod is Failed until garbage collected, its
+        # replacement already made): not loading, so not holding a scale-down.
+        if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
             continue
         if is_ready(pod):
             ready += (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"

@@ -58,28 +58,35 @@ class PoolPlan:
 def plan_pool(serving_wanted: int, pods: list[Pod], sleep: bool = False) -> PoolPlan:
     """Which pods of one revision change role so that `serving_wanted` of them serve: ready
     standbys are promoted (oldest first; a pod still loading is never promoted), serving pods
-    beyond the number wanted are demoted (newest first). The Deployment's replicas (serving +
-    pool) are desired.py's; the ReplicaSet creates the rest as standbys or removes standbys.
-    With `sleep`, the ready standbys that stay standbys and are awake are put to sleep (one
-    demoted this pass waits for the next: it may still finish requests)."""
+    beyond the number wanted are demoted (not ready ones first, then the newest). The
+    Deployment's replicas (serving + pool) are desired.py's; the ReplicaSet creates the rest as
+    standbys or removes standbys. With `sleep`, the ready standbys that stay standbys and are
+    awake are put to sleep (one demoted this pass waits for the next: it may still finish
+    requests)."""
     serving = [p for p in pods if p.serving]
     standby = sorted((p for p in pods if not p.serving and p.ready), key=lambda p: p.since)
-    if len(serving) < serving_wanted:
-        promote = standby[:serving_wanted - len(serving)]
-        return PoolPlan(promote=promote, sleep=[p for p in standby[len(promote):] if sleep and not p.asleep])
-    extra = sorted(serving, key=lambda p: p.since, reverse=True)[:len(serving) - serving_wanted]
-    return PoolPlan(demote=extra, sleep=[p for p in standby if sleep and not p.asleep])
+    # A serving pod that stopped being ready (crashed, failing its probe) serves nobody: a ready
+    # standby takes its place now, and the demotion below sends it back to the pool, where it is
+    # a standby again once it recovers. With no standby to replace it, it stays: it may recover.
+    promote = standby[:max(serving_wanted - sum(p.ready for p in serving), 0)]
+    # Not ready first, then the newest (the sorts are stable).
+    by_demotion = sorted(sorted(serving, key=lambda p: p.since, reverse=True), key=lambda p: p.ready)
+    demote = by_demotion[:max(len(serving) + len(promote) - serving_wanted, 0)]
+    return PoolPlan(promote, demote, [p for p in standby[len(promote):] if sleep and not p.asleep])
 
 
 def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
-    """The live pods of a revision as the pool sees them (terminating ones are neither)."""
+    """The live pods of a revision as the pool sees them: terminating ones are neither, nor are
+    those that ended for good (an evicted pod is Failed, with no deletionTimestamp, until it is
+    garbage collected; the ReplicaSet has already replaced it)."""
     def pod(p: dict[str, Any]) -> Pod:
         meta, status = p["metadata"], p.get("status") or {}
         restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
         return Pod(meta["name"], is_ready(p), (meta.get("labels") or {}).get(LABEL_SERVING) == "true",
                    meta.get("creationTimestamp") or "", status.get("podIP") or "",
                    (meta.get("annotations") or {}).get(ASLEEP) == str(restarts), restarts)
-    return [pod(p) for p in observed_pods if not p["metadata"].get("deletionTimestamp")]
+    return [pod(p) for p in observed_pods if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
 
 
 def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted: int, previous: dict[str, Any],
