@@ -184,6 +184,15 @@ def test_load_coming_back_is_not_scaled_away_on_a_stale_stable_average():
     assert 1 not in replicas[400:]
 
 
+def test_a_scale_down_goes_to_the_most_demand_asked_for_during_the_delay():
+    # 4 replicas; demand alternates every 90 s between 3 replicas' worth (12 at 4 each) and 1.
+    # Knative and the HPA end the delay at the highest ask in it: 3, not wherever the last
+    # sample happened to fall (4 -> 1 -> 2 -> 3 as the phases came and went).
+    run = Run(spec(scaleDownDelay="5m", panicWindow="6s"), replicas=4)
+    replicas = run.run([12.0 if (i // 45) % 2 == 0 else 1.0 for i in range(900)])
+    assert sorted(set(replicas)) == [3, 4] and replicas[-1] == 3
+
+
 def test_pods_beyond_the_last_decision_do_not_hold_a_scale_down():
     # 3 serving and ready; one more pod loads that is no serving capacity on its way (a warm
     # pool refilling after a promotion, or a crash-looping standby): the delay alone holds.

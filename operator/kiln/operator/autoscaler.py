@@ -6,8 +6,8 @@ autoscaling block, the state it left last time and the time now, after Knative's
 - desired = ceil(load / targetQueueDepth), averaged over `stableWindow`;
 - a `panicWindow` average takes over when it asks for PANIC_THRESHOLD x the ready replicas:
   scale up at once, and never down until a whole stable window passed without panic;
-- scale-down only once demand stayed lower for `scaleDownDelay`, never below what the panic
-  window asks, and never while a replica the last decision ordered is still loading (it is
+- scale-down only once demand stayed lower for `scaleDownDelay`, to the most it asked for in
+  the last `scaleDownDelay`, never below what the panic window asks, and never while a replica the last decision ordered is still loading (it is
   capacity on its way);
 - no sample, or only stale ones: hold (a missing sample is never zero load);
 - clamped to [minReplicas, maxReplicas] at once (a lowered maxReplicas too); up by at most
@@ -44,6 +44,8 @@ class ScalerState:
     replicas: int  # the last decision
     panic_until: float | None = None
     lower_since: float | None = None  # when demand fell below `replicas` (the scale-down timer)
+    lower_peak: int | None = None  # the most replicas demand asked for in the last scaleDownDelay
+    lower_peak_at: float | None = None  # when demand last asked for lower_peak
     last_scale: float | None = None
 
 
@@ -82,7 +84,8 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     # A maxReplicas lowered below the last decision applies at once, as an HPA's does: the
     # scale-down delay waits out demand, not a limit.
     if state.replicas > spec.maxReplicas:
-        state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None)
+        state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None, lower_peak=None,
+                        lower_peak_at=None)
     fresh = [s for s in samples if now - stable_window <= s.time <= now]
     stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
     current = state.replicas
@@ -111,8 +114,16 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     # pool refilling, a rolling update's surge) must not hold a scale-down.
     loading = min(starting, max(current - ready, 0))
     if capped < current:
+        # The delay ends at the most that demand asked for within the last scaleDownDelay, as
+        # Knative and the HPA take the highest recommendation in their window, not at the last
+        # sample's ask. One peak and when it was last asked stand in for the window: a peak
+        # older than the delay gives way to the ask of now.
         since = state.lower_since if state.lower_since is not None else now
-        state = replace(state, lower_since=since)
+        peak, peak_at = state.lower_peak, state.lower_peak_at
+        if peak is None or peak_at is None or capped >= peak or now - peak_at >= seconds(spec.scaleDownDelay):
+            peak, peak_at = capped, now
+        state = replace(state, lower_since=since, lower_peak=peak, lower_peak_at=peak_at)
+        capped = peak
         if loading > 0:
             capped, waiting = current, f"{loading} replica(s) still loading"
         elif now - since < seconds(spec.scaleDownDelay):
@@ -122,10 +133,13 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
         if capped == current:
             return (Decision(current, "ScaleDownDelayed", f"load {stable_load:.1f} asks for {max(want, 0)}; "
                              f"holding {current}: {waiting}", "stable", stable_load), state)
-    state = replace(state, lower_since=None) if capped >= current else state
+    state = replace(state, lower_since=None, lower_peak=None, lower_peak_at=None) if capped >= current else state
     mode = "panic" if panicking else "stable"
     if capped != current:
-        state = replace(state, replicas=capped, last_scale=now, lower_since=None)
+        # Down to the peak: every ask since it was lower still, so the next step's delay runs
+        # from the peak's time (as a sliding window would), not from now.
+        since = state.lower_peak_at if capped < current else None
+        state = replace(state, replicas=capped, last_scale=now, lower_since=since, lower_peak=None, lower_peak_at=None)
     message = (f"load {stable_load:.1f} (panic window {panic_load:.1f}) at {target} per replica "
                f"asks for {want}; {capped} replica(s)")
     if want > spec.maxReplicas:

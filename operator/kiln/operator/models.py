@@ -314,6 +314,10 @@ class AutoscalingStatus(BaseModel):
     panicUntil: str | None = Field(None, json_schema_extra={"format": "date-time"})
     scaleDownSince: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                        description="Since when demand is lower (the scale-down delay runs).")
+    scaleDownTo: int | None = Field(None, description="The most replicas demand asked for in the last "
+                                                      "scaleDownDelay: where the scale-down goes when the delay ends.")
+    scaleDownToTime: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                        description="When demand last asked for scaleDownTo.")
     lastScaleTime: str | None = Field(None, json_schema_extra={"format": "date-time"})
     lastColdStartSeconds: float | None = Field(None, description="Request held at zero replicas -> first byte.")
 

@@ -78,7 +78,7 @@ def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
     if "replicas" not in saved:
         return ScalerState(initial)
     return ScalerState(saved["replicas"], epoch(saved.get("panicUntil")), epoch(saved.get("scaleDownSince")),
-                       epoch(saved.get("lastScaleTime")))
+                       saved.get("scaleDownTo"), epoch(saved.get("scaleDownToTime")), epoch(saved.get("lastScaleTime")))
 
 
 def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previous: dict[str, Any],
@@ -92,6 +92,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
+              "scaleDownTo": new.lower_peak, "scaleDownToTime": iso(new.lower_peak_at),
               "lastScaleTime": iso(new.last_scale)}
     last_cold = cold_start
     if last_cold is None:
