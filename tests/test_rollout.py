@@ -224,6 +224,8 @@ def test_unready_since_is_the_latest_ready_transition_of_the_pods():
             {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2026-01-01T00:09:00Z"},
             {"type": "Ready", "status": "False", "lastTransitionTime": at}]}}
     assert unready_since([pod("2026-01-01T00:01:00Z"), pod("2026-01-01T00:02:00Z")]) == 1767225720.0
+    # The Kubernetes client hands stored times back as `+00:00`, not `Z`: a real pod's condition.
+    assert unready_since([pod("2026-01-01T00:02:00+00:00")]) == 1767225720.0
     assert unready_since([{"metadata": {"name": "new"}, "status": {}}]) is None
 
 

@@ -32,9 +32,12 @@ def iso(t: float | None) -> str | None:
 
 
 def epoch(text: str | None) -> float | None:
+    """An RFC 3339 time as our status writes it (`...Z`) or as the Kubernetes client serializes
+    a stored object's (`...+00:00`, pods' condition times)."""
     if not text:
         return None
-    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.timezone.utc).timestamp()
+    parsed = datetime.datetime.fromisoformat(text)
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
 def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | None]:
