@@ -112,6 +112,9 @@ def test_quantized_folder_round_trip(smollm2_dequantized, smollm2_path, variant_
     assert marker["method"] == method and marker["format_version"] == variants.FORMAT_VERSION
     assert marker["source_sha256"] == variants.weights_sha256(smollm2_path)
     assert marker["group_sizes"] == ([64, 128] if method == "int4-rtn" else None)  # K = 576 and 1536
+    # Readable by every user: a pod that is not the user who quantized (hostPath, init container) serves it.
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert all(int(mode, 8) & 0o444 == 0o444 for mode in modes.values()), modes
 
     # the on-the-fly variant (same cache: no second quantization) against the folder through the engine
     config = Config(model=str(smollm2_path), dtype="float32", device="cpu", quantization=method,

@@ -93,6 +93,9 @@ def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp makes it 0600: a pod running as another user could not read a variant
+            # written on the host (hostPath) or by an init container. Readable as open() would make it.
+            os.fchmod(f.fileno(), 0o644)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
