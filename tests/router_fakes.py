@@ -4,6 +4,7 @@ a real router in front of them, and its metrics read back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -151,6 +152,30 @@ class DropsReusedConnections:
         self.answered += 1
         if await reader.read(1):  # the next request on this connection
             self.dropped += 1
+        writer.close()
+
+
+class CrashesOnPoison:
+    """A raw HTTP/1.1 engine that keeps connections open between requests and closes one,
+    unanswered, on a request whose body holds b"poison": an engine crashing on what it read."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.poisoned = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+                body = await reader.readexactly(int(length.group(1)) if length else 0)
+                if b"poison" in body:
+                    self.poisoned += 1
+                    break
+                answer = b'{"engine": "crasher"}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+                self.answered += 1
         writer.close()
 
 

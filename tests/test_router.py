@@ -16,6 +16,7 @@ from kiln.router.main import serving
 from kiln.router.proxy import Limits
 from router_fakes import (
     ChangingEndpoints,
+    CrashesOnPoison,
     DropsReusedConnections,
     FakeEngine,
     has_series,
@@ -186,17 +187,17 @@ async def test_connect_failure_is_retried_on_another_replica() -> None:
 
 
 @on_event_loop
-async def test_dead_keep_alive_connection_is_retried_on_another_replica() -> None:
+async def test_dead_keep_alive_connection_is_retried_on_the_same_replica() -> None:
     dropper = DropsReusedConnections()
     server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
     try:
         port = server.sockets[0].getsockname()[1]
         async with service(1, also=[Endpoint("127.0.0.1", port)]) as svc:
             # Idle requests alternate, so two of these four go to the dropper: the second
-            # one on the connection pooled after the first, which the dropper then closes.
+            # one on the connection pooled after the first, which the dropper then closes
+            # and answers on a fresh connection.
             assert [(await svc.complete()).status for _ in range(4)] == [200] * 4
-            assert dropper.dropped == 1
-            assert dropper.answered + svc.hits()[0] == 4  # each request answered once
+            assert (dropper.dropped, dropper.answered, svc.hits()) == (1, 2, [2])
             samples = await svc.metrics()
             assert metric(samples, "kiln_router_errors_total", revision="",
                           reason="stale_connection") == 1
@@ -204,6 +205,26 @@ async def test_dead_keep_alive_connection_is_retried_on_another_replica() -> Non
     finally:
         server.close()
         await server.wait_closed()
+
+
+@on_event_loop
+async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next() -> None:
+    """An engine closing a reused connection on reading a request looks like one that closed
+    it idle; the free retry stays on that replica, so one request cannot crash them all."""
+    crashers = [CrashesOnPoison(), CrashesOnPoison()]
+    servers = [await asyncio.start_server(c.handle, "127.0.0.1", 0) for c in crashers]
+    try:
+        ports = [s.sockets[0].getsockname()[1] for s in servers]
+        async with service(0, also=[Endpoint("127.0.0.1", p) for p in ports]) as svc:
+            assert [(await svc.complete()).status for _ in range(2)] == [200, 200]
+            assert [c.answered for c in crashers] == [1, 1]  # a pooled connection to each
+            response = await svc.client.post("/v1/completions", json={"prompt": "poison"})
+            assert response.status == 502
+            assert sorted(c.poisoned for c in crashers) == [0, 2]  # its pooled, then a fresh one
+    finally:
+        for server in servers:
+            server.close()
+            await server.wait_closed()
 
 
 @on_event_loop

@@ -221,8 +221,13 @@ class Router:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
         stale = 0
+        again: Endpoint | None = None  # the replica a dead pooled connection was to
         while len(tried) < ATTEMPTS:
-            endpoint = self.balancer.pick(failed, self._revision(failed))
+            if again is not None and again in self.source.ready().all:
+                endpoint = again
+            else:
+                endpoint = self.balancer.pick(failed, self._revision(failed))
+            again = None
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
@@ -239,10 +244,13 @@ class Router:
             except _Retryable as retry:
                 if retry.stale and stale < MAX_STALE:
                     # A dead pooled connection says nothing of the replica (e.g. one that left
-                    # pooled connections to an address a new pod now has): not a try, and the
-                    # same replica may take it on another connection, as Go's net/http does.
+                    # pooled connections to an address a new pod now has): not a try. The same
+                    # replica takes it on another connection, as with Go's net/http: a replica
+                    # that crashed on reading it looks the same, and must not pass it on to the
+                    # next replica as a free retry (a fresh connection refused is a real try).
                     stale += 1
                     tried.pop()
+                    again = endpoint
                     self.metrics.retries.labels(endpoint.revision).inc()
                     continue
                 failed.append(endpoint)
