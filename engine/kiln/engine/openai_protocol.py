@@ -48,6 +48,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def unreadable_body(exc: Exception) -> str:
+    """What to tell a client whose body aiohttp could not decode (a corrupt gzip body, broken
+    chunks): the parser's own words are on the exception's cause."""
+    return f"the request body could not be read: {getattr(exc.__cause__, 'message', None) or exc}"
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT_NUMBERS
     include_usage: bool = False

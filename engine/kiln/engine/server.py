@@ -27,7 +27,7 @@ from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_e
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
-from kiln.engine.openai_protocol import APIError
+from kiln.engine.openai_protocol import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
 
 log = logging.getLogger("kiln.serve")
@@ -130,8 +130,7 @@ class Server:
             allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # keep 405's hint
             return web.json_response(err.body(), status=e.status, headers=allow)
         except RequestPayloadError as e:  # a body aiohttp could not decode (corrupt gzip, bad chunks): was a 500
-            why = getattr(e.__cause__, "message", None) or str(e)
-            return web.json_response(APIError(400, f"the request body could not be read: {why}").body(), status=400)
+            return web.json_response(APIError(400, unreadable_body(e)).body(), status=400)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:

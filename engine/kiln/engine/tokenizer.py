@@ -60,16 +60,14 @@ class Tokenizer:
             self._template = _render_env().from_string(chat_template) if chat_template else None
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"{template_source}: the chat template does not compile: {e}") from None
+        # The most characters of text one token can stand for: its vocabulary entry's length, which
+        # byte-level (`Ġ`, `Ã©`) and metaspace (`▁`) entries and byte fallbacks (`<0x0A>`) only
+        # overstate. Here, not on the first request: it walks the whole vocabulary.
+        self.most_chars_per_token = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
         # One token's text with special tokens written out, as logprobs report it. Cached: logprob
         # responses decode the same few thousand tokens over and over.
         self.decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-
-    @functools.cached_property
-    def most_chars_per_token(self) -> int:
-        """The most characters of text one token can stand for: its vocabulary entry's length, which
-        byte-level (`Ġ`, `Ã©`) and metaspace (`▁`) entries and byte fallbacks (`<0x0A>`) only overstate."""
-        return max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

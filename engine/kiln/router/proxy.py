@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
+from kiln.engine.openai_protocol import unreadable_body
 from kiln.engine.openapi import handler
 from kiln.router import auth
 from kiln.router.auth import ApiKeys
@@ -176,9 +177,8 @@ class Router:
                                       f"{self.limits.max_body_bytes} bytes",
                                       "invalid_request_error", "request_too_large")
             except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
-                why = getattr(exc.__cause__, "message", None) or str(exc)  # the parser's words
-                return error_response(400, f"the request body could not be read: {why}",
-                                      "invalid_request_error", "invalid_body")
+                return error_response(400, unreadable_body(exc), "invalid_request_error",
+                                      "invalid_body")
             body = auth.salted(body, request.get(auth.SALT))
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())

@@ -40,6 +40,14 @@ def epoch(text: str | None) -> float | None:
     return (parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
+def serves(pod: dict[str, Any]) -> bool:
+    """Whether a pod is capacity: every pod of a revision without a warm pool (unlabelled), and
+    of one with a pool those not labelled standby. An unlabelled pod of a pooled revision (made
+    before the pool was added; its Service routes only "true") counts too: the pool promotes
+    such pods first (they are its oldest) and the Deployment's rollout replaces them."""
+    return (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
+
+
 def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | None]:
     """(ready, loading, unschedulable, why they cannot be scheduled) for a revision's pods;
     terminating pods are neither capacity nor on their way, a warm pool's ready standbys serve
@@ -53,7 +61,7 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
         if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
             continue
         if is_ready(pod):
-            ready += (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
+            ready += serves(pod)
             continue
         conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
         scheduled = conditions.get("PodScheduled", {})
@@ -70,7 +78,7 @@ def metrics_urls(observed: Observed) -> tuple[list[str], list[str]]:
     A warm pool's standbys serve nobody: counted, their zeros would pull the average down that
     stands in for a serving pod that did not answer."""
     engines = [f"http://{p['status']['podIP']}:{PORT}/metrics" for p in observed.pods()
-               if is_ready(p) and (p["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"]
+               if is_ready(p) and serves(p)]
     routers = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
                for p in observed.pods(component="router") if is_ready(p)]
     return engines, routers
