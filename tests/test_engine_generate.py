@@ -228,9 +228,10 @@ def test_bad_requests_are_refused(llm: LLM, small_llm: LLM) -> None:
         LLM("no-such-model")
 
 
-def kiln(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln.cli", "generate", *args], capture_output=True, text=True,
-                          timeout=300)
+def kiln(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", *args], capture_output=True,
+                          input=stdin, timeout=300)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 @pytest.mark.parametrize(
@@ -254,6 +255,21 @@ def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
     done = kiln(*args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("stdin, message", [(b"", "prompt is empty"),
+                                            (b"caf\xe9", "the prompt on standard input is not UTF-8")])
+def test_cli_bad_prompt_on_stdin_exits_2(stdin: bytes, message: str) -> None:
+    done = kiln("--prompt", "-", stdin=stdin)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_reads_the_prompt_from_stdin(llm: LLM) -> None:
+    prompt = "Write one line about the sea.\nKeep it short: "  # a newline a shell argument rarely carries
+    done = kiln("--prompt", "-", "--max-tokens", "10", "--dtype", "float32", stdin=prompt.encode())
+    assert done.returncode == 0, done.stderr
+    expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10))[0].text
+    assert done.stdout.strip() == expected.strip()
 
 
 def test_cli_generates(llm: LLM) -> None:

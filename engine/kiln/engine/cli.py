@@ -8,7 +8,7 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="known name, model folder, or .gguf file")
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--prompt", required=True, help="the prompt text, or - to read it from standard input")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
             repetition_penalty=args.repetition_penalty,
         )
+        if args.prompt == "-":
+            try:
+                args.prompt = sys.stdin.buffer.read().decode()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"the prompt on standard input is not UTF-8: {e}") from None
         if not args.prompt:
             raise ValueError("prompt is empty")
         from kiln.engine.config import Config  # torch from here on
