@@ -126,6 +126,10 @@ INVALID = [
      'supported values: "auto", "int8", "fp8"'),
     ("draft-without-model", "bad", with_spec(engine__speculative={"method": "draft"}),
      "speculative.method draft needs speculative.model"),
+    ("pull-secret-twice", "bad", with_spec(imagePullSecrets=[{"name": "regcred"}, {"name": "regcred"}]),
+     "Duplicate value"),
+    ("pull-secret-bad-name", "bad", with_spec(imagePullSecrets=[{"name": "Reg_Cred"}]),
+     "spec.imagePullSecrets[0].name in body should match"),
     ("missing-source", "bad", {"model": {"name": "x"}}, "spec.model.source: Required value"),
     ("name-too-long", "a" * 51, GOOD, "metadata.name must be at most 50 lowercase letters"),
 ]

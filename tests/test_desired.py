@@ -192,6 +192,24 @@ def test_engine_container_command_resources_probes_and_hardening():
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
+def test_image_pull_secrets_reach_engine_and_router_pods_without_a_new_revision():
+    plain = want(spec_of())
+    spec = spec_of(imagePullSecrets=[{"name": "regcred"}, {"name": "mirror.creds"}],
+                   warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]})
+    wanted = want(spec)
+    secrets = [{"name": "regcred"}, {"name": "mirror.creds"}]
+    assert pod_spec(wanted.stable.deployment)["imagePullSecrets"] == secrets
+    assert pod_spec(child(wanted, "Deployment", "chat-router"))["imagePullSecrets"] == secrets
+    assert "imagePullSecrets" not in pod_spec(plain.stable.deployment)
+    assert "imagePullSecrets" not in pod_spec(child(plain, "Deployment", "chat-router"))
+    assert wanted.stable.name == plain.stable.name  # credentials are not a new model: no canary
+    with pytest.raises(ValueError, match="names a Secret more than once"):
+        spec_of(imagePullSecrets=[{"name": "regcred"}, {"name": "regcred"}])
+    for bad in ({"name": "RegCred"}, {"name": ""}, {"secret": "regcred"}):
+        with pytest.raises(ValueError):
+            spec_of(imagePullSecrets=[bad])
+
+
 def test_cpu_only_service_asks_for_no_gpu():
     c = pod_spec(want(spec_of()).stable.deployment)["containers"][0]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]

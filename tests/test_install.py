@@ -145,6 +145,14 @@ def test_value_image_pull_policy(tmp_path) -> None:
     assert operator_container(rendered({"image": {"pullPolicy": "Always"}}, tmp_path))["imagePullPolicy"] == "Always"
 
 
+def test_value_image_pull_secrets(tmp_path) -> None:
+    def pod(objs: dict) -> dict:
+        return objs[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in pod(objects(template()))
+    secrets = rendered({"image": {"pullSecrets": ["regcred", "mirror"]}}, tmp_path)
+    assert pod(secrets)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+
+
 def test_value_operator_replicas(tmp_path) -> None:
     default = objects(template())
     assert default[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["replicas"] == 2

@@ -127,6 +127,6 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]
-    return Desired(revisions, [*render_router_account(owner), render_router(owner, image, pod_annotations, spec.auth, spec.router.replicas),
+    return Desired(revisions, [*render_router_account(owner), render_router(owner, spec, image, pod_annotations),
                                render_service(owner), *render_pdbs(owner),
                                *render_network_policies(owner, operator_namespace()), *(scalers or [])])

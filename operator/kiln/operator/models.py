@@ -221,6 +221,11 @@ class Auth(Spec):
     apiKeySecretRef: SecretKeyRef
 
 
+class LocalObjectReference(Spec):
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                      description="A Secret in the InferenceService's namespace.")
+
+
 class RouterSpec(Spec):
     """The router in front of the engines: more than one replica survives losing one (a
     PodDisruptionBudget keeps one up through voluntary disruptions)."""
@@ -243,6 +248,19 @@ class InferenceServiceSpec(Spec):
     rollout: Rollout | None = None
     auth: Auth | None = None
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    imagePullSecrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16, description=(
+        "Registry credentials (kubernetes.io/dockerconfigjson Secrets) for the engine and router "
+        "pods, when the engine image is in a private registry; changing them restarts the pods."),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+
+    @field_validator("imagePullSecrets")
+    @classmethod
+    def _unique_pull_secrets(cls, refs: list[LocalObjectReference]) -> list[LocalObjectReference]:
+        # The CRD's list-map refuses duplicates too; this holds a spec stored under an older CRD.
+        names = [r.name for r in refs]
+        if len(set(names)) != len(names):
+            raise ValueError("imagePullSecrets names a Secret more than once")
+        return refs
 
 
 class Condition(BaseModel):

@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from . import images
-from .models import GROUP, KIND, VERSION, Auth, InferenceServiceSpec
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
@@ -216,6 +216,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         "terminationGracePeriodSeconds": GRACE_PERIOD_S,
         "securityContext": POD_SECURITY,
     }
+    pod_spec.update(pull_secrets(spec))
     if spec.resources.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
     if spec.resources.tolerations:
@@ -236,6 +237,11 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
             "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": pod_spec},
         },
     }
+
+
+def pull_secrets(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The pod spec's imagePullSecrets, absent when none are given (as the API server stores it)."""
+    return {"imagePullSecrets": [{"name": s.name} for s in spec.imagePullSecrets]} if spec.imagePullSecrets else {}
 
 
 def pod_metadata(pod_labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
@@ -286,15 +292,15 @@ def render_router_account(owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
-def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | None = None,
-                  auth: Auth | None = None, replicas: int = 1) -> dict[str, Any]:
-    """One router per InferenceService, in front of every revision's engine pods. With `auth`
-    its API keys come from the Secret as an environment variable (a rotated key needs the
-    router restarted: `kubectl rollout restart deployment/<name>-router`)."""
+def render_router(owner: Owner, spec: InferenceServiceSpec, image: str,
+                  pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """One router per InferenceService, in front of every revision's engine pods. With
+    `spec.auth` its API keys come from the Secret as an environment variable (a rotated key
+    needs the router restarted: `kubectl rollout restart deployment/<name>-router`)."""
     name = router_name(owner.name)
     env: list[dict[str, Any]] = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
-    if auth is not None:
-        ref = auth.apiKeySecretRef
+    if spec.auth is not None:
+        ref = spec.auth.apiKeySecretRef
         env.append({"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     container = {
         "name": "router",
@@ -319,7 +325,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
         "kind": "Deployment",
         "metadata": metadata(owner, name, component="router"),
         "spec": {
-            "replicas": replicas,
+            "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector(owner.name, "router")},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 2,
@@ -331,6 +337,7 @@ def render_router(owner: Owner, image: str, pod_annotations: dict[str, str] | No
                 "volumes": [{"name": "tmp", "emptyDir": {}}],
                 "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_S,
                 "securityContext": POD_SECURITY,
+                **pull_secrets(spec),
             }},
         },
     }
