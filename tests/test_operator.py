@@ -113,11 +113,15 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     from kiln.operator.reconcile import Api, observe
     from kiln.operator.render import Owner
 
-    apply(kubectl, ns, smollm2("steady"))
+    body = smollm2("steady")
+    body["spec"]["imagePullSecrets"] = [{"name": "regcred"}]  # a private registry's credentials
+    apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "steady"), "steady Ready")
     api = Api.of(local_cluster.api_client)
     owner = Owner("steady", ns, obj["metadata"]["uid"])
     observed = observe(api, owner)
+    for deployment in (o for (kind, _), o in observed.objects.items() if kind == "Deployment"):
+        assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert {kind for kind, _ in observed.objects} == {"Deployment", "Service", "PodDisruptionBudget",
                                                        "ServiceAccount", "RoleBinding", "NetworkPolicy", "Pod"}
     spec = InferenceServiceSpec.model_validate(obj["spec"])
