@@ -113,6 +113,12 @@ INVALID = [
      "a toleration with tolerationSeconds must have effect NoExecute"),
     ("hpa-scale-down-over-an-hour", "bad", with_spec(autoscaling={"mode": "hpa", "scaleDownDelay": "2h"}),
      "autoscaling.scaleDownDelay must be at most 1h with mode hpa"),
+    ("stable-window-zero", "bad", with_spec(autoscaling={"stableWindow": "0s", "panicWindow": "0s"}),
+     "autoscaling.stableWindow must be at least 6s"),
+    ("panic-window-longer", "bad", with_spec(autoscaling={"stableWindow": "10s", "panicWindow": "30s"}),
+     "autoscaling.panicWindow must be at least 1s and not longer than autoscaling.stableWindow"),
+    ("panic-window-sub-second", "bad", with_spec(autoscaling={"panicWindow": "500ms"}),
+     "autoscaling.panicWindow must be at least 1s"),
     ("bad-source-scheme", "bad", with_spec(model__source="s3://bucket/model"),
      "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
     ("host-root-as-source", "bad", with_spec(model__source="hostpath:////"),  # would mount the node's / over the pod's

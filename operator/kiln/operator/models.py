@@ -148,7 +148,13 @@ class Autoscaling(Spec):
         # The HPA's scale-down stabilization window is what carries it there; the API server
         # refuses an HPA whose window is longer than an hour.
         "self.mode != 'hpa' || duration(self.scaleDownDelay) <= duration('1h')",
-        "autoscaling.scaleDownDelay must be at most 1h with mode hpa (an HPA's longest scale-down window)")))
+        "autoscaling.scaleDownDelay must be at most 1h with mode hpa (an HPA's longest scale-down window)"), cel(
+        # Knative's bounds: a shorter stable window follows each sample's noise, and a panic
+        # window longer than the stable one would be the slower of the two.
+        "duration(self.stableWindow) >= duration('6s')",
+        "autoscaling.stableWindow must be at least 6s"), cel(
+        "duration(self.panicWindow) >= duration('1s') && duration(self.panicWindow) <= duration(self.stableWindow)",
+        "autoscaling.panicWindow must be at least 1s and not longer than autoscaling.stableWindow")))
     mode: Literal["builtin", "hpa", "keda", "none"] = "builtin"
     minReplicas: int = Field(1, ge=0, le=1000)
     maxReplicas: int = Field(4, ge=1, le=1000)
