@@ -190,14 +190,19 @@ BAD = [
      "max_tokens"),
     ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400,
      "logit_bias"),
-    ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("n of 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ("n over the bound", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
+    ("empty prompt in a batch", "/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),
+    ("one prompt of a batch too long", "/v1/completions", {"model": MODEL, "prompt": ["a", "hello " * 400]},
+     400, "prompt"),
+    ("mixed batch", "/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "prompt"),
     ("stream options without a stream", "/v1/completions",
      {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
     ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
      "temperature"),
     ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),
-    ("batched prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages.0.role"),
@@ -219,8 +224,51 @@ def test_bad_input_gets_openai_error(server, name, path, body, status, param):
     assert code == status, reply
     err = reply["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param
-    if name == "n > 1":
-        assert "n > 1 is not supported" in err["message"]
+
+
+def test_n_choices_of_batched_prompts_are_each_prompts_own_seeded_runs(server, tokenizer):
+    """Choice i*n + j answers prompt i with seed + j: the same text as that prompt sent alone
+    with that seed, streamed or not; usage counts each prompt once and every choice's tokens."""
+    prompts, n, seed = ["Once upon a time", "The best fruit is"], 3, 41
+    sampling = dict(model=MODEL, temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
+    alone = [server.client.completions.create(prompt=p, seed=seed + j, **sampling).choices[0].text
+             for p in prompts for j in range(n)]
+    assert len(set(alone[:n])) > 1  # the seeds differ, so do the choices
+    out = server.client.completions.create(prompt=prompts, n=n, seed=seed, **sampling)
+    assert [c.index for c in out.choices] == list(range(len(prompts) * n))
+    assert [c.text for c in out.choices] == alone
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == len(prompts) * n * 8
+    chunks = list(server.client.completions.create(prompt=prompts, n=n, seed=seed, stream=True,
+                                                   stream_options={"include_usage": True}, **sampling))
+    texts, finished = [""] * len(alone), {}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason:
+            finished[choice.index] = choice.finish_reason
+    assert texts == alone and finished == {i: "length" for i in range(len(alone))}
+    assert chunks[-1].usage == out.usage
+    # Token-id prompts in a batch, with the ids each choice ran.
+    ids = [tokenizer.encode(p) for p in prompts]
+    code, reply = post(server.url + "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 2,
+                                                        "temperature": 0, "return_token_ids": True})
+    assert code == 200 and [c["prompt_token_ids"] for c in reply["choices"]] == ids
+
+
+def test_chat_n_choices_streamed_each_open_with_the_role(server):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    greedy = server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                   max_completion_tokens=10).choices[0].message.content
+    out = server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                max_completion_tokens=10, n=2)
+    assert [(c.index, c.message.content) for c in out.choices] == [(0, greedy), (1, greedy)]
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                        max_completion_tokens=10, n=2, stream=True))
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    assert [c.choices[0].index for c in chunks[:2]] == [0, 1]
+    for index in (0, 1):
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == index) == greedy
 
 
 def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, tokenizer):
@@ -237,8 +285,8 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, toke
 
 
 def test_bad_input_through_openai_client(server):
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        server.client.completions.create(model=MODEL, prompt="hi", n=3)
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter: logit_bias"):
+        server.client.completions.create(model=MODEL, prompt="hi", logit_bias={"1": 5})
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi")
     assert get(server.url + "/health")[0] == 200  # nothing crashed
@@ -283,6 +331,14 @@ def test_disconnect_mid_stream_frees_blocks(server):
             model=MODEL, prompt="Tell me a long story.", max_tokens=240, extra_body={"ignore_eos": True})
     m = server.wait_metrics(kiln__kv_cache_usage_perc=0, kiln__num_requests_running=0)
     assert m[abort] == before[abort] + 2
+    # Every choice of an n-choice stream is aborted with it.
+    stream = server.client.completions.create(model=MODEL, prompt="Tell me a long story.", temperature=1.0,
+                                              max_tokens=200, n=3, stream=True, extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(6), stream):
+        pass
+    stream.close()
+    m = server.wait_metrics(kiln__kv_cache_usage_perc=0, kiln__num_requests_running=0)
+    assert m[abort] == before[abort] + 5
 
 
 def test_metrics_count_requests_and_tokens(server):
@@ -322,11 +378,21 @@ def test_cold_start_phases_in_metrics(server):
 def test_queue_full_gives_429_and_waiting_metric_moves():
     s = ServerProcess("--max-model-len", "512", "--max-num-seqs", "1", "--max-queue", "2")
     try:
+        # More choices than the server ever holds: not a 429 (a retry could never succeed).
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 4})
+        assert code == 400 and reply["error"]["param"] == "n" and "holds at most 3" in reply["error"]["message"]
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "n": 2})
+        assert code == 400 and reply["error"]["param"] == "prompt"
         streams = [s.client.completions.create(model=MODEL, prompt=f"Story {i}:", max_tokens=400, stream=True,
                                                extra_body={"ignore_eos": True}) for i in range(3)]
         s.wait_metrics(kiln__num_requests_waiting=2, kiln__num_requests_running=1)
         code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "one more"})
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
+        streams[2].close()  # one place free: a request of two choices gets one, then is refused whole
+        s.wait_metrics(kiln__num_requests_waiting=1)
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "two", "n": 2})
+        assert code == 429 and reply["error"]["code"] == "queue_full"
+        s.wait_metrics(kiln__num_requests_waiting=1, kiln__num_requests_running=1)  # nothing left behind
         for st in streams:
             st.close()
         s.wait_metrics(kiln__num_requests_waiting=0, kiln__num_requests_running=0, kiln__kv_cache_usage_perc=0)

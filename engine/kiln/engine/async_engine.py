@@ -151,13 +151,18 @@ class AsyncEngine:
         if self._running is None or self._running.done():
             raise EngineDeadError("the engine thread has stopped")
 
+    @property
+    def capacity(self) -> int:
+        """Requests held at once: the batch's seats and the queue behind them."""
+        return self.engine.config.max_num_seqs + self.max_queue
+
     def _check_room(self, prompt_tokens: int) -> None:
         """The waiting caps: --max-queue requests beyond the batch's --max-num-seqs seats (so a
         burst fills the seats and the queue both), and --max-num-queued-tokens prompt tokens of
         requests not in the batch yet. A request finding nothing waiting is never refused for its
         length alone: retrying it would not help."""
         seats = self.engine.config.max_num_seqs
-        if len(self._streams) >= seats + self.max_queue:
+        if len(self._streams) >= self.capacity:
             raise QueueFullError(f"the engine holds {len(self._streams)} requests, as many as its batch "
                                  f"(--max-num-seqs {seats}) and its queue (--max-queue {self.max_queue}) "
                                  "take; retry later")

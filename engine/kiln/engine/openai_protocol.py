@@ -3,7 +3,7 @@
 Requests are pydantic models that forbid unknown fields, so a parameter Kiln does not
 implement is a clear 400 rather than something silently ignored. They are also the request
 schemas of the OpenAPI document (kiln.engine.openapi): where code checks a field (a validator,
-single_prompt), its json_schema says what that code accepts, so generated clients and fuzzers
+prompts), its json_schema says what that code accepts, so generated clients and fuzzers
 see the real contract."""
 from __future__ import annotations
 
@@ -20,14 +20,15 @@ MAX_TOP_LOGPROBS = 20
 # Integers that reach torch (seed, top_k) must fit its int64; larger ones overflowed inside the
 # engine loop, which killed the engine (found while fuzzing the API: tests/test_fuzz_api.py).
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MAX_CHOICES = 128  # n's bound in the schema; the server also bounds prompts x n by what it holds at once
 # JSON numbers only: no NaN or Infinity, which no field means (a penalty of Infinity made NaN logits).
 STRICT_NUMBERS = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _TEXT = {"type": "string", "minLength": 1}
-# What single_prompt accepts: one prompt, as text or token ids, or a batch of exactly one.
-_PROMPT_SCHEMA = {"anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 1},
-                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1}]}
+# What prompts() accepts: one prompt, as text or token ids, or a batch of either.
+_PROMPT_SCHEMA = {"anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1},
+                            {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
 _STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4}, {"type": "null"}],
                 "default": None}
 # What ChatMessage.text accepts: a string or text parts.
@@ -91,7 +92,8 @@ class _SamplingFields(BaseModel):
     # vLLM's extension: requests share cached prefix blocks only with requests of the same salt
     # (the router sets one per API key, so tenants cannot time each other's prompts).
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
-    n: int = Field(default=1, json_schema_extra={"const": 1})
+    # Choices per prompt, each its own engine request (a seed gives choice j seed + j).
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -102,13 +104,6 @@ class _SamplingFields(BaseModel):
         # OpenAI's spec makes the optional fields nullable and SDKs send null for "not set"
         # (`"temperature": null`, `"n": null`); vLLM takes it as the default, Kiln answered 400.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("n > 1 is not supported by Kiln; send n separate requests instead")
-        return n
 
     @field_validator("stream_options")
     @classmethod
@@ -150,17 +145,14 @@ class CompletionRequest(_SamplingFields):
     best_of: Literal[1] | None = None
     suffix: None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """Kiln answers one prompt per request; a batch of one is unwrapped."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of strings or of token id lists)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "batched prompts are not supported; send one prompt per request",
-                               param="prompt")
-            p = p[0]
-        if not p:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if not all(batch):
+            raise APIError(400, "prompt must not be empty" if len(batch) == 1 else
+                           "prompt: every prompt of a batch must be non-empty", param="prompt")
+        return batch
 
 
 class ChatMessage(BaseModel):
@@ -221,11 +213,25 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        param = ".".join(str(p) for p in _json_path(data, err["loc"])) or None
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"unsupported parameter: {param}", param=param,
                            code="unsupported_parameter") from None
         raise APIError(400, f"invalid value for {param}: {err['msg']}", param=param) from None
+
+
+def _json_path(data: Any, loc: tuple[str | int, ...]) -> list[str | int]:
+    """The error's place in the request's JSON: pydantic's loc, less the names it gives union
+    members ("prompt.str", "stop.list[str]"), which are no field a client sent."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict):  # a field, sent or missing
+            path.append(part)
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            path.append(part)
+            node = node[part]
+    return path
 
 
 def _not_json(constant: str) -> Any:

@@ -70,7 +70,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice] = Field(min_length=1, max_length=1)
+    choices: list[CompletionChoice] = Field(min_length=1)  # n per prompt, prompt by prompt
     usage: Usage
 
 
@@ -105,7 +105,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
-    choices: list[ChatChoice] = Field(min_length=1, max_length=1)
+    choices: list[ChatChoice] = Field(min_length=1)  # n of them
     usage: Usage
 
 
