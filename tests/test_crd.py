@@ -136,6 +136,16 @@ INVALID = [
      "Duplicate value"),
     ("pull-secret-bad-name", "bad", with_spec(imagePullSecrets=[{"name": "Reg_Cred"}]),
      "spec.imagePullSecrets[0].name in body should match"),
+    ("env-twice", "bad", with_spec(engine__env=[{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+     "Duplicate value"),
+    ("env-value-and-value-from", "bad", with_spec(engine__env=[
+        {"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]),
+     "an env entry takes value or valueFrom, not both"),
+    ("env-two-sources", "bad", with_spec(engine__env=[{"name": "A", "valueFrom": {
+        "secretKeyRef": {"name": "s", "key": "k"}, "configMapKeyRef": {"name": "c", "key": "k"}}}]),
+     "valueFrom takes exactly one of secretKeyRef and configMapKeyRef"),
+    ("env-bad-name", "bad", with_spec(engine__env=[{"name": "A=B", "value": "1"}]),
+     "spec.engine.env[0].name in body should match"),
     ("missing-source", "bad", {"model": {"name": "x"}}, "spec.model.source: Required value"),
     ("name-too-long", "a" * 51, GOOD, "metadata.name must be at most 50 lowercase letters"),
 ]

@@ -210,6 +210,27 @@ def test_image_pull_secrets_reach_engine_and_router_pods_without_a_new_revision(
             spec_of(imagePullSecrets=[bad])
 
 
+def test_engine_env_is_a_new_revision_and_replaces_kilns_own_by_name():
+    plain = want(spec_of(resources={"gpus": 2}, engine={"tensorParallelSize": 2}))
+    env = [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "OMP_NUM_THREADS", "value": "8"},
+           {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+           {"name": "EMPTY"}]
+    spec = spec_of(resources={"gpus": 2}, engine={"tensorParallelSize": 2, "env": env})
+    (c,) = pod_spec(want(spec).stable.deployment)["containers"]
+    assert c["env"] == [{"name": "HOME", "value": "/tmp"}, {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+                        {"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "OMP_NUM_THREADS", "value": "8"},
+                        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token",
+                                                                            "optional": False}}},
+                        {"name": "EMPTY"}]
+    assert want(spec).stable.name != plain.stable.name  # the engine runs differently: a new revision
+    assert spec_of(engine={"env": []}).engine.env == [] and want(spec_of(engine={"env": []})).stable.name == \
+        want(spec_of()).stable.name  # an empty list is the default: no rollout
+    for bad in ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], [{"name": "1BAD"}], [{"name": "A=B"}],
+                [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "Bad_Name", "key": "k"}}}]):
+        with pytest.raises(ValueError):
+            spec_of(engine={"env": bad})
+
+
 def test_cpu_only_service_asks_for_no_gpu():
     c = pod_spec(want(spec_of()).stable.deployment)["containers"][0]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]

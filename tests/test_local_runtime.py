@@ -69,10 +69,13 @@ def test_runs_a_pod_in_a_namespace_holding_its_ip_and_stops_it_on_deletion(local
 
 
 def test_refuses_what_it_cannot_run_and_still_removes_it(local_cluster, core, namespace):
+    resource = {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}}
     config = {"name": "TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
     secret = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
     runtime_log = local_cluster.cluster.dir / "logs" / "runtime.log"
-    for name, env, why in (("bad-env", config, "env TOKEN: only value, fieldRef and secretKeyRef are supported"),
+    for name, env, why in (("bad-env", resource, "env CPUS: only value, fieldRef, secretKeyRef and configMapKeyRef "
+                                                 "are supported"),
+                           ("no-configmap", config, "configmap c not found"),
                            ("no-secret", secret, "secret s not found")):
         core.create_namespaced_pod(namespace, pod(name, ["kiln", "router", "--endpoints", "127.0.0.1:9"], [env]))
         eventually(lambda: f"cannot run {namespace}/{name}: {why}" in runtime_log.read_text(),

@@ -115,6 +115,13 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 
     body = smollm2("steady")
     body["spec"]["imagePullSecrets"] = [{"name": "regcred"}]  # a private registry's credentials
+    # Environment from a value, a Secret (which must exist, or the pod is refused) and a missing
+    # optional ConfigMap (the variable is left unset).
+    kubectl("create", "secret", "generic", "hf", "--from-literal=token=t0k", "-n", ns)
+    body["spec"]["engine"]["env"] = [
+        {"name": "OMP_DISPLAY_ENV", "value": "false"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        {"name": "EXTRA", "valueFrom": {"configMapKeyRef": {"name": "none", "key": "k", "optional": True}}}]
     apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "steady"), "steady Ready")
     api = Api.of(local_cluster.api_client)
@@ -122,6 +129,9 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     observed = observe(api, owner)
     for deployment in (o for (kind, _), o in observed.objects.items() if kind == "Deployment"):
         assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    engine = observed.get("Deployment", obj["status"]["revisions"][0]["name"])
+    assert [e["name"] for e in engine["spec"]["template"]["spec"]["containers"][0]["env"]] == \
+        ["HOME", "OMP_DISPLAY_ENV", "HF_TOKEN", "EXTRA"]
     assert {kind for kind, _ in observed.objects} == {"Deployment", "Service", "PodDisruptionBudget",
                                                        "ServiceAccount", "RoleBinding", "NetworkPolicy", "Pod"}
     spec = InferenceServiceSpec.model_validate(obj["spec"])

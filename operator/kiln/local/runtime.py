@@ -10,7 +10,7 @@ kwok to leave readiness alone, see kiln.local.kwok) and a container command that
 `kiln serve ...` or `kiln router ...`. For each such pod it:
 
 - makes a network namespace holding the pod's IP (kwok assigned it from the bridge range),
-- runs the command with the pod's args and env (values, a few fieldRefs, secretKeyRefs) as a local process in it, through this
+- runs the command with the pod's args and env (values, a few fieldRefs, secretKeyRefs, configMapKeyRefs) as a local process in it, through this
   venv's Python (`python -m kiln.cli`), with a ServiceAccount token kubeconfig when the pod
   mounts a token (reached through a relay on the bridge gateway: the apiserver listens on
   loopback only, which a namespace cannot see),
@@ -207,17 +207,24 @@ class Runtime:
             if exc.status not in (404, 409):  # gone already, or a new pod of the same name
                 raise
 
-    def secret_value(self, namespace: str, ref: Any) -> str:
-        """A Secret's key, as the kubelet gives it to an env var (a missing one: the pod is refused)."""
+    def key_value(self, namespace: str, ref: Any, secret: bool) -> str | None:
+        """A Secret's or ConfigMap's key, as the kubelet gives it to an env var: a missing one
+        refuses the pod, unless the reference is optional (then the variable is unset)."""
+        kind = "secret" if secret else "configmap"
+        read = self.core.read_namespaced_secret if secret else self.core.read_namespaced_config_map
         try:
-            data = self.core.read_namespaced_secret(ref.name, namespace).data or {}
+            data = read(ref.name, namespace).data or {}
         except ApiException as exc:
-            if exc.status == 404:
-                raise ValueError(f"secret {ref.name} not found") from None
-            raise
+            if exc.status != 404:
+                raise
+            data, missing = {}, f"{kind} {ref.name} not found"
+        else:
+            missing = f"{kind} {ref.name} has no key {ref.key!r}"
         if ref.key not in data:
-            raise ValueError(f"secret {ref.name} has no key {ref.key!r}")
-        return base64.b64decode(data[ref.key]).decode()
+            if ref.optional:
+                return None
+            raise ValueError(missing)
+        return base64.b64decode(data[ref.key]).decode() if secret else data[ref.key]
 
     def plan(self, pod: Any) -> PodRun:
         container = pod.spec.containers[0]
@@ -227,14 +234,20 @@ class Runtime:
         # (spin between parallel regions) is for that. A pod's own value wins.
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOSTNAME": pod.metadata.name, "OMP_WAIT_POLICY": "PASSIVE"}
         for var in container.env or []:
-            if var.value_from is None:
+            source = var.value_from
+            if source is None:
                 env[var.name] = var.value or ""
-            elif var.value_from.field_ref is not None:
-                env[var.name] = field_value(pod, var.value_from.field_ref.field_path)
-            elif var.value_from.secret_key_ref is not None:
-                env[var.name] = self.secret_value(pod.metadata.namespace, var.value_from.secret_key_ref)
+            elif source.field_ref is not None:
+                env[var.name] = field_value(pod, source.field_ref.field_path)
+            elif source.secret_key_ref is not None or source.config_map_key_ref is not None:
+                secret = source.secret_key_ref is not None
+                value = self.key_value(pod.metadata.namespace, source.secret_key_ref if secret
+                                       else source.config_map_key_ref, secret)
+                if value is not None:
+                    env[var.name] = value
             else:
-                raise ValueError(f"env {var.name}: only value, fieldRef and secretKeyRef are supported")
+                raise ValueError(f"env {var.name}: only value, fieldRef, secretKeyRef and configMapKeyRef "
+                                 "are supported")
         kubeconfig = (self.service_account_kubeconfig(pod)
                       if pod.spec.automount_service_account_token is not False else None)
         if containers.wants_container(pod):

@@ -101,6 +101,28 @@ class Speculative(Spec):
     model: ModelSpec | None = None
 
 
+class KeySelector(Spec):
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    optional: bool = False
+
+
+class EnvSource(Spec):
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+        "valueFrom takes exactly one of secretKeyRef and configMapKeyRef")))
+    secretKeyRef: KeySelector | None = None
+    configMapKeyRef: KeySelector | None = None
+
+
+class EnvVar(Spec):
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "!(has(self.value) && has(self.valueFrom))", "an env entry takes value or valueFrom, not both")))
+    name: str = Field(max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = Field(None, max_length=32768)
+    valueFrom: EnvSource | None = None
+
+
 class Engine(Spec):
     """Engine settings; any change here (or to the model) makes a new revision."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -112,6 +134,18 @@ class Engine(Spec):
                             "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
     kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
     speculative: Speculative | None = None
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description=(
+        "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
+        "here replaces Kiln's own of that name."),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+
+    @field_validator("env")
+    @classmethod
+    def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
+        names = [e.name for e in env]  # the CRD's list-map refuses these too (a spec from an older CRD)
+        if len(set(names)) != len(names):
+            raise ValueError("engine.env names a variable more than once")
+        return env
 
 
 class Toleration(Spec):

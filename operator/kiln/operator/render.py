@@ -192,6 +192,8 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         env += NCCL_ENV if spec.resources.gpus > 0 else []
+    mine = {e.name for e in spec.engine.env}
+    env = [e for e in env if e["name"] not in mine] + [e.model_dump(exclude_none=True) for e in spec.engine.env]
     container = {
         "name": "engine",
         "image": image,
