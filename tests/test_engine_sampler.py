@@ -38,6 +38,9 @@ def make_seqs(params: list[SamplingParams], prompt: list[int] | None = None, out
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
@@ -90,6 +93,28 @@ def test_greedy_top_k_one_and_logprobs() -> None:
         values, ids = reference[i].topk(3)
         assert [t for t, _ in entry["top"]] == ids.tolist()
         assert [v for _, v in entry["top"]] == pytest.approx(values.tolist(), abs=1e-5)
+
+
+def test_logit_bias_moves_the_choice_but_not_the_logprobs() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, VOCAB)
+    top = logits.argmax(dim=-1)
+    biases = [{7: 100.0}, {int(top[1]): -100.0, 9: 0.5}, {}]  # force a token, ban the argmax, none
+    params = [SamplingParams(temperature=0.0, logprobs=1, logit_bias=b or None) for b in biases]
+    tokens, entries = Sampler()(logits.clone(), make_seqs(params))
+    reference = logits.clone()
+    for row, bias in enumerate(biases):
+        for token, b in bias.items():
+            reference[row, token] += b
+    assert tokens == reference.argmax(dim=-1).tolist() and tokens[0] == 7 and tokens[1] != int(top[1])
+    assert tokens[2] == int(top[2])
+    raw = logits.log_softmax(dim=-1)
+    for row, entry in enumerate(entries):
+        assert entry["logprob"] == pytest.approx(raw[row, tokens[row]].item(), abs=1e-5)  # the model's own
+    # Sampled rows see the bias too: a token at -100 is never drawn, one at +100 always is.
+    drawn = [Sampler(seed)(logits[:1].clone(), make_seqs([SamplingParams(temperature=1.0, logit_bias={4: 100.0})]))[0][0]
+             for seed in range(20)]
+    assert drawn == [4] * 20
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:

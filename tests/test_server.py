@@ -188,8 +188,12 @@ BAD = [
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello " * 400}, 400, "prompt"),
     ("max_tokens too large", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400,
      "max_tokens"),
-    ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}, 400,
-     "logit_bias"),
+    ("unsupported parameter", "/v1/completions", {"model": MODEL, "prompt": "hi", "guided_json": {}}, 400,
+     "guided_json"),
+    ("logit_bias out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 101}}, 400,
+     "logit_bias.1"),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 1}},
+     400, "logit_bias.a"),
     ("n of 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("n over the bound", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
@@ -256,6 +260,17 @@ def test_n_choices_of_batched_prompts_are_each_prompts_own_seeded_runs(server, t
     assert code == 200 and [c["prompt_token_ids"] for c in reply["choices"]] == ids
 
 
+def test_logit_bias_forces_and_bans_tokens(server, tokenizer):
+    greedy = complete(server, "The capital of France is", max_tokens=4).choices[0]
+    first = tokenizer.encode(greedy.text, add_special_tokens=False)[0]
+    banned = complete(server, "The capital of France is", max_tokens=4, logit_bias={str(first): -100})
+    assert tokenizer.encode(banned.choices[0].text, add_special_tokens=False)[0] != first
+    forced = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                   temperature=0, max_completion_tokens=3, logit_bias={"42": 100},
+                                                   extra_body={"return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [42, 42, 42]
+
+
 def test_chat_n_choices_streamed_each_open_with_the_role(server):
     messages = [{"role": "user", "content": "Name a colour."}]
     greedy = server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
@@ -285,8 +300,10 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, toke
 
 
 def test_bad_input_through_openai_client(server):
-    with pytest.raises(openai.BadRequestError, match="unsupported parameter: logit_bias"):
-        server.client.completions.create(model=MODEL, prompt="hi", logit_bias={"1": 5})
+    with pytest.raises(openai.BadRequestError, match="unsupported parameter: guided_json"):
+        server.client.completions.create(model=MODEL, prompt="hi", extra_body={"guided_json": {}})
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias token ids must be in \[0, 49152\)"):
+        server.client.completions.create(model=MODEL, prompt="hi", logit_bias={"49152": 5})
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi")
     assert get(server.url + "/health")[0] == 200  # nothing crashed

@@ -109,6 +109,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and not all(t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
+                             f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)

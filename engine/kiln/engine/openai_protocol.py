@@ -24,6 +24,8 @@ MAX_CHOICES = 128  # n's bound in the schema; the server also bounds prompts x n
 # JSON numbers only: no NaN or Infinity, which no field means (a penalty of Infinity made NaN logits).
 STRICT_NUMBERS = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+# A token id as a JSON object key (keys are strings), as OpenAI's logit_bias takes it.
+_TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 _TEXT = {"type": "string", "minLength": 1}
 # What prompts() accepts: one prompt, as text or token ids, or a batch of either.
@@ -87,6 +89,7 @@ class _SamplingFields(BaseModel):
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[_TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=2048)
     # vLLM's extension: the choice also carries prompt_token_ids (what the engine ran) and token_ids.
     return_token_ids: bool = False
     # vLLM's extension: requests share cached prefix blocks only with requests of the same salt
@@ -129,7 +132,8 @@ class _SamplingFields(BaseModel):
             seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
 
     @property
     def include_usage(self) -> bool:

@@ -1,6 +1,6 @@
 """Turn one row of logits per sequence into its next token, the whole batch at once.
 
-Order of work: penalties change the logits; greedy rows take the argmax; the others are scaled
+Order of work: penalties, then logit_bias, change the logits; greedy rows take the argmax; the others are scaled
 by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
 (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
 noise from its own torch.Generator while the rest of the batch shares the engine's.
@@ -114,6 +114,8 @@ class Sampler:
                 self._column(params, "presence_penalty"),
                 self._column(params, "frequency_penalty"),
             ))
+        if any(p.logit_bias for p in params):
+            logits = self._biased(logits, params)
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)
@@ -121,6 +123,13 @@ class Sampler:
             tokens = self._draw(logits, seqs, params, greedy)
         token_list = tokens.tolist()
         return token_list, self._logprob_entries(logprobs, token_list, params)
+
+    def _biased(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """logits + each row's logit_bias (a new tensor: the model's logits stay as they were)."""
+        rows, cols, bias = zip(*((i, token, b) for i, p in enumerate(params)
+                                 for token, b in (p.logit_bias or {}).items()))
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        return logits.index_put(index, torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
 
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)

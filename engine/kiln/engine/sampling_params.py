@@ -33,6 +33,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Prefix-cache isolation: blocks are shared only between requests with the same salt.
     cache_salt: str | None = None
+    # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before choosing
+    # (greedy too); -100 all but bans a token, 100 all but forces it. Logprobs stay the model's.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.logit_bias is not None and any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 or not -100.0 <= b <= 100.0
+            for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(f"logit_bias maps token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         if self.stop_token_ids is not None and any(
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
