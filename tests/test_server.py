@@ -260,6 +260,37 @@ def test_n_choices_of_batched_prompts_are_each_prompts_own_seeded_runs(server, t
     assert code == 200 and [c["prompt_token_ids"] for c in reply["choices"]] == ids
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_first(server, tokenizer):
+    """As lm-eval-harness scores a continuation: a batch, echo, logprobs, one token generated."""
+    prompts = ["The capital of France is Paris", "Two plus two is four"]
+    out = server.client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=2, max_tokens=1,
+                                           temperature=0)
+    for prompt, choice in zip(prompts, out.choices):
+        ids = tokenizer.encode(prompt)
+        alone = complete(server, prompt, max_tokens=1, logprobs=2).choices[0]
+        assert choice.text == prompt + alone.text
+        lp = choice.logprobs
+        assert lp.tokens[:len(ids)] == [tokenizer.decode_token(t) for t in ids] and lp.tokens[len(ids):] == alone.logprobs.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[len(ids):] == pytest.approx(alone.logprobs.token_logprobs, abs=1e-4)
+        scored = post(server.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                        "temperature": 0, "prompt_logprobs": 2})[1]["choices"][0]
+        assert "prompt_logprobs" not in choice.model_extra  # not asked for: echo's logprobs are in logprobs
+        for i, token in enumerate(ids[1:], start=1):
+            position = scored["prompt_logprobs"][i]
+            assert lp.token_logprobs[i] == pytest.approx(position[str(token)]["logprob"], abs=1e-4)
+            assert set(lp.top_logprobs[i]) == {e["decoded_token"] for e in position.values()}
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # Streamed, and from token ids: the prompt's text first, then the same continuation.
+    ids = tokenizer.encode(prompts[0])
+    chunks = list(server.client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=4,
+                                                   temperature=0, stream=True))
+    assert chunks[0].choices[0].text.startswith(tokenizer.decode(ids))
+    whole = complete(server, ids, echo=True, max_tokens=4).choices[0].text
+    assert "".join(c.choices[0].text for c in chunks) == whole == tokenizer.decode(ids) + complete(
+        server, ids, max_tokens=4).choices[0].text
+
+
 def test_logit_bias_forces_and_bans_tokens(server, tokenizer):
     greedy = complete(server, "The capital of France is", max_tokens=4).choices[0]
     first = tokenizer.encode(greedy.text, add_special_tokens=False)[0]

@@ -145,7 +145,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension (completions only): score every prompt token, with this many alternatives.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: Literal[False] = False
+    # The prompt's text before the completion's (and, with logprobs, its tokens' logprobs first:
+    # the first token has none), as OpenAI's legacy completions and vLLM answer it.
+    echo: bool = False
     best_of: Literal[1] | None = None
     suffix: None = None
 
@@ -287,5 +289,15 @@ def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e["top"]} for e in entries],
+            "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]} for e in entries],
             "text_offset": offsets}
+
+
+def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None]) -> list[dict[str, Any]]:
+    """A prompt's logprobs as completion logprob entries, for `echo`: the first token has no
+    logprob (nothing comes before it), each other its own and its position's top tokens."""
+    entries = [{"token_id": prompt_ids[0], "logprob": None, "top": None}]
+    for token_id, position in zip(prompt_ids[1:], prompt_logprobs[1:]):
+        entries.append({"token_id": token_id, "logprob": position[token_id]["logprob"],
+                        "top": [(t, e["logprob"]) for t, e in position.items()]})
+    return entries

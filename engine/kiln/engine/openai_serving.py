@@ -16,7 +16,7 @@ from kiln.engine import RequestOutput, SamplingParams
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kiln.engine.openai_protocol import (
     INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-    envelope, new_id, parse_request, sse, usage)
+    echoed_entries, envelope, new_id, parse_request, sse, usage)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -95,7 +95,17 @@ class _Choice:
     params: SamplingParams
     shape: Any  # _CompletionShape | _ChatShape
     fields: _TokenFields
+    echo: str | None = None  # the prompt's text, to send before the first of the choice's own
     stream: RequestStream | None = None
+
+    def echoed(self, out: RequestOutput, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
+        """`text` and `entries` with the echoed prompt before them, the first time only."""
+        if self.echo is None:
+            return text, entries
+        echo, self.echo = self.echo, None
+        if out.prompt_logprobs is not None:  # asked for with logprobs (completions() saw to it)
+            entries = echoed_entries(self.prompt_ids, out.prompt_logprobs) + entries
+        return echo + text, entries
 
 
 class OpenAIServing:
@@ -112,11 +122,17 @@ class OpenAIServing:
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
         prompt_ids = [self._prompt_ids(p) for p in prompts]
+        # Echoed logprobs are the prompt's: scored with as many alternatives as the output's.
+        scored = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            scored = max(scored or 0, req.logprobs)
         params = [_sampling(req, self._max_tokens(len(ids), "prompt", req.max_tokens, "max_tokens",
-                                                  COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, req.prompt_logprobs)
+                                                  COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, scored)
                   for ids in prompt_ids]
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
+                for p in prompts] if req.echo else None
         return await self._generate(request, req, prompt_ids, params, "cmpl", lambda index: _CompletionShape(
-            self.token_text, req.logprobs is not None, index))
+            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
@@ -133,7 +149,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
         return await self._generate(request, req, [ids], [params], "chatcmpl", lambda index: _ChatShape(
-            self.token_text, top is not None, index))
+            self.token_text, top is not None, index), False)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -182,12 +198,14 @@ class OpenAIServing:
         return requested
 
     async def _generate(self, request: web.Request, req, prompts: list[list[int]], params: list[SamplingParams],
-                        id_prefix: str, shape: Callable[[int], Any]) -> web.StreamResponse:
+                        id_prefix: str, shape: Callable[[int], Any], prompt_logprobs: bool,
+                        echo: list[str] | None = None) -> web.StreamResponse:
         """Choices n at a time per prompt, indexed prompt by prompt as OpenAI and vLLM do; with a
-        seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible."""
+        seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible.
+        prompt_logprobs: the client asked for them; echo: each prompt's text, to send first."""
         request_id = new_id(id_prefix)
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
-                           _TokenFields(req.return_token_ids, params[i].prompt_logprobs is not None))
+                           _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None)
                    for i, ids in enumerate(prompts) for j in range(req.n)]
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
         # frees every choice's request.
@@ -215,15 +233,19 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
 
     async def _collect(self, request_id: str, choices: list[_Choice], prompt_tokens: int) -> web.Response:
+        echoes: dict[int, str] = {c.index: "" for c in choices}
         entries: dict[int, list[dict]] = {c.index: [] for c in choices}
         done: dict[int, dict[str, Any]] = {}
         completion_tokens = 0
         async with contextlib.aclosing(_merged(choices)) as outputs:
             async for choice, out in outputs:
-                entries[choice.index] += _new_entries(out)
+                echo, new = choice.echoed(out, "", _new_entries(out))
+                echoes[choice.index] += echo
+                entries[choice.index] += new
                 if out.finished:
                     completion_tokens += len(out.token_ids)
-                    done[choice.index] = {**choice.shape.full(out.text, entries[choice.index], out.finish_reason),
+                    text = echoes[choice.index] + out.text
+                    done[choice.index] = {**choice.shape.full(text, entries[choice.index], out.finish_reason),
                                           **choice.fields.prompt(out.prompt_token_ids, out),
                                           **choice.fields.generated(out.token_ids)}
         body = envelope(request_id, choices[0].shape.object_full, self.model_name, [done[i] for i in sorted(done)],
@@ -247,12 +269,12 @@ class OpenAIServing:
                     await resp.write(chunk([{**opening, **c.fields.prompt(c.prompt_ids, None)}]))
             async with contextlib.aclosing(_merged(choices)) as outputs:
                 async for c, out in outputs:
-                    entries = _new_entries(out)
+                    text, entries = c.echoed(out, out.new_text, _new_entries(out))
                     # A chunk for every step that made a token, even when its text is empty (a special
                     # token, text held back as it may begin a stop string, half a character), as vLLM
                     # and llama-server send them: the client sees each token when it is made.
-                    if out.new_text or entries or out.finished or out.new_token_ids:
-                        choice = {**c.shape.delta(out.new_text, entries, out.finish_reason),
+                    if text or entries or out.finished or out.new_token_ids:
+                        choice = {**c.shape.delta(text, entries, out.finish_reason),
                                   **c.fields.prompt(c.prompt_ids, out), **c.fields.generated(out.new_token_ids)}
                         await resp.write(chunk([choice]))
                     completion_tokens += len(out.token_ids) if out.finished else 0
