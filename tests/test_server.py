@@ -200,7 +200,9 @@ BAD = [
     ("empty prompt in a batch", "/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt"),
     ("one prompt of a batch too long", "/v1/completions", {"model": MODEL, "prompt": ["a", "hello " * 400]},
      400, "prompt"),
-    ("mixed batch", "/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "prompt"),
+    ("mixed batch", "/v1/completions", {"model": MODEL, "prompt": ["a", [1, 2]]}, 400, "prompt.0"),
+    ("fraction in a batch of token ids", "/v1/completions", {"model": MODEL, "prompt": [[1, 2], [1, 2.5]]}, 400,
+     "prompt.1.1"),
     ("stream options without a stream", "/v1/completions",
      {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
@@ -438,13 +440,30 @@ def test_queue_full_gives_429_and_waiting_metric_moves():
         assert code == 429 and reply["error"]["type"] == "rate_limit_error"
         streams[2].close()  # one place free: a request of two choices gets one, then is refused whole
         s.wait_metrics(kiln__num_requests_waiting=1)
+        aborts = s.metrics()["kiln:request_success_total{finished_reason=abort}"]
         code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "two", "n": 2})
         assert code == 429 and reply["error"]["code"] == "queue_full"
-        s.wait_metrics(kiln__num_requests_waiting=1, kiln__num_requests_running=1)  # nothing left behind
+        m = s.wait_metrics(kiln__num_requests_waiting=1, kiln__num_requests_running=1)  # nothing left behind
+        assert m["kiln:request_success_total{finished_reason=abort}"] == aborts  # refused whole: none admitted
         for st in streams:
             st.close()
         s.wait_metrics(kiln__num_requests_waiting=0, kiln__num_requests_running=0, kiln__kv_cache_usage_perc=0)
         assert complete(s, "after", max_tokens=2).usage.completion_tokens == 2  # admits again
+    finally:
+        s.stop()
+
+
+def test_choices_are_admitted_as_one_against_the_queued_token_cap():
+    """n choices of a 40-token prompt on an idle server with a 64-token cap: each choice alone
+    would find the previous one waiting and be refused for ever; together they are admitted,
+    as any request that finds nothing waiting is."""
+    s = ServerProcess("--max-model-len", "256", "--max-num-queued-tokens", "64")
+    try:
+        prompt = list(range(1000, 1040))
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 2})
+        assert code == 200 and len(reply["choices"]) == 2, reply
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": [prompt, prompt[:30]], "max_tokens": 2})
+        assert code == 200 and len(reply["choices"]) == 2, reply
     finally:
         s.stop()
 

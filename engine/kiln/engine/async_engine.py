@@ -126,24 +126,34 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.wrap_future(self._running)
 
-    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Admit a request; ValueError if the engine rejects it, QueueFullError if too many
-        requests or prompt tokens wait, EngineDeadError once the engine loop has failed."""
+    async def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestStream]:
+        """Admit requests together (one client request's choices): ValueError if the engine
+        rejects one, QueueFullError if too many requests or prompt tokens wait, EngineDeadError
+        once the engine loop has failed. Room is checked for all of them at once: they are
+        refused whole or admitted whole."""
         self._check_alive()
-        self._check_room(len(prompt))
-        stream = RequestStream(request_id, time.perf_counter(), len(prompt))
-        self._streams[request_id] = stream
-        added = self._loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, added))
+        self._check_room(len(requests), sum(len(prompt) for _, prompt, _ in requests))
+        # The streams themselves, not their ids: one may finish (and leave _streams) before the
+        # last is added.
+        admitted: list[RequestStream] = []
         try:
-            await added
-        except asyncio.CancelledError:  # client gone while queued: the add still runs, so undo it
-            self.abort(request_id)
+            for request_id, prompt, params in requests:
+                stream = RequestStream(request_id, time.perf_counter(), len(prompt))
+                self._streams[request_id] = stream
+                admitted.append(stream)
+                added = self._loop.create_future()
+                self._commands.put(("add", request_id, prompt, params, added))
+                await added
+        except asyncio.CancelledError:  # client gone while queued: the adds still run, so undo them
+            for stream in admitted:
+                self.abort(stream.request_id)
             raise
-        except Exception:
-            self._streams.pop(request_id, None)
+        except Exception:  # the engine refused one: the client sees an error, not an abort
+            for stream in admitted:
+                if self._streams.pop(stream.request_id, None) is not None:
+                    self._commands.put(("abort", stream.request_id))
             raise
-        return stream
+        return admitted
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -156,15 +166,15 @@ class AsyncEngine:
         """Requests held at once: the batch's seats and the queue behind them."""
         return self.engine.config.max_num_seqs + self.max_queue
 
-    def _check_room(self, prompt_tokens: int) -> None:
+    def _check_room(self, count: int, prompt_tokens: int) -> None:
         """The waiting caps: --max-queue requests beyond the batch's --max-num-seqs seats (so a
         burst fills the seats and the queue both), and --max-num-queued-tokens prompt tokens of
-        requests not in the batch yet. A request finding nothing waiting is never refused for its
-        length alone: retrying it would not help."""
+        requests not in the batch yet. Requests finding nothing waiting are never refused for their
+        length alone: retrying them would not help."""
         seats = self.engine.config.max_num_seqs
-        if len(self._streams) >= self.capacity:
-            raise QueueFullError(f"the engine holds {len(self._streams)} requests, as many as its batch "
-                                 f"(--max-num-seqs {seats}) and its queue (--max-queue {self.max_queue}) "
+        if len(self._streams) + count > self.capacity:
+            raise QueueFullError(f"the engine holds {len(self._streams)} requests; {count} more would pass what its "
+                                 f"batch (--max-num-seqs {seats}) and its queue (--max-queue {self.max_queue}) "
                                  "take; retry later")
         waiting = [s for s in self._streams.values() if not s.running]
         cap = self.max_queued_tokens

@@ -218,7 +218,8 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        # The deepest error: of a union's members (a prompt's forms), the one that came closest.
+        err = max(e.errors(), key=lambda error: len(error["loc"]))
         param = ".".join(str(p) for p in _json_path(data, err["loc"])) or None
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"unsupported parameter: {param}", param=param,

@@ -210,9 +210,10 @@ class OpenAIServing:
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
         # frees every choice's request.
         try:
-            for choice in choices:
-                engine_id = request_id if len(choices) == 1 else f"{request_id}-{choice.index}"
-                choice.stream = await self._submit(engine_id, choice.prompt_ids, choice.params)
+            streams = await self._submit([(request_id if len(choices) == 1 else f"{request_id}-{c.index}",
+                                           c.prompt_ids, c.params) for c in choices])
+            for choice, stream in zip(choices, streams):
+                choice.stream = stream
             prompt_tokens = sum(map(len, prompts))  # once per prompt, however many choices (vLLM)
             if req.stream:
                 return await self._stream(request, req, request_id, choices, prompt_tokens)
@@ -222,9 +223,9 @@ class OpenAIServing:
                 if choice.stream is not None:
                     self.engine.abort(choice.stream.request_id)
 
-    async def _submit(self, request_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
+    async def _submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestStream]:
         try:
-            return await self.engine.submit(request_id, ids, params)
+            return await self.engine.submit_all(requests)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         except EngineDeadError as e:
