@@ -203,7 +203,7 @@ def test_image_pull_secrets_reach_engine_and_router_pods_without_a_new_revision(
     assert "imagePullSecrets" not in pod_spec(plain.stable.deployment)
     assert "imagePullSecrets" not in pod_spec(child(plain, "Deployment", "chat-router"))
     assert wanted.stable.name == plain.stable.name  # credentials are not a new model: no canary
-    with pytest.raises(ValueError, match="names a Secret more than once"):
+    with pytest.raises(ValueError, match="regcred: named more than once"):
         spec_of(imagePullSecrets=[{"name": "regcred"}, {"name": "regcred"}])
     for bad in ({"name": "RegCred"}, {"name": ""}, {"secret": "regcred"}):
         with pytest.raises(ValueError):

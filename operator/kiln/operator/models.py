@@ -54,6 +54,20 @@ Duration = Annotated[
 Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
+def unique_names(items: list[Any]) -> list[Any]:
+    """The CRD's list-map refuses two entries of one name; this holds a spec stored under an
+    older CRD to the same rule."""
+    names = [item.name for item in items]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"{', '.join(twice)}: named more than once")
+    return items
+
+
+# A list of entries keyed by `name`, as Kubernetes keeps env and imagePullSecrets.
+BY_NAME = (AfterValidator(unique_names),
+           Field(json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}))
+
+
 class Spec(BaseModel):
     """Base for spec blocks: unknown fields are errors, never silently dropped."""
     model_config = ConfigDict(extra="forbid")
@@ -134,18 +148,9 @@ class Engine(Spec):
                             "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
     kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
     speculative: Speculative | None = None
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description=(
+    env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
-        "here replaces Kiln's own of that name."),
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-
-    @field_validator("env")
-    @classmethod
-    def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
-        names = [e.name for e in env]  # the CRD's list-map refuses these too (a spec from an older CRD)
-        if len(set(names)) != len(names):
-            raise ValueError("engine.env names a variable more than once")
-        return env
+        "here replaces Kiln's own of that name."))
 
 
 class Toleration(Spec):
@@ -288,19 +293,10 @@ class InferenceServiceSpec(Spec):
     rollout: Rollout | None = None
     auth: Auth | None = None
     router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
-    imagePullSecrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16, description=(
-        "Registry credentials (kubernetes.io/dockerconfigjson Secrets) for the engine and router "
-        "pods, when the engine image is in a private registry; changing them restarts the pods."),
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-
-    @field_validator("imagePullSecrets")
-    @classmethod
-    def _unique_pull_secrets(cls, refs: list[LocalObjectReference]) -> list[LocalObjectReference]:
-        # The CRD's list-map refuses duplicates too; this holds a spec stored under an older CRD.
-        names = [r.name for r in refs]
-        if len(set(names)) != len(names):
-            raise ValueError("imagePullSecrets names a Secret more than once")
-        return refs
+    imagePullSecrets: Annotated[list[LocalObjectReference], *BY_NAME] = Field(
+        default_factory=list, max_length=16, description=(
+            "Registry credentials (kubernetes.io/dockerconfigjson Secrets) for the engine and router "
+            "pods, when the engine image is in a private registry; changing them restarts the pods."))
 
 
 class Condition(BaseModel):
