@@ -146,6 +146,8 @@ INVALID = [
      "valueFrom takes exactly one of secretKeyRef and configMapKeyRef"),
     ("env-bad-name", "bad", with_spec(engine__env=[{"name": "A=B", "value": "1"}]),
      "spec.engine.env[0].name in body should match"),
+    ("env-name-dots", "bad", with_spec(engine__env=[{"name": "..x", "value": "1"}]),
+     "must not be '.' or start with '..'"),
     ("missing-source", "bad", {"model": {"name": "x"}}, "spec.model.source: Required value"),
     ("name-too-long", "a" * 51, GOOD, "metadata.name must be at most 50 lowercase letters"),
 ]

@@ -143,6 +143,12 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
                      "image": "kiln/engine:test", "pod_annotations": {},
                      "objects": json.loads(json.dumps(list(observed.objects.values())).replace(ns, "recorded"))}
         (REPO / "tests/data/observed-serving.json").write_text(json.dumps(recording, indent=1, sort_keys=True) + "\n")
+    # Credentials dropped from the spec leave both Deployments (the apply removes what it had set).
+    del body["spec"]["imagePullSecrets"]
+    apply(kubectl, ns, body)
+    until(lambda: [d.spec.template.spec.image_pull_secrets for d in
+                   [*engine_deployments(apis, ns, "steady"), apis["apps"].read_namespaced_deployment("steady-router", ns)]]
+          == [None, None], "imagePullSecrets removed from the Deployments")
 
 
 def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):

@@ -133,27 +133,27 @@ class AsyncEngine:
         refused whole or admitted whole."""
         self._check_alive()
         self._check_room(len(requests), sum(len(prompt) for _, prompt, _ in requests))
-        # The streams themselves, not their ids: one may finish (and leave _streams) before the
-        # last is added.
-        admitted: list[RequestStream] = []
+        # All queued at once, not one per engine step (the engine reads its commands between
+        # steps: the last of n would wait n steps), and nothing awaited between the room check
+        # and the last one's place (a concurrent request is checked against them all).
+        streams = [RequestStream(request_id, time.perf_counter(), len(prompt)) for request_id, prompt, _ in requests]
+        added = [self._loop.create_future() for _ in requests]
+        for stream, (request_id, prompt, params), future in zip(streams, requests, added):
+            self._streams[request_id] = stream
+            self._commands.put(("add", request_id, prompt, params, future))
         try:
-            for request_id, prompt, params in requests:
-                stream = RequestStream(request_id, time.perf_counter(), len(prompt))
-                self._streams[request_id] = stream
-                admitted.append(stream)
-                added = self._loop.create_future()
-                self._commands.put(("add", request_id, prompt, params, added))
-                await added
+            await asyncio.wait(added)
         except asyncio.CancelledError:  # client gone while queued: the adds still run, so undo them
-            for stream in admitted:
+            for stream in streams:
                 self.abort(stream.request_id)
             raise
-        except Exception:  # the engine refused one: the client sees an error, not an abort
-            for stream in admitted:
+        refused = next((f.exception() for f in added if f.exception() is not None), None)
+        if refused is not None:  # the engine refused one (or died): the client sees an error, not an abort
+            for stream in streams:
                 if self._streams.pop(stream.request_id, None) is not None:
                     self._commands.put(("abort", stream.request_id))
-            raise
-        return admitted
+            raise refused
+        return streams
 
     def _check_alive(self) -> None:
         if self.dead is not None:

@@ -8,6 +8,7 @@ see the real contract."""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Callable, Literal
@@ -227,12 +228,16 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
         raise APIError(400, f"invalid value for {param}: {err['msg']}", param=param) from None
 
 
+# How pydantic names a union's members in an error's loc: str, list[int], function-after[...].
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|literal|function-\w+)\[.*\])$")
+
+
 def _json_path(data: Any, loc: tuple[str | int, ...]) -> list[str | int]:
     """The error's place in the request's JSON: pydantic's loc, less the names it gives union
     members ("prompt.str", "stop.list[str]"), which are no field a client sent."""
     path, node = [], data
     for part in loc:
-        if isinstance(node, dict):  # a field, sent or missing
+        if isinstance(node, dict) and (part in node or not _UNION_MEMBER.match(str(part))):  # a field, sent or missing
             path.append(part)
             node = node.get(part)
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):

@@ -56,6 +56,9 @@ def greedy_request(body: bytes) -> dict[str, Any] | None:
         return None
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens") or MAX_TOKENS
     request = {k: payload[k] for k in ("model", "prompt", "messages") if k in payload}
+    prompt = request.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        request["prompt"] = prompt[0]  # a batch: its first prompt stands for it (one choice is scored)
     return {**request, "max_tokens": min(int(asked), MAX_TOKENS), "temperature": 0, "stream": False,
             "return_token_ids": True}
 

@@ -115,9 +115,13 @@ class Speculative(Spec):
     model: ModelSpec | None = None
 
 
+# Kubernetes refuses these names for env variables and Secret/ConfigMap keys.
+NOT_DOTS = rules(cel("self != '.' && !self.startsWith('..')", "must not be '.' or start with '..'"))
+
+
 class KeySelector(Spec):
     name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", json_schema_extra=NOT_DOTS)
     optional: bool = False
 
 
@@ -132,9 +136,14 @@ class EnvSource(Spec):
 class EnvVar(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "!(has(self.value) && has(self.valueFrom))", "an env entry takes value or valueFrom, not both")))
-    name: str = Field(max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    name: str = Field(max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", json_schema_extra=NOT_DOTS)
     value: str | None = Field(None, max_length=32768)
     valueFrom: EnvSource | None = None
+
+    @field_validator("value")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None  # as the API server stores it (it drops an empty value), or plans never end
 
 
 class Engine(Spec):

@@ -36,6 +36,20 @@ def contains(stored: Any, wanted: Any) -> bool:
     return stored == wanted
 
 
+# Pod template fields set only when the spec asks for them (the API server defaults none of
+# them on a template): one stored that the spec no longer asks for must go, which `contains`
+# alone would not see. The apply that follows removes it (its field manager owned it).
+OPTIONAL_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations")
+
+
+def drops_pod_fields(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """A Deployment whose stored pod template has an optional field the wanted one lacks."""
+    def pod(obj: dict[str, Any]) -> dict[str, Any]:
+        return ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return wanted["kind"] == "Deployment" and any(
+        field in pod(stored) and field not in pod(wanted) for field in OPTIONAL_POD_FIELDS)
+
+
 def plan(desired: Desired, observed: Observed) -> list[Action]:
     actions = []
     for obj in desired.objects():
@@ -43,7 +57,7 @@ def plan(desired: Desired, observed: Observed) -> list[Action]:
         stored = observed.get(kind, name)
         if stored is None:
             actions.append(Action(CREATE, kind, name, with_initial_replicas(obj, desired)))
-        elif not contains(stored, obj):
+        elif not contains(stored, obj) or drops_pod_fields(stored, obj):
             actions.append(Action(PATCH, kind, name, obj))
     for revision in desired.revisions:
         stored = observed.engine(revision.name)
