@@ -56,6 +56,18 @@ def test_every_model_path_demands_a_key_and_the_probes_do_not(front):
     assert answer.choices[0].text
 
 
+def test_tokenize_and_detokenize_go_through_with_a_key(front):
+    """The tenant's salt goes on generation requests only: /tokenize has no cache to split."""
+    import urllib.request
+    for path, body, field in (("/tokenize", {"model": MODEL, "prompt": "Hello there"}, "tokens"),
+                              ("/detokenize", {"tokens": [19556, 665]}, "prompt")):
+        request = urllib.request.Request(front + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": "Bearer key-tenant-a"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert answer.status == 200 and json.loads(answer.read())[field], path
+
+
 def test_tenants_never_share_cached_prefixes(front, engine):
     def hits_after(key: str) -> float:
         client(front, key).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)

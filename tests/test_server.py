@@ -294,6 +294,32 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server, tokenizer):
         server, ids, max_tokens=4).choices[0].text
 
 
+def test_tokenize_and_detokenize_as_vllm_answers_them(server, tokenizer):
+    prompt = "The capital of France is Paris."
+    code, reply = post(server.url + "/tokenize", {"prompt": prompt, "return_token_strs": True})
+    ids = tokenizer.encode(prompt)
+    assert code == 200 and reply == {"count": len(ids), "max_model_len": 256, "tokens": ids,
+                                     "token_strs": [tokenizer.decode_token(t) for t in ids]}
+    # A conversation through the chat template: the ids a chat completion runs.
+    messages = [{"role": "user", "content": "Hi"}]
+    code, reply = post(server.url + "/tokenize", {"model": MODEL, "messages": messages})
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=1,
+                                                 extra_body={"return_token_ids": True})
+    assert code == 200 and reply["tokens"] == chat.choices[0].model_extra["prompt_token_ids"]
+    assert reply["token_strs"] is None and reply["count"] == chat.usage.prompt_tokens
+    code, reply = post(server.url + "/detokenize", {"model": MODEL, "tokens": ids})
+    assert code == 200 and reply == {"prompt": tokenizer.decode(ids)}
+    for path, body, status, param in (
+            ("/tokenize", {"prompt": "x", "messages": messages}, 400, None),
+            ("/tokenize", {}, 400, None),
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+            ("/tokenize", {"prompt": "x", "temperature": 1}, 400, "temperature"),
+            ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
+        code, reply = post(server.url + path, body)
+        assert code == status and reply["error"]["param"] == param, (path, body, reply)
+
+
 def test_logit_bias_forces_and_bans_tokens(server, tokenizer):
     def first_token(**kw) -> int:
         out = complete(server, "The capital of France is", max_tokens=2, extra_body={"return_token_ids": True}, **kw)

@@ -223,7 +223,7 @@ class AsyncEngine:
                 self.metrics.engine_step_seconds.inc(last_step_end - started)
             else:
                 last_step_end = None
-            self.metrics.record_engine_stats(self.engine.stats())
+                self.metrics.record_engine_stats(self.engine.stats())  # what commands changed (abort)
 
     def _drain_commands(self, block: bool) -> list:
         cmds = [self._commands.get()] if block else []
@@ -262,6 +262,9 @@ class AsyncEngine:
             raise InjectedFault(f"fault injected in engine step {self._steps} ({FAULT_ENV}, test-only)")
         outputs = self.engine.step()
         running = self.engine.running_request_ids()
+        # Before the outputs go back: a client that reads /metrics the moment its answer ends
+        # sees what its request did (prefix-cache hits, KV usage), never the step before.
+        self.metrics.record_engine_stats(self.engine.stats())
         if outputs or running:
             self._loop.call_soon_threadsafe(self._deliver, outputs, started, running)
 

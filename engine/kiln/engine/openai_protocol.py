@@ -73,9 +73,20 @@ def _nullable_optionals(schema: dict[str, Any]) -> None:
         schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
+class _Request(BaseModel):
+    """A request body: unknown fields refused, JSON numbers only, null for "not set"."""
     model_config = ConfigDict(**STRICT_NUMBERS, json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's spec makes the optional fields nullable and SDKs send null for "not set"
+        # (`"temperature": null`, `"n": null`); vLLM takes it as the default, Kiln answered 400.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _SamplingFields(_Request):
+    """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -101,13 +112,6 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        # OpenAI's spec makes the optional fields nullable and SDKs send null for "not set"
-        # (`"temperature": null`, `"n": null`); vLLM takes it as the default, Kiln answered 400.
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     @field_validator("stream_options")
     @classmethod
@@ -179,6 +183,12 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as a chat template takes them."""
+    # "developer" is OpenAI's newer name for the system role; model templates know "system".
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -186,9 +196,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def template_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role; model templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+        return template_messages(self.messages)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -197,6 +205,29 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize: a prompt, or messages through the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    # Default: a prompt gets the tokenizer's special tokens, messages none (their template writes them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's POST /detokenize."""
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:

@@ -15,8 +15,9 @@ from aiohttp import web
 from kiln.engine import RequestOutput, SamplingParams
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kiln.engine.openai_protocol import (
-    INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-    echoed_entries, envelope, new_id, parse_request, sse, usage)
+    INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, parse_request, sse, template_messages,
+    usage)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -139,17 +140,39 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_choices(1, req.n)
         top = req.top_logprobs_count()
-        try:
-            text = self.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
-        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
-            raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         # The template already wrote the special tokens.
-        ids = self._encode(text, "messages", add_special_tokens=False)
+        ids = self._encode(self._chat_text(req.template_messages(), True), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
         return await self._generate(request, req, [ids], [params], "chatcmpl", lambda index: _ChatShape(
             self.token_text, top is not None, index), False)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize: a prompt's (or a conversation's) token ids as this model runs them."""
+        req: TokenizeRequest = parse_request(TokenizeRequest, await request.read())
+        self._check_model(req.model)
+        if req.messages is not None:
+            text = self._chat_text(template_messages(req.messages), req.add_generation_prompt)
+            ids = self._encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = self._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                                  "token_strs": [self.token_text(t) for t in ids] if req.return_token_strs else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /detokenize: token ids back to text."""
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.read())
+        self._check_model(req.model)
+        if any(t >= self.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must lie in [0, {self.vocab_size})", param="tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
+
+    def _chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -175,8 +198,9 @@ class OpenAIServing:
                                 f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        """None: not given (optional where vLLM makes it so: tokenize, detokenize)."""
+        if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 

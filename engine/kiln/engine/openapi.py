@@ -13,7 +13,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from kiln.engine.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kiln.engine.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 FinishReason = Literal["stop", "length"]
@@ -139,9 +139,20 @@ class SleepChange(SleepState):
     seconds: float = Field(ge=0)  # what releasing or allocating the KV cache took
 
 
+class Tokens(BaseModel):
+    count: int = Field(ge=0)
+    max_model_len: int = Field(ge=1)
+    tokens: list[int]
+    token_strs: list[str] | None  # with return_token_strs
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
 MODELS: list[type[BaseModel]] = [
-    CompletionRequest, ChatCompletionRequest, ErrorResponse, Completion, ChatCompletion, ModelList,
-    Health, Readiness, SleepState, SleepChange]
+    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorResponse, Completion,
+    ChatCompletion, ModelList, Tokens, Detokenized, Health, Readiness, SleepState, SleepChange]
 
 
 def ref(model: type[BaseModel] | str) -> dict[str, str]:
@@ -200,6 +211,19 @@ def post(summary: str, op_id: str, responses: dict[str, Any]) -> dict[str, Any]:
     return {"post": {"summary": summary, "operationId": op_id, "responses": responses}}
 
 
+def _tokenizing(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
+    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
+                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+                     "responses": {"200": response("the result", answer), **{
+                         status: _GENERATION_ERRORS[status] for status in ("400", "404", "413", "503")}}}}
+
+
+def tokenizer_paths() -> dict[str, Any]:
+    """vLLM's tokenizer endpoints, which a router passes through too (a new dict each call)."""
+    return {"/tokenize": _tokenizing("Token ids of a prompt or a conversation", TokenizeRequest, Tokens),
+            "/detokenize": _tokenizing("Text of token ids", DetokenizeRequest, Detokenized)}
+
+
 def self_path() -> dict[str, Any]:
     return get("This document", "openapi", {
         "200": {"description": "OpenAPI 3.1", "content": {JSON: {"schema": {"type": "object"}}}}})
@@ -227,6 +251,7 @@ def document(title: str, paths: dict[str, Any], extra_models: Sequence[type[Base
 def engine_document() -> dict[str, Any]:
     return document("kiln serve", {
         **v1_paths(),
+        **tokenizer_paths(),
         "/health": get("Liveness: answers while weights load", "health", {
             "200": response("alive", Health), "503": response("the engine died", Health)}),
         "/ready": get("Readiness: the model is loaded and warmed up", "ready", {

@@ -69,6 +69,7 @@ class Server:
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
             web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping),
             web.get("/openapi.json", openapi.handler(openapi.engine_document))])
 
@@ -209,6 +210,12 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.serving.chat(request)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self.serving.tokenize(request)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self.serving.detokenize(request)
 
 
 def _warm_up(core: LLMEngine) -> None:

@@ -44,7 +44,7 @@ def _with_router_errors(paths: dict[str, Any]) -> dict[str, Any]:
 @functools.cache
 def router_document() -> dict[str, Any]:
     return openapi.document("kiln router", {
-        **_with_router_errors(openapi.v1_paths()),
+        **_with_router_errors({**openapi.v1_paths(), **openapi.tokenizer_paths()}),
         "/health": openapi.get("Liveness", "health", {"200": response("alive", openapi.Health)}),
         "/ready": openapi.get("Ready as soon as it serves, with or without ready replicas", "ready",
                               {"200": response("serving", RouterReadiness)}),

@@ -1,5 +1,6 @@
-"""The reverse proxy: each /v1 request goes to the least busy ready replica and its
-response streams back chunk by chunk, so SSE tokens reach the client as they are made.
+"""The reverse proxy: each /v1 request (and vLLM's /tokenize, /detokenize) goes to the least
+busy ready replica and its response streams back chunk by chunk, so SSE tokens reach the
+client as they are made.
 
 A request goes to a second replica (once at most) only when the first cannot have acted on
 it: the connection could not be made, or a pooled keep-alive connection turned out to be
@@ -179,7 +180,8 @@ class Router:
             except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
-            body = auth.salted(body, request.get(auth.SALT))
+            if request.path.startswith("/v1/"):  # what may use the prefix cache (tokenizing does not)
+                body = auth.salted(body, request.get(auth.SALT))
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
@@ -398,4 +400,6 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     app.router.add_get("/metrics", router.metrics_page)
     app.router.add_get("/openapi.json", handler(router_document))
     app.router.add_route("*", "/v1/{tail:.*}", router.forward)
+    for path in ("/tokenize", "/detokenize"):  # vLLM's, answered by any replica
+        app.router.add_route("*", path, router.forward)
     return app
