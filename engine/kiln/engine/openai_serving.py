@@ -132,7 +132,7 @@ class OpenAIServing:
                   for ids in prompt_ids]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
                 for p in prompts] if req.echo else None
-        return await self._generate(request, req, prompt_ids, params, "cmpl", lambda index: _CompletionShape(
+        return await self._generate(request, req, prompt_ids, params, lambda index: _CompletionShape(
             self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -145,7 +145,7 @@ class OpenAIServing:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
-        return await self._generate(request, req, [ids], [params], "chatcmpl", lambda index: _ChatShape(
+        return await self._generate(request, req, [ids], [params], lambda index: _ChatShape(
             self.token_text, top is not None, index), False)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -164,9 +164,7 @@ class OpenAIServing:
         """vLLM's POST /detokenize: token ids back to text."""
         req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.read())
         self._check_model(req.model)
-        if any(t >= self.vocab_size for t in req.tokens):
-            raise APIError(400, f"token ids must lie in [0, {self.vocab_size})", param="tokens")
-        return web.json_response({"prompt": self.tokenizer.decode(req.tokens)})
+        return web.json_response({"prompt": self.tokenizer.decode(self._in_vocabulary(req.tokens, "tokens"))})
 
     def _chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         try:
@@ -177,9 +175,12 @@ class OpenAIServing:
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self._encode(prompt, "prompt", add_special_tokens=True)
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise APIError(400, f"prompt token ids must lie in [0, {self.vocab_size})", param="prompt")
-        return prompt
+        return self._in_vocabulary(prompt, "prompt")
+
+    def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise APIError(400, f"{param}: token ids must lie in [0, {self.vocab_size})", param=param)
+        return ids
 
     def _check_choices(self, prompts: int, n: int) -> None:
         """Every choice is an engine request, admitted together: more than the engine holds at
@@ -222,15 +223,15 @@ class OpenAIServing:
         return requested
 
     async def _generate(self, request: web.Request, req, prompts: list[list[int]], params: list[SamplingParams],
-                        id_prefix: str, shape: Callable[[int], Any], prompt_logprobs: bool,
+                        shape: Callable[[int], Any], prompt_logprobs: bool,
                         echo: list[str] | None = None) -> web.StreamResponse:
         """Choices n at a time per prompt, indexed prompt by prompt as OpenAI and vLLM do; with a
         seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible.
         prompt_logprobs: the client asked for them; echo: each prompt's text, to send first."""
-        request_id = new_id(id_prefix)
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
                            _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None)
                    for i, ids in enumerate(prompts) for j in range(req.n)]
+        request_id = new_id(choices[0].shape.id_prefix)
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
         # frees every choice's request.
         try:
