@@ -172,6 +172,33 @@ def test_stop_strings_and_stop_tokens(llm: LLM, prompt_ids, references) -> None:
     assert (out.finish_reason, out.token_ids) == ("length", references[6][:5])
 
 
+def test_vllm_stop_options(llm: LLM, prompt_ids, references) -> None:
+    """include_stop_str_in_output, min_tokens and skip_special_tokens as vLLM defines them."""
+    ref_text = llm.tokenizer.decode(references[6])
+    stop = ref_text[len(ref_text) // 3 : len(ref_text) // 3 + 4]
+    kept = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop=[stop],
+                                                        include_stop_str_in_output=True))[0]
+    assert (kept.finish_reason, kept.text) == ("stop", ref_text[: ref_text.index(stop) + len(stop)])
+    # A stop token (here the reference's 6th) cannot be drawn, and nothing stops, before min_tokens.
+    stop_id = references[6][5]
+    first = references[6].index(stop_id)
+    held = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=first + 3,
+                                                        stop_token_ids=[stop_id], stop=[stop]))[0]
+    assert held.token_ids[: first] == references[6][: first] and held.token_ids[first] != stop_id
+    assert stop_id not in held.token_ids[: first + 3] and len(held.token_ids) > first + 3
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64))[0]
+    special = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64, skip_special_tokens=False,
+                                                include_stop_str_in_output=True))[0]
+    assert plain.token_ids == special.token_ids and plain.token_ids[-1] in llm.tokenizer.eos_token_ids
+    eos_text = llm.tokenizer.decode_token(plain.token_ids[-1])
+    assert special.text == plain.text + eos_text and eos_text not in plain.text
+    # min_tokens past the natural end: the answer goes on instead of ending at EOS.
+    longer = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64, min_tokens=len(plain.token_ids) + 2))[0]
+    assert longer.token_ids[: len(plain.token_ids) - 1] == plain.token_ids[:-1]
+    assert len(longer.token_ids) > len(plain.token_ids) + 1
+
+
 def test_eos_ends_a_chat_answer(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=64))[0]

@@ -41,6 +41,8 @@ def make_seqs(params: list[SamplingParams], prompt: list[int] | None = None, out
         ({"logit_bias": {3: 101.0}}, "logit_bias"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"logit_bias": {3: float("nan")}}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
@@ -115,6 +117,28 @@ def test_logit_bias_moves_the_choice_but_not_the_logprobs() -> None:
     drawn = [Sampler(seed)(logits[:1].clone(), make_seqs([SamplingParams(temperature=1.0, logit_bias={4: 100.0})]))[0][0]
              for seed in range(20)]
     assert drawn == [4] * 20
+
+
+def test_min_tokens_holds_back_the_stop_tokens_only_until_reached() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, VOCAB)
+    top = logits.argmax(dim=-1).tolist()
+    # Row 0 would stop (its argmax is a stop token) but has 1 of 2 tokens; row 1 has its 2;
+    # row 2 would stop on a token beyond the vocabulary (never drawn: nothing to hold).
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[top[0], VOCAB + 5]),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[top[1]]),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[VOCAB + 5])]
+    seqs = make_seqs(params[:1], output=[7]) + make_seqs(params[1:2], output=[7, 8]) + make_seqs(params[2:], output=[7])
+    seqs[0].stop_token_ids |= {3}  # as the engine adds the model's EOS
+    tokens, _ = Sampler()(logits.clone(), seqs)
+    held = logits[0].clone()
+    held[[top[0], 3]] = float("-inf")
+    assert tokens == [int(held.argmax()), top[1], top[2]] and tokens[0] != top[0]
+    # Drawn rows too: with the stop tokens made likeliest, 30 draws never take one.
+    hot = logits[:1].clone()
+    hot[0, [top[0], 3]] = 20.0
+    sampled = make_seqs([SamplingParams(min_tokens=2, stop_token_ids=[top[0], 3])], output=[7])
+    assert not {Sampler(seed)(hot.clone(), sampled)[0][0] for seed in range(30)} & {top[0], 3}
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:

@@ -220,6 +220,14 @@ BAD = [
      "max_completion_tokens"),
     ("tools", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("min_tokens over max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                       "min_tokens": 4}, 400, "min_tokens"),
+    ("continue_final_message in a new turn", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("continue_final_message of an empty message", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}],
+      "continue_final_message": True, "add_generation_prompt": False}, 400, "messages"),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None),
     ("wrong method", "/v1/models", {}, 405, None),
 ]
@@ -318,6 +326,33 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server, tokenizer):
             ("/detokenize", {"tokens": [-1]}, 400, "tokens.0")):
         code, reply = post(server.url + path, body)
         assert code == status and reply["error"]["param"] == param, (path, body, reply)
+
+
+def test_continue_final_message_and_vllm_stop_options(server, tokenizer):
+    # A reply begun for the model: the prompt ends in its text (no end-of-turn), as /tokenize
+    # says, and the answer is the plain completion of those ids. No model named: the served one.
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit I pick is"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    code, reply = post(server.url + "/tokenize", {"messages": messages, **flags})
+    assert code == 200 and tokenizer.decode(reply["tokens"]).endswith("assistant\nThe fruit I pick is")
+    code, chat = post(server.url + "/v1/chat/completions", {"messages": messages, "temperature": 0, "max_tokens": 8,
+                                                             "return_token_ids": True, **flags})
+    choice = chat["choices"][0]
+    assert code == 200 and chat["model"] == MODEL and choice["prompt_token_ids"] == reply["tokens"]
+    plain = complete(server, reply["tokens"], max_tokens=8, extra_body={"return_token_ids": True}).choices[0]
+    assert choice["message"]["content"] == plain.text and choice["token_ids"] == plain.model_extra["token_ids"]
+    # The stop string kept (streamed too); a chat's end-of-turn written out.
+    text = complete(server, "Count: 1, 2, 3,", max_tokens=20).choices[0].text
+    stop = text[text.index("5"):][:3]
+    kept = {"stop": [stop], "include_stop_str_in_output": True}
+    whole = complete(server, "Count: 1, 2, 3,", max_tokens=20, extra_body=kept).choices[0]
+    streamed = complete(server, "Count: 1, 2, 3,", max_tokens=20, extra_body=kept, stream=True)
+    assert whole.text == text[: text.index(stop) + len(stop)] == "".join(c.choices[0].text for c in streamed)
+    said = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 temperature=0, max_completion_tokens=64,
+                                                 extra_body={"skip_special_tokens": False,
+                                                             "include_stop_str_in_output": True})
+    assert said.choices[0].finish_reason == "stop" and said.choices[0].message.content.endswith("<|im_end|>")
 
 
 def test_logit_bias_forces_and_bans_tokens(server, tokenizer):

@@ -116,7 +116,9 @@ class LLMEngine:
         seq = Sequence(request_id, token_ids, params, next(self._arrivals))
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids=token_ids)
+        if not params.ignore_eos:
+            seq.stop_token_ids |= frozenset(self.tokenizer.eos_token_ids)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids=token_ids)
         if self.is_sleeping:  # a request wakes a sleeping engine: it is never refused for sleeping
             self.wake_up()
         self.requests[request_id] = seq
@@ -217,24 +219,25 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        if token in (params.stop_token_ids or ()) or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
+        if seq.may_stop and token in seq.stop_token_ids:
+            if params.include_stop_str_in_output:  # its text, if it has any once decoded
+                seq.text += seq.detokenizer.add([token])
             seq.text += seq.detokenizer.flush()  # a character left unfinished comes out as U+FFFD
-            seq.finish("stop")  # the stop token itself adds no text
+            seq.finish("stop")
             return
         old_len = len(seq.text)
         seq.text += seq.detokenizer.add([token])
         at_limit = seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
         if at_limit:
             seq.text += seq.detokenizer.flush()
-        if params.stop and len(seq.text) > old_len:
+        if params.stop and seq.may_stop and len(seq.text) > old_len:
             # Only a stop string ending in the new text can be new; it may start a little before it.
             lookback = max(len(s) for s in params.stop) - 1
             start = max(0, old_len - lookback)
-            hits = [i for i in (seq.text.find(s, start) for s in params.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((seq.text.find(s, start), s) for s in params.stop) if i >= 0]
             if hits:
-                seq.text = seq.text[: min(hits)]
+                i, s = min(hits)
+                seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
                 seq.finish("stop")
                 return
         if at_limit:
@@ -243,7 +246,10 @@ class LLMEngine:
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         # While running, hold back text that might still turn out to begin a stop string.
-        holdback = 0 if seq.is_finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        # (Not when the stop string is to be sent too: what comes before it is sent either way.)
+        params = seq.params
+        holdback = 0 if seq.is_finished or not params.stop or params.include_stop_str_in_output \
+            else max(len(s) for s in params.stop) - 1
         visible = max(seq.num_emitted_chars, len(seq.text) - holdback)
         new_text = seq.text[seq.num_emitted_chars : visible]
         new_token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]

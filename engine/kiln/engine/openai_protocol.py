@@ -88,7 +88,7 @@ class _Request(BaseModel):
 class _SamplingFields(_Request):
     """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
 
-    model: str
+    model: str | None = None  # optional, as in vLLM: this server's one model
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -101,6 +101,11 @@ class _SamplingFields(_Request):
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     ignore_eos: bool = False
+    # vLLM's extensions: no stop before min_tokens; the stop string kept in the text; special
+    # tokens' text (e.g. the chat template's end-of-turn) written out.
+    min_tokens: int = Field(default=0, ge=0, le=INT64_MAX)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     logit_bias: dict[_TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(default=None, max_length=2048)
     # vLLM's extension: the choice also carries prompt_token_ids (what the engine ran) and token_ids.
     return_token_ids: bool = False
@@ -132,10 +137,15 @@ class _SamplingFields(_Request):
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={self.min_tokens} is more than the {max_tokens} tokens this request "
+                                "may generate (max_tokens, or what the context leaves)", param="min_tokens")
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
             logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
@@ -189,7 +199,22 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _TemplateFields(BaseModel):
+    """How the conversation goes through the chat template (vLLM's names and rule)."""
+    add_generation_prompt: bool = True  # open the assistant's turn after the messages
+    # Leave the final message open: the model continues it (e.g. an assistant reply begun for it).
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_both(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message needs add_generation_prompt: false (a final message "
+                             "cannot be continued in a new turn)")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _TemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -207,14 +232,13 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Request, _TemplateFields):
     """vLLM's POST /tokenize: a prompt, or messages through the chat template."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     # Default: a prompt gets the tokenizer's special tokens, messages none (their template writes them).
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")

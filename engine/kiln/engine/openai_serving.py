@@ -141,7 +141,7 @@ class OpenAIServing:
         self._check_choices(1, req.n)
         top = req.top_logprobs_count()
         # The template already wrote the special tokens.
-        ids = self._encode(self._chat_text(req.template_messages(), True), "messages", add_special_tokens=False)
+        ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
@@ -153,7 +153,7 @@ class OpenAIServing:
         req: TokenizeRequest = parse_request(TokenizeRequest, await request.read())
         self._check_model(req.model)
         if req.messages is not None:
-            text = self._chat_text(template_messages(req.messages), req.add_generation_prompt)
+            text = self._chat_text(template_messages(req.messages), req)
             ids = self._encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
         else:
             ids = self._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
@@ -166,11 +166,12 @@ class OpenAIServing:
         self._check_model(req.model)
         return web.json_response({"prompt": self.tokenizer.decode(self._in_vocabulary(req.tokens, "tokens"))})
 
-    def _chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _chat_text(self, messages: list[dict[str, str]], req: TokenizeRequest | ChatCompletionRequest) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
+        return _open_final_message(text, messages[-1]["content"]) if req.continue_final_message else text
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -364,6 +365,18 @@ def _new_entries(out: RequestOutput) -> list[dict]:
     if not out.logprobs or not out.new_token_ids:
         return []
     return list(out.logprobs[-len(out.new_token_ids):])
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut just after the final message's content (its end-of-turn
+    gone), as transformers' continue_final_message does; a template may strip the content."""
+    content = final.strip()
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise APIError(400, "continue_final_message: the final message's text is empty or not in the chat "
+                            "template's rendering, so there is nothing to continue", param="messages")
+    kept = final.lstrip()  # the content's own trailing spaces, where the template kept them
+    return text[: at + (len(kept) if text.startswith(kept, at) else len(content))]
 
 
 def _sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:

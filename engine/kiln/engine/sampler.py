@@ -1,6 +1,6 @@
 """Turn one row of logits per sequence into its next token, the whole batch at once.
 
-Order of work: penalties, then logit_bias, change the logits; greedy rows take the argmax; the others are scaled
+Order of work: penalties, then logit_bias, then min_tokens (no stop token yet), change the logits; greedy rows take the argmax; the others are scaled
 by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
 (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
 noise from its own torch.Generator while the rest of the batch shares the engine's.
@@ -116,6 +116,8 @@ class Sampler:
             ))
         if any(p.logit_bias for p in params):
             logits = self._biased(logits, params)
+        if any(not seq.may_stop for seq in seqs):
+            logits = self._without_stops(logits, seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)
@@ -130,6 +132,19 @@ class Sampler:
                                  for token, b in (p.logit_bias or {}).items()))
         index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
         return logits.index_put(index, torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+
+    @staticmethod
+    def _without_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens: rows that may not stop yet cannot draw EOS or a stop token (a new tensor)."""
+        vocab = logits.shape[1]  # a stop token id beyond the vocabulary is never drawn anyway
+        held = [(i, token) for i, seq in enumerate(seqs) if not seq.may_stop
+                for token in seq.stop_token_ids if token < vocab]
+        if not held:  # ignore_eos and no stop tokens: nothing to hold
+            return logits
+        rows, cols = zip(*held)
+        index = (torch.tensor(rows, dtype=torch.int64, device=logits.device),
+                 torch.tensor(cols, dtype=torch.int64, device=logits.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)

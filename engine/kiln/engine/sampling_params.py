@@ -24,6 +24,11 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's: no stop (EOS, stop token or stop string) before this many tokens; EOS and the stop
+    # tokens are not drawn until then.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the text
+    skip_special_tokens: bool = True  # False: special tokens' text (e.g. <|im_end|>) is in the output
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -46,6 +51,9 @@ class SamplingParams:
         """Raise ValueError naming the field and the allowed range."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         # NaN passes every comparison (`nan < 0` is False): it sampled from NaN probabilities.
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")

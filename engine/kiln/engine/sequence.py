@@ -30,6 +30,9 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
         self.finish_reason: str | None = None
+        # Tokens that end it: the request's stop_token_ids and, unless ignore_eos, the model's EOS
+        # (set by the engine, which knows the tokenizer).
+        self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
         # With params.prompt_logprobs: entry i scores prompt token i (kiln.engine.prompt_logprobs);
         # token 0 has nothing before it, hence None. Filled in position order as the prefill runs.
@@ -52,6 +55,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def may_stop(self) -> bool:
+        """False while fewer than min_tokens are out: nothing may end it yet (vLLM's rule)."""
+        return self.num_output_tokens >= self.params.min_tokens
 
     @property
     def num_pending_tokens(self) -> int:
