@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import copy
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import yaml
 
+from kiln.engine.speculative import SpeculativeConfig
 from kiln.operator.desired import Desired, desired, desired_replicas
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
@@ -165,7 +167,8 @@ def test_pod_annotations_go_on_every_pod_template():
 
 def test_engine_container_command_resources_probes_and_hardening():
     spec = spec_of(engine={"dtype": "float32", "maxModelLen": 2048, "quantization": "int4",
-                           "kvCache": {"memory": "256Mi", "prefixCaching": False, "dtype": "int8"}},
+                           "kvCache": {"memory": "256Mi", "prefixCaching": False, "dtype": "int8"},
+                           "speculative": {"method": "ngram", "numTokens": 3}},
                    resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                "effect": "NoSchedule"}]})
@@ -176,7 +179,9 @@ def test_engine_container_command_resources_probes_and_hardening():
                             "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32",
                             "--max-num-seqs", "128", "--kv-cache-memory", str(256 << 20),
                             "--max-model-len", "2048", "--no-prefix-caching",
-                            "--quantization", "int4", "--kv-cache-dtype", "int8"]
+                            "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY]
+    # The engine takes the operator's speculative config as written.
+    assert SpeculativeConfig.from_json(c["command"][-1]).num_speculative_tokens == 3
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                               "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"}}
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -319,9 +324,11 @@ def test_later_features_are_reported_not_ignored():
         assert unimplemented(spec_of(autoscaling={"mode": mode})) == []
     found = " ".join(unimplemented(spec_of(
         warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
-        engine={"quantization": "fp8", "speculative": {"method": "ngram"}, "tensorParallelSize": 2},
+        engine={"quantization": "fp8", "speculative": {"method": "draft", "model": {"name": "d", "source": "builtin://d"}},
+                "tensorParallelSize": 2},
         resources={"gpus": 2})))
-    assert "engine.speculative" in found
+    assert "engine.speculative.method draft" in found
+    assert unimplemented(spec_of(engine={"speculative": {"method": "ngram"}})) == []  # the engine runs it
     for done in ("quantization", "rollout", "warmPool", "tensorParallelSize"):  # all acted on now
         assert done not in found
 

@@ -141,6 +141,28 @@ def test_min_tokens_holds_back_the_stop_tokens_only_until_reached() -> None:
     assert not {Sampler(seed)(hot.clone(), sampled)[0][0] for seed in range(30)} & {top[0], 3}
 
 
+def test_checking_a_draft_keeps_the_distribution() -> None:
+    """Speculative sampling with a one-token proposal: the draft comes back with probability
+    p(draft), else a draw from the rest; either way each token's frequency is its softmax
+    probability (4000 rows, one draw each; the tolerance is ~5 standard errors)."""
+    torch.manual_seed(5)
+    logits = torch.randn(VOCAB) * 1.5
+    probs = logits.softmax(-1)
+    draft = int(probs.argsort()[-3])  # likely enough to be accepted often, not always
+    rows = 4000
+    params = [SamplingParams(temperature=1.0)] * rows
+    tokens, _ = Sampler(seed=1)(logits.expand(rows, VOCAB).clone(), make_seqs(params), [draft] * rows)
+    freq = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / rows
+    assert (freq - probs).abs().max() < 5 * (probs * (1 - probs) / rows).sqrt().max()
+    assert 0.5 * probs[draft] < freq[draft] < 1.5 * probs[draft]
+    # A draft the filters rule out (top_k=1 keeps only the argmax) is never accepted; greedy rows
+    # and rows with no draft (-1) are unaffected.
+    top = int(probs.argmax())
+    mixed = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.0), SamplingParams(top_k=1)]
+    out, _ = Sampler(seed=2)(logits.expand(3, VOCAB).clone(), make_seqs(mixed), [draft, draft, -1])
+    assert out == [top, top, top]
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
     torch.manual_seed(2)
     logits = torch.randn(1, VOCAB)

@@ -153,7 +153,8 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 
 def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):
     body = smollm2("later")
-    body["spec"]["engine"]["speculative"] = {"method": "ngram"}
+    body["spec"]["engine"]["speculative"] = {"method": "draft", "model": {"name": "smollm2-135m",
+                                                                        "source": "builtin://smollm2-135m"}}
     apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "later"), "later Ready")
     spec_cond = condition(obj, "SpecImplemented")

@@ -10,6 +10,7 @@ import torch
 from kiln.engine.dtype_choice import auto_dtype, describe_dtype, host_cpu_flags
 from kiln.engine.kernels.backend import BACKENDS, resolve_backend_name
 from kiln.engine.kv_quant import KV_CACHE_DTYPES, resolve_kv_cache_dtype
+from kiln.engine.speculative import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -54,6 +55,8 @@ class Config:
     quantization_cache: str | None = None
     # Ranks the model is split over (kiln.engine.tensor_parallel): 1 = one process, no collectives.
     tensor_parallel_size: int = 1
+    # N-gram speculative decoding (kiln.engine.speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -93,6 +96,8 @@ class Config:
             raise ValueError(f"quantization_cache must be a directory or 'off', got {self.quantization_cache!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
 
     @property
     def keeps_gguf_packed(self) -> bool:

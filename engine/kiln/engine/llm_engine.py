@@ -14,11 +14,12 @@ import torch
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import Config, resolve_max_model_len
 from kiln.engine.loader import load_model
-from kiln.engine.model_runner import ModelRunner
+from kiln.engine.model_runner import ModelRunner, RunnerOutput
 from kiln.engine.prompt_logprobs import PromptLogprob, entry
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
+from kiln.engine.speculative import may_speculate, propose
 from kiln.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -74,6 +75,8 @@ class EngineStats:
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
     is_sleeping: bool
+    spec_decode_num_draft_tokens: int = 0  # speculative guesses checked by the model, since start
+    spec_decode_num_accepted_tokens: int = 0  # of them, those it agreed with
 
 
 class LLMEngine:
@@ -98,6 +101,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.is_sleeping = False
+        self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, since start
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -194,28 +198,64 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             is_sleeping=self.is_sleeping,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled batch; outputs for the requests that got a token."""
+        if self.config.speculative is not None:
+            self._add_drafts()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         ran = self.runner.run(batch)
+        emitted = self._check_drafts(batch, ran)
         self.scheduler.complete_step(batch)
         for seq, scored in ran.prompt_logprobs:
             seq.prompt_logprobs += [entry(position, self.tokenizer.decode_token) for position in scored]
         outputs = []
-        for seq, token, logprob in zip(ran.sampled, ran.tokens, ran.logprobs):
-            seq.append_token(token)
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            self._check_stop(seq, token)
+        for seq, tokens in emitted:
+            seq.drop_drafts()  # the accepted ones come back as tokens, each checked for a stop
+            for token, logprob in tokens:
+                seq.append_token(token)
+                if logprob is not None:
+                    seq.logprobs.append(logprob)
+                self._check_stop(seq, token)
+                if seq.is_finished:
+                    break
             outputs.append(self._output(seq))
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
         return outputs
+
+    def _add_drafts(self) -> None:
+        """Guess the next tokens of the decoding sequences that may speculate (n-gram lookup),
+        leaving room for the model's own token within max_tokens and the context."""
+        for seq in self.scheduler.running:
+            if may_speculate(seq):
+                room = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
+                seq.add_drafts(propose(seq.token_ids, self.config.speculative, room))
+
+    def _check_drafts(self, batch: ScheduledBatch, ran: RunnerOutput) -> list[tuple[Sequence, list[tuple]]]:
+        """Per sampled sequence its new (token, logprob)s: the drafts the model agreed with, in
+        order, then the model's own token. The rejected drafts leave the sequence and the batch's
+        count, so the step records K/V only for tokens that stay (their blocks may be shared)."""
+        index = {id(seq): i for i, seq in enumerate(batch.seqs)}
+        emitted, row = [], 0
+        while row < len(ran.sampled):
+            seq = ran.sampled[row]
+            drafts = seq.token_ids[len(seq) - seq.num_draft_tokens:]
+            tokens = list(zip(ran.tokens[row:row + len(drafts) + 1], ran.logprobs[row:row + len(drafts) + 1]))
+            row += len(drafts) + 1
+            accepted = next((i for i, draft in enumerate(drafts) if tokens[i][0] != draft), len(drafts))
+            seq.drop_drafts(len(drafts) - accepted)
+            batch.num_new_tokens[index[id(seq)]] -= len(drafts) - accepted
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += accepted
+            emitted.append((seq, tokens[:accepted + 1]))
+        return emitted
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

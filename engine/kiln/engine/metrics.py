@@ -43,10 +43,14 @@ class ServerMetrics:
         self._startup_phase_seconds = Gauge(
             "kiln:startup_phase_seconds", "Seconds of the cold start in each phase (kiln.engine.startup); "
             "total: from the process start until ready.", ["model_name", "phase"], registry=r)
-        # The engine keeps running totals; these counters follow them by increments.
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out) and recomputed later.")
+        # The engine keeps running totals (EngineStats fields); these counters follow them by increments.
+        self._followed = {field: counter(field, text) for field, text in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            ("num_preemptions", "Requests preempted (KV blocks ran out) and recomputed later."),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens the model checked."),
+            ("spec_decode_num_accepted_tokens", "Speculative draft tokens the model agreed with."))}
+        self._seen = dict.fromkeys(self._followed, 0)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
         # Engine-thread time while requests are in flight: in steps, and between them (commands,
@@ -62,7 +66,6 @@ class ServerMetrics:
         success = Counter("kiln:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=r)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
 
     def record_engine_stats(self, stats: EngineStats) -> None:
         self.num_requests_waiting.set(stats.num_waiting)
@@ -72,11 +75,10 @@ class ServerMetrics:
         self.num_free_kv_cache_blocks.set(stats.num_free_kv_blocks)
         self.kv_cache_bytes.set(stats.kv_cache_bytes)
         self.engine_sleep_state.set(int(stats.is_sleeping))
-        self.prefix_cache_queries.inc(max(stats.prefix_cache_queries - self._seen_queries, 0))
-        self.prefix_cache_hits.inc(max(stats.prefix_cache_hits - self._seen_hits, 0))
-        self.num_preemptions.inc(max(stats.num_preemptions - self._seen_preemptions, 0))
-        self._seen_queries, self._seen_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        self._seen_preemptions = stats.num_preemptions
+        for field, followed in self._followed.items():
+            total = getattr(stats, field)
+            followed.inc(max(total - self._seen[field], 0))
+            self._seen[field] = total
 
     def record_startup(self, seconds: dict[str, float]) -> None:
         for phase, value in seconds.items():

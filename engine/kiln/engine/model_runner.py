@@ -63,14 +63,17 @@ class PreparedBatch:
     input_ids: torch.Tensor  # int64 [N]: every new token of the batch, flattened
     positions: torch.Tensor  # int64 [N]
     context: Context
-    sample_rows: list[int]  # the last row of each sequence whose tokens will all be computed
+    # The last row of each sequence whose tokens will all be computed (the last 1 + drafts rows
+    # of one with drafts).
+    sample_rows: list[int]
     # (sequence, its first flat row, positions): rows whose logits score prompt tokens (prompt logprobs)
     prompt_rows: list[tuple[Sequence, int, range]]
 
 
 @dataclass
 class RunnerOutput:
-    sampled: list[Sequence]  # the sequences that got a token, in batch order
+    # The sequences that got a token, in batch order; one with drafts once per row it sampled.
+    sampled: list[Sequence]
     tokens: list[int]
     logprobs: list[dict[str, Any] | None]
     # Prompt positions scored this step, per sequence in order, following those already recorded.
@@ -212,8 +215,8 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(end)
-            if end == len(seq):
-                sample_rows.append(cu_seqlens[-1] - 1)
+            if end == len(seq):  # and with drafts, the rows that check them too
+                sample_rows += range(cu_seqlens[-1] - 1 - seq.num_draft_tokens, cu_seqlens[-1])
             scored = prompt_rows_in_step(seq, start, end)
             if scored:
                 prompt_rows.append((seq, offset + scored.start, scored))
@@ -252,11 +255,16 @@ class ModelRunner:
                 reset_context()
         prompt_logprobs = [(seq, self._score_prompt(seq, hidden[row:row + len(positions)], positions))
                            for seq, row, positions in prepared.prompt_rows]
-        sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.num_computed_tokens + n == len(seq)]
+        sampled, drafts = [], []  # a row per sequence that samples, and one per draft it checks
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.num_computed_tokens + n == len(seq):
+                checked = seq.token_ids[len(seq) - seq.num_draft_tokens:]
+                sampled += [seq] * (len(checked) + 1)
+                drafts += checked + [-1]
         if not sampled:
             return RunnerOutput([], [], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        tokens, logprobs = self.sampler(logits, sampled)
+        tokens, logprobs = self.sampler(logits, sampled, drafts if any(d >= 0 for d in drafts) else None)
         return RunnerOutput(sampled, tokens, logprobs, prompt_logprobs)
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, positions: range) -> list[ScoredPosition]:

@@ -91,9 +91,15 @@ class Sampler:
         self.argmax = argmax
         self.warned_non_finite = False
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[str, Any] | None]]:
-        """logits: [M, vocab] float32, one row per sequence. Returns the tokens and, per sequence,
-        its logprob entry (None when it asked for none)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 drafts: list[int] | None = None) -> tuple[list[int], list[dict[str, Any] | None]]:
+        """logits: [M, vocab] float32, one row per sequence (a sequence checking speculative drafts
+        has a row per draft and one more). drafts: per row, the draft token it checks, or -1.
+        Returns the tokens and, per row, its logprob entry (None when it asked for none). A row
+        that checks a draft returns the draft where it is accepted (greedy: it is the argmax;
+        sampled: with probability p(draft)), else a token drawn from p without the draft: the
+        engine keeps drafts up to the first row that returned another token, and the output is
+        distributed as plain sampling's (speculative sampling with a one-token proposal)."""
         params = [seq.params for seq in seqs]
         low, high = torch.stack(torch.aminmax(logits)).tolist()  # one pass, one host copy
         if not (-LOGIT_LIMIT <= low and high <= LOGIT_LIMIT):  # NaN fails both comparisons
@@ -122,7 +128,7 @@ class Sampler:
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)
         else:
-            tokens = self._draw(logits, seqs, params, greedy)
+            tokens = self._draw(logits, seqs, params, greedy, drafts)
         token_list = tokens.tolist()
         return token_list, self._logprob_entries(logprobs, token_list, params)
 
@@ -149,7 +155,8 @@ class Sampler:
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], greedy: list[bool]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], greedy: list[bool],
+              drafts: list[int] | None) -> torch.Tensor:
         greedy_mask = torch.tensor(greedy, device=self.device)
         temperature = self._column(params, "temperature").masked_fill(greedy_mask, 1.0)
         scaled = filter_logits(
@@ -163,8 +170,29 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)
+        if drafts is not None:
+            probs, accepted, draft = self._check_drafts(probs, seqs, drafts)
         sampled = self.argmax(probs / noise)
+        if drafts is not None:
+            sampled = torch.where(accepted, draft, sampled)
         return torch.where(greedy_mask, self.argmax(logits), sampled)
+
+    def _check_drafts(self, probs: torch.Tensor, seqs: list[Sequence],
+                      drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Accept each row's draft with probability p(draft); the probabilities to draw from
+        where it is not: p with the draft's share taken out (the residual max(0, p - q) for a
+        proposal q that is the draft with certainty)."""
+        draft = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
+        checks = draft >= 0
+        column = draft.clamp(min=0).unsqueeze(1)  # -1 (no draft) reads column 0, unused
+        uniform = torch.rand(len(seqs), generator=self.generator, device=probs.device)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None and drafts[i] >= 0:
+                uniform[i] = torch.rand(1, generator=seq.generator, device=probs.device)
+        accepted = checks & (uniform < probs.gather(1, column).squeeze(1))
+        rows = checks.nonzero().squeeze(1)
+        residual = probs.index_put((rows, draft[rows]), torch.zeros((), dtype=probs.dtype, device=probs.device))
+        return residual, accepted, draft
 
     @staticmethod
     def _logprob_entries(

@@ -48,7 +48,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Decodes first, then unfinished prefills; each group first come, first served.
-        queue = deque(sorted(self.running, key=lambda s: (s.num_pending_tokens > 1, s.arrival)))
+        queue = deque(sorted(self.running, key=lambda s: (s.num_pending_tokens - s.num_draft_tokens > 1, s.arrival)))
         kept: list[Sequence] = []
         preempted = False
         while queue and budget > 0:
@@ -62,6 +62,7 @@ class Scheduler:
                 self._preempt(seq)  # alone and still no room: step aside for the others
                 preempted = True
                 break
+            seq.drop_drafts(seq.num_pending_tokens - num_tokens)  # drafts that do not fit wait for no step
             self.block_manager.append_slots(seq, num_tokens)
             batch.add(seq, num_tokens)
             kept.append(seq)
@@ -92,6 +93,7 @@ class Scheduler:
         return max(0, min(num_tokens, room))
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.drop_drafts()  # unchecked guesses: not worth recomputing
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

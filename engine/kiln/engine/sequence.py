@@ -29,6 +29,9 @@ class Sequence:
         # Chained hashes of this sequence's full blocks, filled lazily by the block manager.
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0  # leading blocks already offered to the prefix cache
+        # The last num_draft_tokens of token_ids are speculative guesses for this step, not yet
+        # checked by the model (kiln.engine.speculative).
+        self.num_draft_tokens = 0
         self.finish_reason: str | None = None
         # Tokens that end it: the request's stop_token_ids and, unless ignore_eos, the model's EOS
         # (set by the engine, which knows the tokenizer).
@@ -89,6 +92,18 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    def add_drafts(self, token_ids: list[int]) -> None:
+        self.token_ids += token_ids
+        self.num_draft_tokens += len(token_ids)
+
+    def drop_drafts(self, count: int | None = None) -> list[int]:
+        """Take the last `count` drafts (all by default) off the sequence; returns the dropped."""
+        count = self.num_draft_tokens if count is None else min(count, self.num_draft_tokens)
+        dropped = self.token_ids[len(self.token_ids) - count:]
+        del self.token_ids[len(self.token_ids) - count:]
+        self.num_draft_tokens -= count
+        return dropped
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

@@ -29,6 +29,7 @@ from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
+from kiln.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger("kiln.serve")
 
@@ -92,6 +93,8 @@ class Server:
             self.metrics.model_load_seconds.set(loaded)
             log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
                      _describe_cache(core), loaded)
+            if self.config.speculative is not None:
+                log.info("speculative decoding: n-gram lookup, %s", self.config.speculative)
             with startup.phase("warmup"):
                 await self.torch_thread.run(_warm_up, core)
         log.info("warm-up generation took %.2fs", self.startup.seconds["warmup"])
@@ -243,7 +246,9 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
                         gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        speculative=SpeculativeConfig.from_json(args.speculative_config)
+                        if args.speculative_config else None)
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2
@@ -314,6 +319,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=_positive(int), default=1,
                         help="split the model over N ranks (processes; GPUs on CUDA, NCCL; gloo on CPU)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='n-gram speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests)')
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
                              "more get 429")

@@ -106,7 +106,8 @@ class KVCache(Spec):
 
 
 class Speculative(Spec):
-    """Speculative decoding (not implemented yet by the operator)."""
+    """Speculative decoding: ngram (prompt lookup, numTokens drafts a step) runs in the engine;
+    a draft model is not implemented yet (SpecImplemented says so)."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.method != 'draft' || has(self.model)",
         "speculative.method draft needs speculative.model (the draft model)")))

@@ -134,6 +134,9 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
         args += ["--kv-cache-dtype", engine.kvCache.dtype]
     if engine.tensorParallelSize > 1:
         args += ["--tensor-parallel-size", str(engine.tensorParallelSize)]
+    if engine.speculative is not None and engine.speculative.method == "ngram":
+        args += ["--speculative-config",
+                 json.dumps({"method": "ngram", "num_speculative_tokens": engine.speculative.numTokens})]
     return args
 
 

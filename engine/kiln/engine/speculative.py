@@ -1,0 +1,85 @@
+"""N-gram speculative decoding (prompt lookup), as vLLM's `{"method": "ngram"}`.
+
+A decoding sequence whose last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+occurred earlier in its own text guesses that what followed then follows again: up to
+num_speculative_tokens draft tokens, appended to it for one step. That step runs the drafts
+like a short prefill and samples at every position; the engine keeps the drafts the model
+agrees with plus the model's own next token, so one forward yields 1 to k + 1 tokens and the
+output is exactly what plain decoding gives. Repetitive text (code edits, extraction, quoting
+the prompt) gains most; a weight-bound decode step costs about the same for k + 1 tokens.
+
+A greedy row agrees when the draft is its argmax; a sampled row accepts the draft with the
+probability the model gives it and otherwise draws from the rest (kiln.engine.sampler), so
+sampled output is distributed exactly as without speculation. Requests with penalties decode
+as before in the same batch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int = 4
+    # Neither given: 4 and 2; one given: the other takes its value (vLLM's rule).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        high, low = self.prompt_lookup_max, self.prompt_lookup_min
+        if high is None and low is None:
+            high, low = 4, 2
+        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is more than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """vLLM's --speculative-config: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative config is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("speculative config must be a JSON object")
+        method = fields.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative config: method {method!r} is not supported (only 'ngram')")
+        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative config: unknown field(s) {', '.join(unknown)}")
+        return cls(**fields)
+
+
+def propose(token_ids: list[int], config: SpeculativeConfig, room: int) -> list[int]:
+    """Up to min(room, k) tokens that followed the latest earlier occurrence of the longest
+    suffix n-gram (n in [prompt_lookup_min, prompt_lookup_max]); [] when none recurs."""
+    k = min(room, config.num_speculative_tokens)
+    if k < 1 or len(token_ids) <= config.prompt_lookup_min:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1), config.prompt_lookup_min - 1, -1):
+        # Windows that start early enough to have a token after them, compared with the suffix.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return token_ids[start:start + k]
+    return []
+
+
+def may_speculate(seq: Sequence) -> bool:
+    """Decoding (one token to run), unpenalized (a penalty would differ row by row with the
+    drafts before it) and past min_tokens."""
+    return seq.num_pending_tokens == 1 and not seq.params.penalized and seq.may_stop
