@@ -168,7 +168,7 @@ def test_pod_annotations_go_on_every_pod_template():
 def test_engine_container_command_resources_probes_and_hardening():
     spec = spec_of(engine={"dtype": "float32", "maxModelLen": 2048, "quantization": "int4",
                            "kvCache": {"memory": "256Mi", "prefixCaching": False, "dtype": "int8"},
-                           "speculative": {"method": "ngram", "numTokens": 3}},
+                           "speculative": {"method": "ngram", "numTokens": 3, "disableByBatchSize": 8}},
                    resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                "effect": "NoSchedule"}]})
@@ -181,7 +181,8 @@ def test_engine_container_command_resources_probes_and_hardening():
                             "--max-model-len", "2048", "--no-prefix-caching",
                             "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY]
     # The engine takes the operator's speculative config as written.
-    assert SpeculativeConfig.from_json(c["command"][-1]).num_speculative_tokens == 3
+    speculative = SpeculativeConfig.from_json(c["command"][-1])
+    assert (speculative.num_speculative_tokens, speculative.disable_by_batch_size) == (3, 8)
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                               "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"}}
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"

@@ -59,6 +59,7 @@ def test_propose_takes_what_followed_the_latest_longest_match():
     ('{"num_speculative_tokens": true}', "num_speculative_tokens must be a positive integer"),
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min (4) is more than"),
     ('{"lookahead": 2}', "unknown field(s) lookahead"),
+    ('{"disable_by_batch_size": 0}', "disable_by_batch_size must be a positive integer"),
 ])
 def test_bad_speculative_config_says_why(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -93,6 +94,15 @@ def test_same_tokens_in_fewer_steps(plain: LLM, spec: LLM):
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     tokens, steps = steps_to_finish(spec, REPEATING[2], GREEDY)
     assert tokens == expected[2].token_ids and steps < GREEDY.max_tokens * 3 // 4, steps
+
+
+def test_no_drafts_in_a_batch_above_disable_by_batch_size(plain: LLM):
+    busy = LLM(dtype="float32", speculative=SpeculativeConfig(disable_by_batch_size=2))
+    got = busy.generate(REPEATING, GREEDY)  # three at once: no drafts until one finishes
+    assert busy.engine.num_draft_tokens == 0
+    assert [g.token_ids for g in got] == [e.token_ids for e in plain.generate(REPEATING, GREEDY)]
+    busy.generate(REPEATING[:2], GREEDY)
+    assert busy.engine.num_accepted_tokens > 0
 
 
 def test_stops_limits_and_logprobs_hold(plain: LLM, spec: LLM):

@@ -233,6 +233,9 @@ class LLMEngine:
     def _add_drafts(self) -> None:
         """Guess the next tokens of the decoding sequences that may speculate (n-gram lookup),
         leaving room for the model's own token within max_tokens and the context."""
+        limit = self.config.speculative.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            return
         for seq in self.scheduler.running:
             if may_speculate(seq):
                 room = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1

@@ -29,6 +29,9 @@ class SpeculativeConfig:
     # Neither given: 4 and 2; one given: the other takes its value (vLLM's rule).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # No drafts while more sequences than this run (vLLM's name): a busy batch is compute-bound,
+    # where checking drafts costs more than it saves. None: always.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         high, low = self.prompt_lookup_max, self.prompt_lookup_min
@@ -36,8 +39,10 @@ class SpeculativeConfig:
             high, low = 4, 2
         object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, name)
+            if value is None and name == "disable_by_batch_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:

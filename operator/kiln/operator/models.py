@@ -113,6 +113,8 @@ class Speculative(Spec):
         "speculative.method draft needs speculative.model (the draft model)")))
     method: Literal["ngram", "draft"]
     numTokens: int = Field(4, ge=1, le=16)
+    # No drafts while more requests than this run in a replica (a busy batch gains nothing).
+    disableByBatchSize: int | None = Field(None, ge=1)
     model: ModelSpec | None = None
 
 

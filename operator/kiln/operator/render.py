@@ -134,9 +134,12 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
         args += ["--kv-cache-dtype", engine.kvCache.dtype]
     if engine.tensorParallelSize > 1:
         args += ["--tensor-parallel-size", str(engine.tensorParallelSize)]
-    if engine.speculative is not None and engine.speculative.method == "ngram":
-        args += ["--speculative-config",
-                 json.dumps({"method": "ngram", "num_speculative_tokens": engine.speculative.numTokens})]
+    speculative = engine.speculative
+    if speculative is not None and speculative.method == "ngram":
+        config = {"method": "ngram", "num_speculative_tokens": speculative.numTokens}
+        if speculative.disableByBatchSize is not None:
+            config["disable_by_batch_size"] = speculative.disableByBatchSize
+        args += ["--speculative-config", json.dumps(config)]
     return args
 
 
