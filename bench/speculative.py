@@ -6,7 +6,10 @@ Two kinds of chat prompt, greedy, each to its own end of turn (at most --max-tok
 that copy from the prompt (edit this code, fix this text, reformat this list: what prompt
 lookup is for) and open answers (little to copy: what speculation costs when it misses).
 Metric: generated tokens / wall time per kind; the ratios compare each with its own plain run
-and Kiln with transformers. Kiln's speculative tokens are checked equal to its plain ones.
+and Kiln with transformers. Kiln's speculative tokens are counted where equal to its plain ones.
+Then what speculation costs a busy batch: the first 32 requests of the mixed workload
+(../shared/bench, EOS ignored) at once through Kiln plain and speculating (transformers' lookup
+runs at batch 1 only, so Kiln alone).
 
     .venv/bin/python bench/speculative.py   # writes bench/results/speculative-<date>-<cpu kind>.json
 """
@@ -19,7 +22,7 @@ import time
 import torch
 
 from cpu_common import write_result
-from offline import load_transformers, machine_info
+from offline import WORKLOAD, load_transformers, machine_info
 from online import served_dtype
 
 CODE = '''def total(items):
@@ -117,7 +120,24 @@ def main() -> None:
               f"{row['transformers_plain_tok_s']} -> {row['transformers_lookup_tok_s']} tok/s "
               f"({row['transformers_lookup_over_plain']}x); kiln/transformers with lookup "
               f"{row['kiln_spec_over_transformers_lookup']}x", flush=True)
+    result["batch32"] = run_batch(plain, spec)
+    print(f"32 at once: kiln {result['batch32']['plain_tok_s']} -> {result['batch32']['spec_tok_s']} tok/s "
+          f"({result['batch32']['spec_over_plain']}x)", flush=True)
     print(f"wrote {write_result('speculative', result)}")
+
+
+def run_batch(plain, spec) -> dict:
+    from kiln.engine import SamplingParams
+
+    requests = json.loads(WORKLOAD.read_text())["requests"][:32]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["out_len"], ignore_eos=True) for r in requests]
+    row = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        start = time.perf_counter()
+        outputs = llm.generate([r["prompt_ids"] for r in requests], params)
+        row[f"{name}_tok_s"] = round(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start), 1)
+    row["spec_over_plain"] = round(row["spec_tok_s"] / row["plain_tok_s"], 2)
+    return row
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ from kiln.engine.tokenizer import IncrementalDetokenizer
 class RequestOutput:
     """A request's state after a step. new_token_ids and new_text are this step's. The cumulative
     fields (prompt_token_ids, token_ids, text, logprobs: all so far) are read from the sequence's
-    append-only lists, cut at this step's lengths, only when asked: a step copies nothing that
-    grows with the request (copied every step, they made a request cost O(length^2))."""
+    lists, cut at this step's lengths, only when asked: a step copies nothing that grows with the
+    request (copied every step, they made a request cost O(length^2)). The lists only ever change
+    past an output's lengths (appends, and speculative drafts replaced), so the cut is stable."""
 
     def __init__(self, seq: Sequence, new_token_ids: list[int], new_text: str, visible_chars: int) -> None:
         self.request_id = seq.request_id
