@@ -120,10 +120,31 @@ def main() -> None:
               f"{row['transformers_plain_tok_s']} -> {row['transformers_lookup_tok_s']} tok/s "
               f"({row['transformers_lookup_over_plain']}x); kiln/transformers with lookup "
               f"{row['kiln_spec_over_transformers_lookup']}x", flush=True)
+    result["step_ms"] = step_costs(plain, spec)
+    print(f"median step: 1 row {result['step_ms']['one_row']} ms, 1 + {args.k} drafts "
+          f"{result['step_ms']['with_drafts']} ms", flush=True)
     result["batch32"] = run_batch(plain, spec)
     print(f"32 at once: kiln {result['batch32']['plain_tok_s']} -> {result['batch32']['spec_tok_s']} tok/s "
           f"({result['batch32']['spec_over_plain']}x)", flush=True)
     print(f"wrote {write_result('speculative', result)}")
+
+
+def step_costs(plain, spec) -> dict:
+    """Median engine step of one sequence decoding, plain and checking drafts (a text that
+    repeats, so nearly every step has its full k): what a step of 1 + k rows costs."""
+    from kiln.engine import SamplingParams
+
+    medians = {}
+    for name, llm in (("one_row", plain), ("with_drafts", spec)):
+        engine, times = llm.engine, []
+        engine.add_request("steps", "The quick brown fox jumps over the lazy dog. " * 12,
+                           SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        medians[name] = round(sorted(times[2:])[len(times[2:]) // 2] * 1000, 1)  # past the prefill
+    return medians
 
 
 def run_batch(plain, spec) -> dict:
