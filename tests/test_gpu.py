@@ -149,6 +149,22 @@ def test_triton_backend_matches_torch_on_smollm2(dtype: str) -> None:
 
 
 @needs_gpu
+def test_speculative_decoding_keeps_the_tokens_on_the_gpu() -> None:
+    """N-gram drafts checked by the Triton backend (steps with drafts run eagerly, the rest replay
+    graphs) give plain decoding's tokens in float32, and some drafts are accepted."""
+    from kiln.engine.speculative import SpeculativeConfig
+
+    prompts = PROMPTS + ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the"]
+    plain = smollm2(dtype="float32")
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    del plain
+    free_cuda()
+    spec = smollm2(dtype="float32", speculative=SpeculativeConfig(num_speculative_tokens=4))
+    assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == expected
+    assert spec.engine.num_accepted_tokens > 0
+
+
+@needs_gpu
 def test_decode_steps_replay_graphs_and_survive_sleep() -> None:
     llm = smollm2()
     runner = llm.engine.runner
