@@ -250,7 +250,7 @@ class LLMEngine:
         emitted, row = [], 0
         while row < len(ran.sampled):
             seq = ran.sampled[row]
-            drafts = seq.token_ids[len(seq) - seq.num_draft_tokens:]
+            drafts = seq.draft_token_ids
             tokens = list(zip(ran.tokens[row:row + len(drafts) + 1], ran.logprobs[row:row + len(drafts) + 1]))
             row += len(drafts) + 1
             accepted = next((i for i, draft in enumerate(drafts) if tokens[i][0] != draft), len(drafts))

@@ -258,7 +258,7 @@ class ModelRunner:
         sampled, drafts = [], []  # a row per sequence that samples, and one per draft it checks
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens + n == len(seq):
-                checked = seq.token_ids[len(seq) - seq.num_draft_tokens:]
+                checked = seq.draft_token_ids
                 sampled += [seq] * (len(checked) + 1)
                 drafts += checked + [-1]
         if not sampled:

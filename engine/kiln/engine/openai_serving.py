@@ -201,7 +201,7 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _check_model(self, model: str | None) -> None:
-        """None: not given (optional where vLLM makes it so: tokenize, detokenize)."""
+        """None: not given (optional, as in vLLM: this server's one model)."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")

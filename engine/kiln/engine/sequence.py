@@ -97,13 +97,15 @@ class Sequence:
         self.token_ids += token_ids
         self.num_draft_tokens += len(token_ids)
 
-    def drop_drafts(self, count: int | None = None) -> list[int]:
-        """Take the last `count` drafts (all by default) off the sequence; returns the dropped."""
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens:]
+
+    def drop_drafts(self, count: int | None = None) -> None:
+        """Take the last `count` drafts (all by default) off the sequence."""
         count = self.num_draft_tokens if count is None else min(count, self.num_draft_tokens)
-        dropped = self.token_ids[len(self.token_ids) - count:]
         del self.token_ids[len(self.token_ids) - count:]
         self.num_draft_tokens -= count
-        return dropped
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

@@ -321,7 +321,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split the model over N ranks (processes; GPUs on CUDA, NCCL; gloo on CPU)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='n-gram speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (greedy requests)')
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": N}\' '
+                             '(requests without penalties)')
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
                              "more get 429")
