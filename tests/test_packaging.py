@@ -16,7 +16,8 @@ from pathlib import Path
 from kiln.local.testing import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE_ONLY = ("torch", "triton", "transformers", "numpy", "safetensors", "tokenizers", "gguf", "jinja2")
+ENGINE_ONLY = ("torch", "triton", "transformers", "numpy", "safetensors", "tokenizers", "gguf", "jinja2",
+               "llguidance")
 # Prepended to each child's code: after it, `import torch` (or any ENGINE_ONLY) raises ImportError.
 BLOCK = f"""
 import importlib.abc, sys

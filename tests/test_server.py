@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -228,6 +229,19 @@ BAD = [
     ("continue_final_message of an empty message", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": " "}],
       "continue_final_message": True, "add_generation_prompt": False}, 400, "messages"),
+    ("json_schema format without its schema", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     400, "response_format"),
+    ("response_format of an unknown type", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
+    ("two structured outputs at once", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400,
+     "structured_outputs"),
+    ("structured outputs and a JSON response_format", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "structured_outputs": {"regex": "a+"}, "response_format": {"type": "json_object"}},
+     400, "structured_outputs"),
+    ("an empty choice", "/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": [""]}},
+     400, "structured_outputs.choice.0"),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None),
     ("wrong method", "/v1/models", {}, 405, None),
 ]
@@ -402,7 +416,32 @@ def test_bad_input_through_openai_client(server):
         server.client.completions.create(model=MODEL, prompt="hi", logit_bias={"49152": 5})
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="(?s)the regex does not compile: .*unclosed character class"):
+        server.client.completions.create(model=MODEL, prompt="hi", extra_body={"structured_outputs": {"regex": "[a-"}})
+    with pytest.raises(openai.BadRequestError, match="the json does not compile"):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": 5}}})
     assert get(server.url + "/health")[0] == 200  # nothing crashed
+
+
+def test_response_format_and_structured_outputs_through_the_openai_client(server):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "How many apples are on the table, and what colour? Answer in JSON."}]
+    chat = server.client.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=60, temperature=1.0, seed=3, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "apples", "schema": schema, "strict": True}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    # Streamed, vLLM's own field: the pieces make one of the choices.
+    stream = server.client.completions.create(model=MODEL, prompt="The weather today is", max_tokens=10, stream=True,
+                                              extra_body={"structured_outputs": {"choice": ["sunny", "rainy weather"]}})
+    assert "".join(c.choices[0].text for c in stream) in ("sunny", "rainy weather")
+    text = server.client.completions.create(model=MODEL, prompt="Say hi:", max_tokens=8,
+                                            extra_body={"response_format": {"type": "text"}})
+    assert text.choices[0].text  # plain text is no constraint
 
 
 def test_null_means_the_default_as_openai_and_vllm_take_it(server):

@@ -20,6 +20,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import ScheduledBatch, Scheduler
 from kiln.engine.sequence import Sequence
 from kiln.engine.speculative import may_speculate, propose
+from kiln.engine.structured_output import Grammars
 from kiln.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -85,6 +86,7 @@ class LLMEngine:
         loaded = load_model(config)
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
         if self.config.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.config, loaded.model, loaded.model_config)
@@ -124,6 +126,8 @@ class LLMEngine:
         if not params.ignore_eos:
             seq.stop_token_ids |= frozenset(self.tokenizer.eos_token_ids)
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids=token_ids)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammars.matcher(params.structured_outputs)
         if self.is_sleeping:  # a request wakes a sleeping engine: it is never refused for sleeping
             self.wake_up()
         self.requests[request_id] = seq
@@ -263,6 +267,8 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
         if seq.may_stop and token in seq.stop_token_ids:
             if params.include_stop_str_in_output:  # its text, if it has any once decoded
                 seq.text += seq.detokenizer.add([token])
@@ -284,6 +290,10 @@ class LLMEngine:
                 seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
                 seq.finish("stop")
                 return
+        if seq.matcher is not None and seq.matcher.is_stopped():  # complete: nothing may follow
+            seq.text += seq.detokenizer.flush()
+            seq.finish("stop")
+            return
         if at_limit:
             seq.finish("length")
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
-from kiln.engine import SamplingParams
+from kiln.engine.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20
 # Integers that reach torch (seed, top_k) must fit its int64; larger ones overflowed inside the
@@ -85,6 +85,51 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint (kiln.engine.structured_output)."""
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # "json" is BaseModel's
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)  # Lark, llguidance's dialect
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsRequest:
+        self.params()  # its ValueError becomes this field's 400
+        return self
+
+    def params(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.json_schema, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                 json_object=bool(self.json_object), disable_any_whitespace=self.disable_any_whitespace)
+
+
+class JSONSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")  # "schema" is BaseModel's
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: plain text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+    def params(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        return StructuredOutputs(json=self.json_schema.json_schema)
+
+
 class _SamplingFields(_Request):
     """Fields shared by both endpoints; the extensions (top_k, min_p, ...) follow vLLM's names."""
 
@@ -117,6 +162,9 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
+    # The output follows a JSON schema, regex, choice or grammar: OpenAI's or vLLM's way of saying so.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -140,6 +188,11 @@ class _SamplingFields(_Request):
         if self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens={self.min_tokens} is more than the {max_tokens} tokens this request "
                                 "may generate (max_tokens, or what the context leaves)", param="min_tokens")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        structured = self.structured_outputs.params() if self.structured_outputs is not None else \
+            self.response_format.params() if self.response_format is not None else None
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
@@ -148,7 +201,8 @@ class _SamplingFields(_Request):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, cache_salt=self.cache_salt,
-            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None)
+            logit_bias={int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None,
+            structured_outputs=structured)
 
     @property
     def include_usage(self) -> bool:

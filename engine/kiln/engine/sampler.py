@@ -1,7 +1,8 @@
 """Turn one row of logits per sequence into its next token, the whole batch at once.
 
-Order of work: penalties, then logit_bias, then min_tokens (no stop token yet), change the logits; greedy rows take the argmax; the others are scaled
-by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
+Order of work: penalties, then logit_bias, then min_tokens (no stop token yet), then structured
+outputs (what the request's grammar allows) change the logits; greedy rows take the argmax; the
+others are scaled by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
 (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
 noise from its own torch.Generator while the rest of the batch shares the engine's.
 Logprobs are those of the model's raw distribution, before any of this.
@@ -18,6 +19,7 @@ import torch
 from kiln.engine.kernels.backend import torch_argmax
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
+from kiln.engine.structured_output import constrain
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class Sampler:
             logits = self._biased(logits, params)
         if any(not seq.may_stop for seq in seqs):
             logits = self._without_stops(logits, seqs)
+        if any(seq.matcher is not None for seq in seqs):
+            logits = constrain(logits, seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 # Beyond this many alternatives per token the response gets huge for no use (OpenAI caps at 20).
 MAX_LOGPROBS = 20
@@ -11,6 +12,40 @@ INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 # Below this temperature sampling is greedy (vLLM's epsilon): dividing logits by a temperature
 # near 0 overflows them to inf, and the softmax of inf is NaN, which drew token 0 every time.
 GREEDY_BELOW = 1e-5
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputs:
+    """What the output must follow (vLLM's StructuredOutputsParams; kiln.engine.structured_output
+    enforces it), exactly one of: json, a JSON schema (a dict, or its JSON text); regex, a regular
+    expression the whole output matches; choice, the output is one of these strings; grammar, a
+    Lark grammar in llguidance's dialect (`start: ...`); json_object, any JSON object.
+    disable_any_whitespace: JSON without whitespace between its tokens (vLLM's option); by
+    default JSON may be spaced and indented as the model likes."""
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.kinds) != 1:
+            raise ValueError(f"structured outputs take exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(self.kinds) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured outputs: choice must be a list of non-empty strings, got {self.choice!r}")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {kind} must be a non-empty string, got {value!r}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
 
 
 @dataclass
@@ -41,6 +76,8 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before choosing
     # (greedy too); -100 all but bans a token, 100 all but forces it. Logprobs stay the model's.
     logit_bias: dict[int, float] | None = None
+    # The output follows a JSON schema, regex, choice or grammar (kiln.engine.structured_output).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +126,8 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}")
 
     @property
     def greedy(self) -> bool:

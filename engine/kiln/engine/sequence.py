@@ -43,6 +43,8 @@ class Sequence:
             [None] if params.prompt_logprobs is not None else None
         # Output-side state, owned by the engine's output processing.
         self.generator: Any = None
+        # With params.structured_outputs: what may come next (kiln.engine.structured_output).
+        self.matcher: Any = None
         self.detokenizer: Any = None
         self.text = ""
         self.num_emitted_tokens = 0

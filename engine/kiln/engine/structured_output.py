@@ -1,0 +1,87 @@
+"""Structured outputs: a JSON schema, a regex, a list of choices or a grammar that the output
+must follow (vLLM's `structured_outputs`, OpenAI's `response_format`).
+
+llguidance compiles a request's constraint into a matcher that knows, after any tokens, which
+tokens may come next; the sampler sets every other token's logit to -inf before it chooses, and
+the engine feeds the chosen token back to the matcher. The request ends ("stop") once the
+constraint is complete and nothing can follow, so the text parses whenever max_tokens leaves room.
+This is vLLM's `guidance` backend: the same library, computing a mask in about a millisecond a
+token. Grammars are checked when a request arrives, and llguidance bounds what compiling one
+may cost, so a bad or huge constraint is a 400 rather than a stalled engine."""
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import torch
+
+from kiln.engine.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    from kiln.engine.sequence import Sequence
+    from kiln.engine.tokenizer import Tokenizer
+
+
+def to_grammar(spec: StructuredOutputs) -> str:
+    """The constraint as an llguidance grammar (ValueError if a JSON schema is not JSON)."""
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    if spec.choice is not None:
+        # A Lark string literal takes JSON's escapes, so json.dumps quotes any text safely.
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
+    schema = {"type": "object"} if spec.json_object else _schema(spec.json)
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, overrides={"whitespace_flexible": False} if spec.disable_any_whitespace else None)
+
+
+def _schema(schema: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured outputs: json is not a JSON schema: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured outputs: a JSON schema is a JSON object, got {type(schema).__name__}")
+    return schema
+
+
+class Grammars:
+    """Makes a matcher per request against the model's tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    @cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        # About half a second (it walks the vocabulary): made on the first constrained request,
+        # so an engine that never sees one never pays it.
+        return llguidance.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                      eos_token=self._tokenizer.eos_token_ids)
+
+    def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the output; ValueError naming what is wrong with it."""
+        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(spec), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured outputs: the {spec.kinds[0].replace('_', ' ')} does not compile: "
+                             f"{matcher.get_error().strip()}")
+        return matcher
+
+
+def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
+    masks = b"".join(matcher.compute_bitmask() for matcher in matchers)  # 32-bit little-endian words
+    words = torch.frombuffer(bytearray(masks), dtype=torch.uint8).view(len(matchers), -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # byte-wise: bit i is token 8b + i
+    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits with what their matchers rule out set to -inf, for the rows that have one (a new tensor)."""
+    rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.shape[1]).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))

@@ -1,0 +1,133 @@
+"""Structured outputs on the real SmolLM2 (float32): JSON schemas (checked with the jsonschema
+validator), regexes, choices and Lark grammars, greedy and sampled, in batches with unconstrained
+requests and with n-gram speculation on; greedy choices checked token by token against the
+model's own ranking of what a fresh llguidance matcher allows; bad constraints refused."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import pytest
+
+from kiln.engine import LLM, SamplingParams
+from kiln.engine.sampling_params import StructuredOutputs
+from kiln.engine.speculative import SpeculativeConfig
+from test_engine_generate import one_thread  # noqa: F401 (autouse: one torch thread, as there)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "languages": {"type": "array", "items": {"enum": ["en", "fr", "de"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "languages"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person who speaks some languages, as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # Speculation on: constrained requests must not draft (unconstrained ones in the batch do).
+    return LLM(dtype="float32", speculative=SpeculativeConfig(num_speculative_tokens=3))
+
+
+def constrained(kind: str, value, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 80), structured_outputs=StructuredOutputs(**{kind: value}),
+                          **kw)
+
+
+@pytest.mark.parametrize("whitespace", [True, False], ids=["any-whitespace", "compact"])
+def test_json_schema_outputs_validate_greedy_and_sampled(llm, whitespace):
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=120, structured_outputs=StructuredOutputs(
+        json=PERSON, disable_any_whitespace=not whitespace)) for t, s in [(0.0, None), (1.0, 1), (1.0, 2), (0.8, 3)]]
+    outs = llm.chat([ASK] * len(params), params)
+    for out in outs:
+        assert out.finish_reason == "stop", out  # the object closed: nothing could follow
+        jsonschema.validate(json.loads(out.text), PERSON)
+        if not whitespace:
+            assert not re.search(r"\s", out.text.replace(json.loads(out.text)["name"], ""))
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    ask = [{"role": "user", "content": "What is 12 times 3? Answer, then say if you are sure."}]
+    regex = r"[0-9]{1,3} \((sure|unsure)\)"
+    lark = 'start: expr\nexpr: NUM | expr OP expr | "(" expr ")"\nNUM: /[0-9]{1,2}/\nOP: "+" | "*" | "-"'
+    params = [constrained("json_object", True, temperature=1.0, seed=5), constrained("regex", regex),
+              constrained("choice", ["yes", "no", "it depends"], temperature=1.0, seed=6),
+              constrained("grammar", lark, max_tokens=12)]
+    obj, answer, choice, expr = llm.chat([ask] * len(params), params)
+    assert isinstance(json.loads(obj.text), dict)
+    assert re.fullmatch(regex, answer.text) and answer.finish_reason == "stop", answer
+    assert choice.text in ("yes", "no", "it depends") and choice.finish_reason == "stop"
+    # An expression can always go on: it ends at max_tokens or EOS, a well-formed prefix either way.
+    assert re.fullmatch(r"[0-9()+*\- ]+", expr.text) and expr.text.count("(") >= expr.text.count(")"), expr
+
+
+def test_greedy_choice_is_the_models_best_allowed_token(llm):
+    """Every greedy token is the one the model ranks first among those a fresh matcher allows
+    (logprobs are the model's own, before the mask), and at least once the model's first choice
+    was ruled out: the mask changed the answer."""
+    spec = StructuredOutputs(json={"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]})
+    out = llm.chat(ASK, SamplingParams(temperature=0.0, max_tokens=40, logprobs=20, structured_outputs=spec))[0]
+    matcher = llm.engine.grammars.matcher(spec)
+    overruled = 0
+    for entry in out.logprobs:
+        allowed = _allowed(matcher)
+        better = [t for t, lp in entry["top"] if lp > entry["logprob"]]
+        assert entry["token_id"] in allowed and not set(better) & allowed, entry
+        overruled += bool(better)
+        assert matcher.consume_token(entry["token_id"])
+    assert overruled and out.finish_reason == "stop" and "city" in json.loads(out.text)
+
+
+def _allowed(matcher: llguidance.LLMatcher) -> set[int]:
+    mask = int.from_bytes(matcher.compute_bitmask(), "little")
+    return {t for t in range(mask.bit_length()) if mask >> t & 1}
+
+
+def test_unconstrained_neighbours_are_untouched_and_still_speculate(llm):
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The"
+    alone = llm.generate(prompt, plain)[0]
+    before = llm.engine.stats().spec_decode_num_draft_tokens
+    mixed = llm.generate([prompt, prompt], [plain, constrained("choice", ["dog", "cat"])])
+    assert mixed[0].token_ids == alone.token_ids
+    assert mixed[1].text in ("dog", "cat")
+    assert llm.engine.stats().spec_decode_num_draft_tokens > before
+
+
+def test_max_tokens_cuts_a_constrained_output_short(llm):
+    out = llm.chat(ASK, constrained("json", PERSON, temperature=0.0, max_tokens=5))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(out.text)
+
+
+@pytest.mark.parametrize("spec,message", [
+    (dict(regex="[a-"), "the regex does not compile"),
+    (dict(grammar="start: nothing_defined"), "the grammar does not compile"),
+    (dict(json={"type": "martian"}), "the json does not compile"),
+    (dict(json="{not json"), "json is not a JSON schema"),
+    (dict(json="[1, 2]"), "a JSON schema is a JSON object"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_and_leaves_nothing(llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate("Hi", SamplingParams(structured_outputs=StructuredOutputs(**spec)))
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+
+
+@pytest.mark.parametrize("spec,message", [
+    (dict(), "exactly one of"),
+    (dict(regex="a", choice=["a"]), "got regex, choice"),
+    (dict(choice=[]), "choice must be a list of non-empty strings"),
+    (dict(choice=["a", ""]), "choice must be a list of non-empty strings"),
+    (dict(grammar=""), "grammar must be a non-empty string"),
+])
+def test_malformed_structured_outputs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputs(**spec)
