@@ -242,6 +242,22 @@ BAD = [
      400, "structured_outputs"),
     ("an empty choice", "/v1/completions", {"model": MODEL, "prompt": "hi", "structured_outputs": {"choice": [""]}},
      400, "structured_outputs.choice.0"),
+    ("tools with the default (auto) tool_choice", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice"),
+    ("tool_choice naming a function not among the tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
+    ("tool_choice without tools", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ("a required call and a response_format", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("a function name with a space", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "a b"}}],
+      "tool_choice": "required"}, 400, "tools.0.function.name"),
+    ("null content outside a tool-calling turn", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None),
     ("wrong method", "/v1/models", {}, 405, None),
 ]
@@ -442,6 +458,49 @@ def test_response_format_and_structured_outputs_through_the_openai_client(server
     text = server.client.completions.create(model=MODEL, prompt="Say hi:", max_tokens=8,
                                             extra_body={"response_format": {"type": "text"}})
     assert text.choices[0].text  # plain text is no constraint
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 30},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_named_required_streamed_and_answered(server):
+    tools = [WEATHER, CLOCK]
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    named = server.client.chat.completions.create(
+        model=MODEL, messages=ask, tools=tools, max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    (call,) = named.message.tool_calls
+    assert named.finish_reason == "stop" and named.message.content is None and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    required = server.client.chat.completions.create(model=MODEL, messages=ask, tools=tools, tool_choice="required",
+                                                     parallel_tool_calls=False, max_tokens=80, temperature=1.0,
+                                                     seed=4).choices[0]
+    assert required.finish_reason == "tool_calls" and len(required.message.tool_calls) == 1
+    (call,) = required.message.tool_calls
+    schema = next(t for t in tools if t["function"]["name"] == call.function.name)["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # Streamed: the calls come whole in the last chunk, which a client reassembles as it would pieces.
+    chunks = list(server.client.chat.completions.create(model=MODEL, messages=ask, tools=tools, stream=True,
+                                                        tool_choice="required", max_tokens=120, temperature=0))
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and calls and [c.index for c in calls] == \
+        list(range(len(calls)))
+    for c in calls:
+        schema = next(t for t in tools if t["function"]["name"] == c.function.name)["function"]["parameters"]
+        jsonschema.validate(json.loads(c.function.arguments), schema)
+    # The call and the tool's answer go back into the conversation; tool_choice "none" answers in text.
+    answer = server.client.chat.completions.create(model=MODEL, tools=tools, tool_choice="none", max_tokens=8,
+                                                   temperature=0, messages=ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump() for call in named.message.tool_calls]},
+        {"role": "tool", "tool_call_id": named.message.tool_calls[0].id, "content": "18 C and sunny"}]).choices[0]
+    assert answer.message.content and answer.message.tool_calls is None
 
 
 def test_null_means_the_default_as_openai_and_vllm_take_it(server):

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
@@ -232,11 +230,22 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(BaseModel):
     model_config = STRICT_NUMBERS
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Annotated[str | list[dict[str, Any]], WithJsonSchema(_CONTENT_SCHEMA)]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # null only for an assistant's turn that called tools (OpenAI's shape)
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as a response gave them
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _content_unless_calling(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -247,10 +256,33 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as a chat template takes them."""
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as a chat template takes them (tool calls and call ids where a message has them)."""
     # "developer" is OpenAI's newer name for the system role; model templates know "system".
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}}
+            for m in messages]
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls always follow the schema
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class _TemplateFields(BaseModel):
@@ -273,6 +305,11 @@ class ChatCompletionRequest(_SamplingFields, _TemplateFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Functions the model may call (kiln.engine.tool_calls): "required" or a named one is enforced
+    # with structured outputs; "auto" needs a model-specific parser, which Kiln does not have.
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def template_messages(self) -> list[dict[str, str]]:
         return template_messages(self.messages)
@@ -357,62 +394,3 @@ def _json_path(data: Any, loc: tuple[str | int, ...]) -> list[str | int]:
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON number")
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], created: int | None = None,
-             **extra: Any) -> dict[str, Any]:
-    """A response or stream chunk; a stream passes its start time as `created` so every chunk carries
-    the same one, as OpenAI's do."""
-    return {"id": id_, "object": object_, "created": int(time.time()) if created is None else created,
-            "model": model, "choices": choices, **extra}
-
-
-def _token_entry(token_text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:
-    text = token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-
-def chat_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str]) -> dict[str, Any]:
-    """Engine logprob entries -> a chat choice's `logprobs` ({"content": [...]})."""
-    return {"content": [
-        {**_token_entry(token_text, e["token_id"], e["logprob"]),
-         "top_logprobs": [_token_entry(token_text, t, lp) for t, lp in e["top"]]}
-        for e in entries]}
-
-
-def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str],
-                        text_offset: int) -> dict[str, Any]:
-    """Engine logprob entries -> a completion choice's legacy `logprobs` object; `text_offset`
-    is where the first of these tokens starts in the generated text."""
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(token_text(e["token_id"]))
-        offsets.append(text_offset)
-        text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]} for e in entries],
-            "text_offset": offsets}
-
-
-def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None]) -> list[dict[str, Any]]:
-    """A prompt's logprobs as completion logprob entries, for `echo`: the first token has no
-    logprob (nothing comes before it), each other its own and its position's top tokens."""
-    entries = [{"token_id": prompt_ids[0], "logprob": None, "top": None}]
-    for token_id, position in zip(prompt_ids[1:], prompt_logprobs[1:]):
-        entries.append({"token_id": token_id, "logprob": position[token_id]["logprob"],
-                        "top": [(t, e["logprob"]) for t, e in position.items()]})
-    return entries

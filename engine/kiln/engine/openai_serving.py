@@ -15,9 +15,11 @@ from aiohttp import web
 from kiln.engine import RequestOutput, SamplingParams
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from kiln.engine.openai_protocol import (
-    INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-    chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, parse_request, sse, template_messages,
-    usage)
+    INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
+    template_messages)
+from kiln.engine.openai_responses import (
+    chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
+from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -68,8 +70,9 @@ class _ChatShape:
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, token_text, want_logprobs: bool, index: int) -> None:
-        self.token_text, self.want_logprobs, self.index = token_text, want_logprobs, index
+    def __init__(self, token_text, want_logprobs: bool, index: int, tools: ToolCalls | None = None) -> None:
+        self.token_text, self.want_logprobs, self.index, self.tools = token_text, want_logprobs, index, tools
+        self.held = ""  # with tools: the text so far, sent as calls once complete
 
     def opening(self) -> list[dict[str, Any]]:
         return [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -79,12 +82,20 @@ class _ChatShape:
         return chat_logprobs(entries, self.token_text) if self.want_logprobs else None
 
     def delta(self, text: str, entries: list[dict], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": self.index, "delta": {"content": text} if text else {}, "logprobs": self._logprobs(entries),
-                "finish_reason": finish_reason}
+        delta = {"content": text} if text else {}
+        if self.tools is not None:  # a call goes out whole: its arguments parse only at the end
+            self.held += text
+            delta, finish_reason = ({}, None) if finish_reason is None else \
+                self.tools.message(self.held, finish_reason, streamed=True)
+        return {"index": self.index, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
 
     def full(self, text: str, entries: list[dict], finish_reason: str | None) -> dict[str, Any]:
-        return {"index": self.index, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            calls, finish_reason = self.tools.message(text, finish_reason)
+            message.update(calls)
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(entries),
+                "finish_reason": finish_reason}
 
 
 @dataclass
@@ -140,13 +151,16 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_choices(1, req.n)
         top = req.top_logprobs_count()
+        tools = tool_calls(req)
         # The template already wrote the special tokens.
         ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
+        if tools is not None:
+            params.structured_outputs = tools.structured_outputs()
         return await self._generate(request, req, [ids], [params], lambda index: _ChatShape(
-            self.token_text, top is not None, index), False)
+            self.token_text, top is not None, index, tools), False)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: a prompt's (or a conversation's) token ids as this model runs them."""
@@ -166,9 +180,11 @@ class OpenAIServing:
         self._check_model(req.model)
         return web.json_response({"prompt": self.tokenizer.decode(self._in_vocabulary(req.tokens, "tokens"))})
 
-    def _chat_text(self, messages: list[dict[str, str]], req: TokenizeRequest | ChatCompletionRequest) -> str:
+    def _chat_text(self, messages: list[dict[str, Any]], req: TokenizeRequest | ChatCompletionRequest) -> str:
+        tools = getattr(req, "tools", None)  # to the template, which may describe them to the model
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      tools=[t.model_dump(exclude_none=True) for t in tools or ()] or None)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         return _open_final_message(text, messages[-1]["content"]) if req.continue_final_message else text

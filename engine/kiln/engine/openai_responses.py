@@ -1,0 +1,67 @@
+"""The shapes of OpenAI-compatible responses: ids, usage, SSE framing, the envelope of a
+response or stream chunk, and logprobs in the chat and legacy completion forms."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], created: int | None = None,
+             **extra: Any) -> dict[str, Any]:
+    """A response or stream chunk; a stream passes its start time as `created` so every chunk carries
+    the same one, as OpenAI's do."""
+    return {"id": id_, "object": object_, "created": int(time.time()) if created is None else created,
+            "model": model, "choices": choices, **extra}
+
+
+def _token_entry(token_text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:
+    text = token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def chat_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str]) -> dict[str, Any]:
+    """Engine logprob entries -> a chat choice's `logprobs` ({"content": [...]})."""
+    return {"content": [
+        {**_token_entry(token_text, e["token_id"], e["logprob"]),
+         "top_logprobs": [_token_entry(token_text, t, lp) for t, lp in e["top"]]}
+        for e in entries]}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str],
+                        text_offset: int) -> dict[str, Any]:
+    """Engine logprob entries -> a completion choice's legacy `logprobs` object; `text_offset`
+    is where the first of these tokens starts in the generated text."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(token_text(e["token_id"]))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets}
+
+
+def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None]) -> list[dict[str, Any]]:
+    """A prompt's logprobs as completion logprob entries, for `echo`: the first token has no
+    logprob (nothing comes before it), each other its own and its position's top tokens."""
+    entries = [{"token_id": prompt_ids[0], "logprob": None, "top": None}]
+    for token_id, position in zip(prompt_ids[1:], prompt_logprobs[1:]):
+        entries.append({"token_id": token_id, "logprob": position[token_id]["logprob"],
+                        "top": [(t, e["logprob"]) for t, e in position.items()]})
+    return entries
