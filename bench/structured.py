@@ -5,7 +5,8 @@ guidance and outlines constrain transformers), on the same SmolLM2 weights in th
 Each chat prompt asks for JSON that its schema describes; both sides decode greedily under the
 schema to its end, and the answers are checked with the jsonschema validator and compared.
 Kiln also decodes each prompt unconstrained for as many tokens (EOS ignored): the ratio of the
-two is the mask's cost per token (computing it on the CPU and masking the logits).
+two is the mask's cost per token (computing it on the CPU and masking the logits); and under the
+schema with n-gram speculation (k = 4), which JSON's repeated keys feed.
 
     .venv/bin/python bench/structured.py   # writes bench/results/structured-<date>-<cpu kind>.json
 """
@@ -56,28 +57,34 @@ class GrammarMask(LogitsProcessor):
 
         if input_ids.shape[1] > self.prompt_len:
             self.matcher.consume_token(int(input_ids[0, -1]))
-        return scores.masked_fill(~allowed_tokens([self.matcher], scores.shape[1]), float("-inf"))
+        return scores.masked_fill(~allowed_tokens([self.matcher.compute_bitmask()], scores.shape[1]), float("-inf"))
 
 
-def run_kiln(llm, max_tokens: int) -> dict:
+def run_kiln(llm, spec, max_tokens: int) -> dict:
     from kiln.engine import SamplingParams
     from kiln.engine.sampling_params import StructuredOutputs
 
-    tokens = constrained_s = plain_s = 0
-    answers = []
+    tokens = spec_tokens = constrained_s = plain_s = spec_s = 0
+    answers, spec_answers = [], []
     for prompt, schema in CASES:
         chat = [{"role": "user", "content": prompt}]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=StructuredOutputs(json=schema))
         start = time.perf_counter()
-        out = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                            structured_outputs=StructuredOutputs(json=schema)))[0]
+        out = llm.chat(chat, params)[0]
         constrained_s += time.perf_counter() - start
         start = time.perf_counter()
         llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=len(out.token_ids), ignore_eos=True))
         plain_s += time.perf_counter() - start
+        start = time.perf_counter()
+        spec_out = spec.chat(chat, params)[0]
+        spec_s += time.perf_counter() - start
         tokens += len(out.token_ids)
+        spec_tokens += len(spec_out.token_ids)
         answers.append(out.text)
+        spec_answers.append(spec_out.text)
     return {"tokens": tokens, "constrained_tok_s": round(tokens / constrained_s, 1),
-            "plain_tok_s": round(tokens / plain_s, 1), "answers": answers}
+            "plain_tok_s": round(tokens / plain_s, 1), "speculative_tok_s": round(spec_tokens / spec_s, 1),
+            "speculative_same_answers": sum(a == b for a, b in zip(answers, spec_answers)), "answers": answers}
 
 
 def run_transformers(model, llm, max_tokens: int) -> dict:
@@ -119,17 +126,20 @@ def main() -> None:
     args = parser.parse_args()
     from kiln.engine import LLM, SamplingParams
     from kiln.engine.sampling_params import StructuredOutputs
+    from kiln.engine.speculative import SpeculativeConfig
 
     dtype = served_dtype(args.dtype)
     llm = LLM(dtype=dtype, gguf_dequantize=True)
+    spec = LLM(dtype=dtype, gguf_dequantize=True, speculative=SpeculativeConfig(num_speculative_tokens=4))
     model = load_transformers(dtype)
     model.generation_config.eos_token_id = llm.tokenizer.eos_token_ids
     # Warm-up, llguidance's vocabulary view included (built on the first constrained request).
-    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0.0, max_tokens=4,
-                                                                 structured_outputs=StructuredOutputs(json=PERSON)))
+    for engine in (llm, spec):
+        engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(
+            temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputs(json=PERSON)))
     result = {"dtype": dtype, "max_tokens": args.max_tokens, "machine": machine_info(), "cases": len(CASES)}
     print(json.dumps(result["machine"]), flush=True)
-    kiln = run_kiln(llm, args.max_tokens)
+    kiln = run_kiln(llm, spec, args.max_tokens)
     peer = run_transformers(model, llm, args.max_tokens)
     result.update({
         "kiln": {k: v for k, v in kiln.items() if k != "answers"}, "transformers": {k: v for k, v in peer.items()
@@ -138,12 +148,16 @@ def main() -> None:
         "same_answers": sum(a == b for a, b in zip(kiln["answers"], peer["answers"])),
         "kiln_mask_cost": round(kiln["plain_tok_s"] / kiln["constrained_tok_s"], 2),
         "kiln_over_transformers": round(kiln["constrained_tok_s"] / peer["constrained_tok_s"], 2),
+        "kiln_speculative_over_transformers": round(kiln["speculative_tok_s"] / peer["constrained_tok_s"], 2),
     })
     print(f"kiln: {kiln['constrained_tok_s']} tok/s under the schema, {kiln['plain_tok_s']} without "
           f"({result['kiln_mask_cost']}x the time per token); transformers + llguidance {peer['constrained_tok_s']} "
           f"tok/s; kiln/transformers {result['kiln_over_transformers']}x; valid JSON {result['kiln_valid']}/"
           f"{len(CASES)} vs {result['transformers_valid']}/{len(CASES)}, {result['same_answers']} answers identical",
           flush=True)
+    print(f"kiln with n-gram speculation under the schema: {kiln['speculative_tok_s']} tok/s "
+          f"({result['kiln_speculative_over_transformers']}x transformers; {kiln['speculative_same_answers']}/"
+          f"{len(CASES)} answers as without it)", flush=True)
     print(f"wrote {write_result('structured', result)}")
 
 

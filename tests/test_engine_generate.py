@@ -276,6 +276,10 @@ def kiln(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
         (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),
         (["--prompt", "hi", "--repetition-penalty", "nan"], "repetition_penalty must be a finite number"),
         (["--prompt", "hi", "--seed", str(2**64)], "seed must be an integer in [-2**63, 2**63 - 1]"),
+        (["--prompt", "hi", "--json-schema", "{nope"], "--json-schema is not JSON"),
+        (["--prompt", "hi", "--json-schema", "@/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
+        (["--prompt", "hi", "--regex", "a+", "--choice", "b"], "exactly one of"),
+        (["--prompt", "hi", "--regex", "[a-"], "the regex does not compile"),
     ],
 )
 def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
@@ -289,6 +293,19 @@ def test_cli_bad_input_exits_2(args: list[str], message: str) -> None:
 def test_cli_bad_prompt_on_stdin_exits_2(stdin: bytes, message: str) -> None:
     done = kiln("--prompt", "-", stdin=stdin)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_constrains_the_output_to_a_schema_file_or_choices(tmp_path) -> None:
+    schema = {"type": "object", "properties": {"planet": {"enum": ["Mars", "Venus"]}, "moons": {"type": "integer"}},
+              "required": ["planet", "moons"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    done = kiln("--prompt", "Name a planet and its moons.", "--chat", "--dtype", "float32",
+                "--json-schema", f"@{tmp_path / 'schema.json'}")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["planet"] in ("Mars", "Venus") and isinstance(answer["moons"], int)
+    done = kiln("--prompt", "Is the sky blue?", "--chat", "--dtype", "float32", "--choice", "yes", "--choice", "no")
+    assert done.returncode == 0 and done.stdout.strip() in ("yes", "no"), done
 
 
 def test_cli_reads_the_prompt_from_stdin(llm: LLM) -> None:

@@ -1,6 +1,7 @@
 """Structured outputs on the real SmolLM2 (float32): JSON schemas (checked with the jsonschema
 validator), regexes, choices and Lark grammars, greedy and sampled, in batches with unconstrained
-requests and with n-gram speculation on; greedy choices checked token by token against the
+requests and with n-gram speculation on (drafts masked as the matcher stands after the drafts
+before them: the same tokens as without); greedy choices checked token by token against the
 model's own ranking of what a fresh llguidance matcher allows; bad constraints refused."""
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ ASK = [{"role": "user", "content": "Describe a person who speaks some languages,
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    # Speculation on: constrained requests must not draft (unconstrained ones in the batch do).
+    # Speculation on: constrained requests draft too, within what their constraint allows.
     return LLM(dtype="float32", speculative=SpeculativeConfig(num_speculative_tokens=3))
 
 
@@ -90,15 +91,42 @@ def _allowed(matcher: llguidance.LLMatcher) -> set[int]:
     return {t for t in range(mask.bit_length()) if mask >> t & 1}
 
 
-def test_unconstrained_neighbours_are_untouched_and_still_speculate(llm):
+def test_unconstrained_neighbours_are_untouched(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The"
     alone = llm.generate(prompt, plain)[0]
-    before = llm.engine.stats().spec_decode_num_draft_tokens
     mixed = llm.generate([prompt, prompt], [plain, constrained("choice", ["dog", "cat"])])
     assert mixed[0].token_ids == alone.token_ids
     assert mixed[1].text in ("dog", "cat")
-    assert llm.engine.stats().spec_decode_num_draft_tokens > before
+
+
+TEAM = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "role": {"enum": ["dev", "ops"]},
+                                     "years": {"type": "integer", "minimum": 0, "maximum": 40}},
+    "required": ["name", "role", "years"], "additionalProperties": False}}
+
+
+def test_constrained_drafts_give_the_tokens_plain_decoding_gives(llm):
+    """JSON repeats its keys, so n-gram drafts find matches; each draft row is masked as the
+    matcher stands after the drafts before it, and greedy output is token for token plain
+    decoding's (an engine without speculation), sampled output still valid."""
+    plain = LLM(dtype="float32")
+    ask = [{"role": "user", "content": "List the four people of a small team as JSON."}]
+    spec = StructuredOutputs(json=TEAM)
+    before = llm.engine.stats()
+    outs = llm.chat([ask] * 3, [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=spec),
+                                SamplingParams(temperature=1.0, seed=7, max_tokens=200, structured_outputs=spec),
+                                SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=StructuredOutputs(
+                                    json=TEAM, disable_any_whitespace=True))])
+    after = llm.engine.stats()
+    assert after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens > 20
+    reference = plain.chat([ask] * 2, [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=spec),
+                                       SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=
+                                                      StructuredOutputs(json=TEAM, disable_any_whitespace=True))])
+    assert [outs[0].token_ids, outs[2].token_ids] == [r.token_ids for r in reference]
+    for out in outs:
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), TEAM)
 
 
 def test_max_tokens_cuts_a_constrained_output_short(llm):

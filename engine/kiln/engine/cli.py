@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.engine.sampling_params import StructuredOutputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                        help="the output follows this JSON schema: JSON text, or @FILE")
+    parser.add_argument("--regex", default=None, help="the output matches this regular expression")
+    parser.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    parser.add_argument("--grammar", default=None, metavar="LARK",
+                        help="the output follows this Lark grammar (llguidance's dialect): text, or @FILE")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA and on CPUs with AVX512_BF16 "
                         "or AMX, else float32), float32, float16, bfloat16")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -67,6 +79,30 @@ def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: packed except float32 on the CPU")
 
 
+def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:
+    """The constraint the flags ask for, if any (ValueError for two, or for a file that cannot be read)."""
+    from kiln.engine.sampling_params import StructuredOutputs
+
+    schema, grammar = _text_or_file(args.json_schema, "--json-schema"), _text_or_file(args.grammar, "--grammar")
+    if schema is not None:
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"--json-schema is not JSON: {e}") from None
+    if (schema, args.regex, args.choice, grammar) == (None,) * 4:
+        return None
+    return StructuredOutputs(json=schema, regex=args.regex, choice=args.choice, grammar=grammar)
+
+
+def _text_or_file(value: str | None, flag: str) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {value[1:]}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.engine.sampling_params import SamplingParams
 
@@ -75,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-            repetition_penalty=args.repetition_penalty,
+            repetition_penalty=args.repetition_penalty, structured_outputs=structured_outputs(args),
         )
         if args.prompt == "-":
             try:

@@ -237,14 +237,18 @@ class LLMEngine:
 
     def _add_drafts(self) -> None:
         """Guess the next tokens of the decoding sequences that may speculate (n-gram lookup),
-        leaving room for the model's own token within max_tokens and the context."""
+        leaving room for the model's own token within max_tokens and the context; a constrained
+        sequence keeps the drafts its structured output allows."""
         limit = self.config.speculative.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) > limit:
             return
         for seq in self.scheduler.running:
             if may_speculate(seq):
                 room = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
-                seq.add_drafts(propose(seq.token_ids, self.config.speculative, room))
+                drafts = propose(seq.token_ids, self.config.speculative, room)
+                if seq.matcher is not None and drafts:  # only what the constraint allows is worth checking
+                    drafts = drafts[:seq.matcher.validate_tokens(drafts)]
+                seq.add_drafts(drafts)
 
     def _check_drafts(self, batch: ScheduledBatch, ran: RunnerOutput) -> list[tuple[Sequence, list[tuple]]]:
         """Per sampled sequence its new (token, logprob)s: the drafts the model agreed with, in

@@ -127,7 +127,7 @@ class Sampler:
         if any(not seq.may_stop for seq in seqs):
             logits = self._without_stops(logits, seqs)
         if any(seq.matcher is not None for seq in seqs):
-            logits = constrain(logits, seqs)
+            logits = constrain(logits, seqs, drafts)
         greedy = [p.greedy for p in params]
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)

@@ -86,6 +86,5 @@ def propose(token_ids: list[int], config: SpeculativeConfig, room: int) -> list[
 
 def may_speculate(seq: Sequence) -> bool:
     """Decoding (one token to run), unpenalized (a penalty would differ row by row with the
-    drafts before it), past min_tokens and unconstrained (a draft row's mask would need the
-    matcher to have taken the drafts before it)."""
-    return seq.num_pending_tokens == 1 and not seq.params.penalized and seq.may_stop and seq.matcher is None
+    drafts before it) and past min_tokens."""
+    return seq.num_pending_tokens == 1 and not seq.params.penalized and seq.may_stop

@@ -71,17 +71,28 @@ class Grammars:
         return matcher
 
 
-def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: the tokens each matcher allows next."""
-    masks = b"".join(matcher.compute_bitmask() for matcher in matchers)  # 32-bit little-endian words
-    words = torch.frombuffer(bytearray(masks), dtype=torch.uint8).view(len(matchers), -1)
+def allowed_tokens(masks: list[bytes], vocab_size: int) -> torch.Tensor:
+    """[len(masks), vocab_size] bool from matchers' bitmasks (compute_bitmask(): 32-bit little-endian
+    words, bit i of word w for token 32w + i)."""
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1)
     bits = (words.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # byte-wise: bit i is token 8b + i
-    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+    return bits.view(len(masks), -1)[:, :vocab_size].bool()
 
 
-def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """logits with what their matchers rule out set to -inf, for the rows that have one (a new tensor)."""
+def constrain(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | None = None) -> torch.Tensor:
+    """logits with what their matchers rule out set to -inf, for the rows that have one (a new
+    tensor). drafts: per row, the speculative draft it checks, or -1 (the sampler's). A sequence's
+    rows come in order, so each draft row's mask is its matcher's after the drafts before it: the
+    matcher takes each row's draft once its mask is read, and gives them back at the end."""
     rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
-    allowed = allowed_tokens([seqs[i].matcher for i in rows], logits.shape[1]).to(logits.device)
+    masks = []
+    for i in rows:
+        masks.append(seqs[i].matcher.compute_bitmask())
+        if drafts is not None and drafts[i] >= 0:
+            seqs[i].matcher.consume_token(drafts[i])
+    for seq in {id(seqs[i]): seqs[i] for i in rows}.values():
+        if seq.num_draft_tokens:  # a row each, all in this batch
+            seq.matcher.rollback(seq.num_draft_tokens)
+    allowed = allowed_tokens(masks, logits.shape[1]).to(logits.device)
     index = torch.tensor(rows, device=logits.device)
     return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
