@@ -1,6 +1,7 @@
 """N-gram speculative decoding at batch 1: Kiln with and without it, and transformers' prompt
 lookup decoding (`generate(prompt_lookup_num_tokens=k)`) with and without it as the peer, on the
-same SmolLM2 weights in the same dtype, in one run.
+same SmolLM2 weights in the same dtype, in one run; and Kiln with a draft model (the same
+weights in int4: what a draft as costly as its target gives, acceptance and speed).
 
 Two kinds of chat prompt, greedy, each to its own end of turn (at most --max-tokens): answers
 that copy from the prompt (edit this code, fix this text, reformat this list: what prompt
@@ -88,9 +89,12 @@ def main() -> None:
     dtype = served_dtype(args.dtype)
     plain = LLM(dtype=dtype, gguf_dequantize=True)
     spec = LLM(dtype=dtype, gguf_dequantize=True, speculative=SpeculativeConfig(num_speculative_tokens=args.k))
+    # A draft model: the same weights in int4 (round to nearest), as cheap a draft as this model has.
+    draft = LLM(dtype=dtype, gguf_dequantize=True, speculative=SpeculativeConfig(
+        method="draft_model", model="smollm2-135m", quantization="int4-rtn", num_speculative_tokens=args.k))
     model = load_transformers(dtype)
     tokenizer = plain.tokenizer
-    for llm in (plain, spec):  # warm-up
+    for llm in (plain, spec, draft):  # warm-up
         run_kiln(llm, OPEN[:1], 8)
     result = {"dtype": dtype, "k": args.k, "max_tokens": args.max_tokens, "machine": machine_info(), "kinds": {}}
     print(json.dumps(result["machine"]), flush=True)
@@ -99,6 +103,10 @@ def main() -> None:
         accepted, drafted = spec.engine.num_accepted_tokens, spec.engine.num_draft_tokens
         spec_s, spec_out = run_kiln(spec, prompts, args.max_tokens)
         accepted, drafted = spec.engine.num_accepted_tokens - accepted, spec.engine.num_draft_tokens - drafted
+        draft_accepted, draft_drafted = draft.engine.num_accepted_tokens, draft.engine.num_draft_tokens
+        draft_s, draft_out = run_kiln(draft, prompts, args.max_tokens)
+        draft_accepted = draft.engine.num_accepted_tokens - draft_accepted
+        draft_drafted = draft.engine.num_draft_tokens - draft_drafted
         tokens = sum(map(len, plain_out))
         hf_s, hf_tokens = run_transformers(model, tokenizer, prompts, args.max_tokens, None)
         hfl_s, hfl_tokens = run_transformers(model, tokenizer, prompts, args.max_tokens, args.k)
@@ -109,7 +117,11 @@ def main() -> None:
             "acceptance": round(accepted / max(drafted, 1), 3), "drafted": drafted,
             "transformers_tokens": hf_tokens, "transformers_plain_tok_s": round(hf_tokens / hf_s, 1),
             "transformers_lookup_tok_s": round(hfl_tokens / hfl_s, 1),
+            "kiln_draft_model_tok_s": round(sum(map(len, draft_out)) / draft_s, 1),
+            "draft_model_acceptance": round(draft_accepted / max(draft_drafted, 1), 3),
+            "kiln_draft_model_same_tokens": sum(a == b for a, b in zip(plain_out, draft_out)),
         }
+        row["kiln_draft_model_over_plain"] = round(row["kiln_draft_model_tok_s"] / row["kiln_plain_tok_s"], 2)
         row["kiln_spec_over_plain"] = round(row["kiln_spec_tok_s"] / row["kiln_plain_tok_s"], 2)
         row["transformers_lookup_over_plain"] = round(row["transformers_lookup_tok_s"] / row["transformers_plain_tok_s"], 2)
         row["kiln_spec_over_transformers_lookup"] = round(row["kiln_spec_tok_s"] / row["transformers_lookup_tok_s"], 2)
@@ -119,7 +131,9 @@ def main() -> None:
               f"{row['kiln_spec_same_tokens']}/{len(prompts)} answers identical); transformers "
               f"{row['transformers_plain_tok_s']} -> {row['transformers_lookup_tok_s']} tok/s "
               f"({row['transformers_lookup_over_plain']}x); kiln/transformers with lookup "
-              f"{row['kiln_spec_over_transformers_lookup']}x", flush=True)
+              f"{row['kiln_spec_over_transformers_lookup']}x; int4 draft model {row['kiln_draft_model_tok_s']} tok/s "
+              f"({row['kiln_draft_model_over_plain']}x plain, acceptance {row['draft_model_acceptance']:.0%}, "
+              f"{row['kiln_draft_model_same_tokens']}/{len(prompts)} identical)", flush=True)
     result["step_ms"] = step_costs(plain, spec)
     print(f"median step: 1 row {result['step_ms']['one_row']} ms, 1 + {args.k} drafts "
           f"{result['step_ms']['with_drafts']} ms", flush=True)

@@ -319,19 +319,48 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
         assert desired_replicas(spec_of(replicas=replicas, autoscaling={"mode": "none"})) == replicas
 
 
+def test_a_draft_model_reaches_the_engine_with_its_volume():
+    def engine_of(draft: str, source: str = "builtin://smollm2-135m", tp: int = 1) -> tuple[dict, dict]:
+        spec = spec_of(model={"name": "m", "source": source},
+                       engine={"tensorParallelSize": tp, "speculative": {"method": "draft", "numTokens": 3, "model": {
+                           "name": "d", "source": draft}}}, resources={"gpus": tp})
+        pod = pod_spec(want(spec).stable.deployment)
+        return pod, pod["containers"][0]
+
+    pod, c = engine_of("pvc://drafts/smol/model.gguf", source="pvc://weights/llama")
+    config = SpeculativeConfig.from_json(c["command"][c["command"].index("--speculative-config") + 1])
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/draft-model/smol/model.gguf",
+                                                                            3)
+    assert c["command"][c["command"].index("--model") + 1] == "/models/llama"
+    assert {"name": "draft-model", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}} in pod["volumes"]
+    assert {"name": "draft-model", "mountPath": "/draft-model", "readOnly": True} in c["volumeMounts"]
+    # A built-in draft needs no volume; one on the target's own host path is mounted once.
+    pod, c = engine_of("builtin://smollm2-135m")
+    assert '"model": "smollm2-135m"' in c["command"][-1] and "draft-model" not in str(pod["volumes"])
+    pod, c = engine_of("hostpath:///srv/models", source="hostpath:///srv/models")
+    assert [m["mountPath"] for m in c["volumeMounts"]].count("/srv/models") == 1
+    assert SpeculativeConfig.from_json(c["command"][-1]).model == "/srv/models"
+    # Tensor-parallel engines run without it, and the status says so.
+    pod, c = engine_of("builtin://smollm2-135m", tp=2)
+    assert "--speculative-config" not in c["command"]
+    assert "tensorParallelSize > 1" in " ".join(unimplemented(spec_of(engine={
+        "tensorParallelSize": 2, "speculative": {"method": "draft", "model": {"source": "builtin://d"}}},
+        resources={"gpus": 2})))
+
+
 def test_later_features_are_reported_not_ignored():
     assert unimplemented(spec_of()) == []
     for mode in ("none", "builtin", "hpa", "keda"):
         assert unimplemented(spec_of(autoscaling={"mode": mode})) == []
-    found = " ".join(unimplemented(spec_of(
+    (found,) = unimplemented(spec_of(
         warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
         engine={"quantization": "fp8", "speculative": {"method": "draft", "model": {"name": "d", "source": "builtin://d"}},
                 "tensorParallelSize": 2},
-        resources={"gpus": 2})))
-    assert "engine.speculative.method draft" in found
-    assert unimplemented(spec_of(engine={"speculative": {"method": "ngram"}})) == []  # the engine runs it
-    for done in ("quantization", "rollout", "warmPool", "tensorParallelSize"):  # all acted on now
-        assert done not in found
+        resources={"gpus": 2}))
+    assert found.startswith("engine.speculative.method draft with tensorParallelSize > 1")
+    # quantization, rollout, warm pools, tensor parallelism, ngram and (without TP) a draft: all acted on
+    assert unimplemented(spec_of(engine={"speculative": {"method": "ngram"}})) == []
+    assert unimplemented(spec_of(engine={"speculative": {"method": "draft", "model": {"source": "builtin://d"}}})) == []
 
 
 def deployment(name: str, generation: int = 1, ready: int = 0, replicas: int = 1, updated: int | None = None,

@@ -152,14 +152,15 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
 
 
 def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):
-    body = smollm2("later")
+    body = smollm2("later", gpus=2)  # a draft model with tensor parallelism: not yet
+    body["spec"]["engine"]["tensorParallelSize"] = 2
     body["spec"]["engine"]["speculative"] = {"method": "draft", "model": {"name": "smollm2-135m",
                                                                         "source": "builtin://smollm2-135m"}}
     apply(kubectl, ns, body)
     obj = until(lambda: ready(apis, ns, "later"), "later Ready")
     spec_cond = condition(obj, "SpecImplemented")
     assert (spec_cond["status"], spec_cond["reason"]) == ("False", "NotImplemented")
-    assert "engine.speculative" in spec_cond["message"]
+    assert "engine.speculative.method draft with tensorParallelSize > 1" in spec_cond["message"]
     until(lambda: "NotImplemented" in event_reasons(apis, ns, "later", "Warning"), "a Warning Event")
     assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
 

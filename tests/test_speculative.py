@@ -52,7 +52,9 @@ def test_propose_takes_what_followed_the_latest_longest_match():
 
 
 @pytest.mark.parametrize("text,message", [
-    ('{"method": "draft"}', "only 'ngram'"),
+    ('{"method": "draft"}', "method 'draft' is not supported ('ngram', 'draft_model')"),
+    ('{"method": "draft_model"}', "method 'draft_model' takes a model"),
+    ('{"method": "ngram", "model": "smollm2-135m"}', "method 'draft_model' takes a model (the draft), and only it"),
     ("{nope", "not JSON"),
     ("[4]", "JSON object"),
     ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be a positive integer"),
@@ -185,7 +187,7 @@ def test_prefix_hits_on_blocks_that_accepted_drafts_filled(plain: LLM, spec: LLM
 def test_server_flag_and_counters():
     bad = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--speculative-config", '{"method": "draft"}'],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "only 'ngram'" in bad.stderr
+    assert bad.returncode == 2 and "method 'draft' is not supported" in bad.stderr
     server = ServerProcess("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     try:
         assert "speculative decoding: n-gram lookup" in "".join(server.log)

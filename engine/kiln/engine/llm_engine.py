@@ -13,6 +13,7 @@ import torch
 
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import Config, resolve_max_model_len
+from kiln.engine.draft_model import DraftModel
 from kiln.engine.loader import load_model
 from kiln.engine.model_runner import ModelRunner, RunnerOutput
 from kiln.engine.prompt_logprobs import PromptLogprob, entry
@@ -88,8 +89,15 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
+        speculative = self.config.speculative
+        # Loaded before the target's pool is sized: on a GPU its weights come off the free memory.
+        self.drafter = DraftModel(self.config, loaded.model_config) \
+            if speculative is not None and speculative.method == "draft_model" else None
         if self.config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.config, loaded.model, loaded.model_config)
+            self.runner = ModelRunner(self.config, loaded.model, loaded.model_config,
+                                      self.drafter.block_bytes if self.drafter else 0)
+            if self.drafter:
+                self.drafter.allocate(self.runner.num_blocks)
         else:  # rank 0 of N: spawns the other ranks, which run the forward only
             from kiln.engine.tp_ranks import start_tensor_parallel
             self.runner = start_tensor_parallel(self.config, loaded)
@@ -139,15 +147,21 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise ValueError(f"{len(self.requests)} request(s) in flight; sleep once they finish")
         if not self.is_sleeping:
-            self.runner.release_kv_cache()
+            for runner in self._runners():
+                runner.release_kv_cache()
             self.block_manager.reset_prefix_cache()
             self.is_sleeping = True
 
     def wake_up(self) -> None:
         """Allocate the KV cache again (same size), ready to serve."""
         if self.is_sleeping:
-            self.runner.allocate_kv_cache()
+            for runner in self._runners():
+                runner.allocate_kv_cache()
             self.is_sleeping = False
+
+    def _runners(self) -> list:
+        """The target's runner, and the draft model's if there is one (each owns a KV pool)."""
+        return [self.runner] + ([self.drafter.runner] if self.drafter else [])
 
     def discard(self) -> None:
         """After a fatal error in step(): forget every request and release the KV cache. The
@@ -155,7 +169,8 @@ class LLMEngine:
         is not stepped again (its server reports itself dead and is restarted)."""
         self.requests.clear()
         self._new_scheduler()
-        self.runner.release_kv_cache()
+        for runner in self._runners():
+            runner.release_kv_cache()
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -191,14 +206,14 @@ class LLMEngine:
         return [seq.request_id for seq in self.scheduler.running]
 
     def stats(self) -> EngineStats:
-        bm, runner = self.block_manager, self.runner
+        bm = self.block_manager
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv_cache_usage=bm.usage(),
             num_kv_blocks=bm.num_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
-            kv_cache_bytes=sum(t.nbytes for t in (runner.kv_cache, runner.kv_scales) if t is not None),
+            kv_cache_bytes=sum(t.nbytes for r in self._runners() for t in (r.kv_cache, r.kv_scales) if t is not None),
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
@@ -214,6 +229,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.drafter is not None:
+            self.drafter.fill(batch.seqs)
+        self._constrain_drafts(batch)
         ran = self.runner.run(batch)
         emitted = self._check_drafts(batch, ran)
         self.scheduler.complete_step(batch)
@@ -236,19 +254,27 @@ class LLMEngine:
         return outputs
 
     def _add_drafts(self) -> None:
-        """Guess the next tokens of the decoding sequences that may speculate (n-gram lookup),
-        leaving room for the model's own token within max_tokens and the context; a constrained
-        sequence keeps the drafts its structured output allows."""
+        """Guess the next tokens of the decoding sequences that may speculate (n-gram lookup, or
+        placeholders for the draft model), leaving room for the model's own token within
+        max_tokens and the context."""
         limit = self.config.speculative.disable_by_batch_size
         if limit is not None and len(self.scheduler.running) > limit:
             return
         for seq in self.scheduler.running:
             if may_speculate(seq):
                 room = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)) - 1
-                drafts = propose(seq.token_ids, self.config.speculative, room)
-                if seq.matcher is not None and drafts:  # only what the constraint allows is worth checking
-                    drafts = drafts[:seq.matcher.validate_tokens(drafts)]
-                seq.add_drafts(drafts)
+                if self.drafter is None:
+                    seq.add_drafts(propose(seq.token_ids, self.config.speculative, room))
+                else:  # placeholders, guessed once scheduled (DraftModel.fill)
+                    seq.add_drafts([seq.token_ids[-1]] * min(room, self.config.speculative.num_speculative_tokens))
+
+    def _constrain_drafts(self, batch: ScheduledBatch) -> None:
+        """A constrained sequence checks only the drafts its structured output allows."""
+        for i, seq in enumerate(batch.seqs):
+            if seq.matcher is not None and seq.num_draft_tokens:
+                refused = seq.num_draft_tokens - seq.matcher.validate_tokens(seq.draft_token_ids)
+                seq.drop_drafts(refused)
+                batch.num_new_tokens[i] -= refused
 
     def _check_drafts(self, batch: ScheduledBatch, ran: RunnerOutput) -> list[tuple[Sequence, list[tuple]]]:
         """Per sampled sequence its new (token, logprob)s: the drafts the model agreed with, in
@@ -264,6 +290,7 @@ class LLMEngine:
             accepted = next((i for i, draft in enumerate(drafts) if tokens[i][0] != draft), len(drafts))
             seq.drop_drafts(len(drafts) - accepted)
             batch.num_new_tokens[index[id(seq)]] -= len(drafts) - accepted
+            seq.num_draft_cached = min(seq.num_draft_cached, len(seq))  # a draft model's K/V of kept tokens
             self.num_draft_tokens += len(drafts)
             self.num_accepted_tokens += accepted
             emitted.append((seq, tokens[:accepted + 1]))

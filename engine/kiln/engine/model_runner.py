@@ -91,7 +91,9 @@ def prompt_rows_in_step(seq: Sequence, start: int, end: int) -> range:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model: LlamaForCausalLM, model_config: ModelConfig):
+    def __init__(self, config: Config, model: LlamaForCausalLM, model_config: ModelConfig, shared_block_bytes: int = 0):
+        """shared_block_bytes: what each block also costs elsewhere (a draft model's cache, which has
+        a block for each of this pool's): the memory budget pays for both."""
         self.model = model
         self.device = config.torch_device
         self.block_size = config.block_size
@@ -103,23 +105,24 @@ class ModelRunner:
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self._can_use_graphs(config) else []
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         with startup.phase("kv_alloc"):
-            self.num_blocks = self._allocate_kv_cache(config, model_config)
+            self.num_blocks = self._allocate_kv_cache(config, model_config, shared_block_bytes)
 
     def _can_use_graphs(self, config: Config) -> bool:
         # Only the Triton backend's forward is free of host syncs; tensor-parallel ranks run eagerly.
         return (self.device.type == "cuda" and self.model.backend.name == "triton" and not config.enforce_eager
                 and config.tensor_parallel_size == 1)
 
-    def _allocate_kv_cache(self, config: Config, model_config: ModelConfig) -> int:
+    def _allocate_kv_cache(self, config: Config, model_config: ModelConfig, shared_block_bytes: int) -> int:
         """Size the pool from the memory budget and allocate it; returns its block count."""
         self.kv_dtype = config.kv_cache_torch_dtype
         block_bytes = kv_block_bytes(model_config, config.block_size, self.kv_dtype)
         memory, self.kv_source = self._kv_budget(config)
-        num_blocks = memory // block_bytes
+        num_blocks = memory // (block_bytes + shared_block_bytes)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory={memory} bytes holds no KV block; one block of "
-                f"{config.block_size} tokens needs {block_bytes} bytes for this model"
+                f"{config.block_size} tokens needs {block_bytes + shared_block_bytes} bytes for this model"
+                + (" and its draft model" if shared_block_bytes else "")
             )
         self.kv_shape = (2, len(self._attention_layers()), num_blocks, config.block_size,
                          model_config.num_key_value_heads, model_config.head_dim)
@@ -201,38 +204,46 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         """Flat input_ids/positions of every new token, the Context, and which rows need logits."""
+        spans = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        input_ids, positions, context = self.flatten(spans)
+        sample_rows, prompt_rows, row = [], [], 0
+        for seq, start, end in spans:
+            row += end - start  # one past the sequence's last flat row; position p is row - end + p
+            if end == len(seq):  # and with drafts, the rows that check them too
+                sample_rows += range(row - 1 - seq.num_draft_tokens, row)
+            scored = prompt_rows_in_step(seq, start, end)
+            if scored:
+                prompt_rows.append((seq, row - end + scored.start, scored))
+        return PreparedBatch(input_ids, positions, context, sample_rows, prompt_rows)
+
+    def flatten(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """The tokens at positions [start, end) of each sequence as one flat batch: input_ids,
+        positions and the attention Context (their K/V go to the sequence's blocks)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        cu_seqlens, seq_lens, sample_rows, prompt_rows = [0], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            offset = cu_seqlens[-1] - start  # the flat row of position p is offset + p
+        cu_seqlens, seq_lens = [0], []
+        for seq, start, end in spans:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            cu_seqlens.append(cu_seqlens[-1] + n)
+            cu_seqlens.append(cu_seqlens[-1] + end - start)
             seq_lens.append(end)
-            if end == len(seq):  # and with drafts, the rows that check them too
-                sample_rows += range(cu_seqlens[-1] - 1 - seq.num_draft_tokens, cu_seqlens[-1])
-            scored = prompt_rows_in_step(seq, start, end)
-            if scored:
-                prompt_rows.append((seq, offset + scored.start, scored))
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        width = max(len(seq.block_table) for seq, _, _ in spans)
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _, _ in spans]
         to_device = self._to_device
         context = Context(
             cu_seqlens_q=to_device(cu_seqlens, torch.int32),
             seq_lens=to_device(seq_lens, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
+            max_seqlen_q=max(end - start for _, start, end in spans),
             max_seqlen_k=max(seq_lens),
             slot_mapping=to_device(slots, torch.int64),
             block_tables=to_device(tables, torch.int32),
         )
-        return PreparedBatch(to_device(input_ids, torch.int64), to_device(positions, torch.int64), context,
-                             sample_rows, prompt_rows)
+        return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         if not self.pin_memory:
@@ -248,11 +259,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(prepared.context):
             hidden = self.graphs.run(prepared.input_ids, prepared.positions, prepared.context)
         else:
-            set_context(prepared.context)
-            try:
-                hidden = self.model(prepared.input_ids, prepared.positions)
-            finally:
-                reset_context()
+            hidden = self._forward(prepared.input_ids, prepared.positions, prepared.context)
         prompt_logprobs = [(seq, self._score_prompt(seq, hidden[row:row + len(positions)], positions))
                            for seq, row, positions in prepared.prompt_rows]
         sampled, drafts = [], []  # a row per sequence that samples, and one per draft it checks
@@ -266,6 +273,21 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[prepared.sample_rows])
         tokens, logprobs = self.sampler(logits, sampled, drafts if any(d >= 0 for d in drafts) else None)
         return RunnerOutput(sampled, tokens, logprobs, prompt_logprobs)
+
+    @torch.inference_mode()
+    def last_logits(self, spans: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """Run the spans eagerly (their K/V go to the cache) and return the logits of each one's
+        last position: what a draft model guesses from (kiln.engine.draft_model)."""
+        input_ids, positions, context = self.flatten(spans)
+        hidden = self._forward(input_ids, positions, context)
+        return self.model.compute_logits(hidden[context.cu_seqlens_q[1:].long() - 1])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        set_context(context)
+        try:
+            return self.model(input_ids, positions)
+        finally:
+            reset_context()
 
     def _score_prompt(self, seq: Sequence, hidden: torch.Tensor, positions: range) -> list[ScoredPosition]:
         """Score the prompt tokens that follow these positions; hidden holds their rows."""

@@ -94,6 +94,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.drop_drafts()  # unchecked guesses: not worth recomputing
+        seq.num_draft_cached = 0  # a draft model's K/V go with the blocks
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -32,6 +32,8 @@ class Sequence:
         # The last num_draft_tokens of token_ids are speculative guesses for this step, not yet
         # checked by the model (kiln.engine.speculative).
         self.num_draft_tokens = 0
+        # With a draft model: its K/V of token_ids[:num_draft_cached] sit in its cache (kiln.engine.draft_model).
+        self.num_draft_cached = 0
         self.finish_reason: str | None = None
         # Tokens that end it: the request's stop_token_ids and, unless ignore_eos, the model's EOS
         # (set by the engine, which knows the tokenizer).

@@ -94,7 +94,9 @@ class Server:
             log.info("loaded %s and allocated the KV cache (%s) in %.2fs", self.config.model,
                      _describe_cache(core), loaded)
             if self.config.speculative is not None:
-                log.info("speculative decoding: n-gram lookup, %s", self.config.speculative)
+                spec = self.config.speculative
+                log.info("speculative decoding: %s, %s", "n-gram lookup" if spec.method == "ngram" else
+                         f"draft model {spec.model}", spec)
             with startup.phase("warmup"):
                 await self.torch_thread.run(_warm_up, core)
         log.info("warm-up generation took %.2fs", self.startup.seconds["warmup"])
@@ -320,9 +322,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=_positive(int), default=1,
                         help="split the model over N ranks (processes; GPUs on CUDA, NCCL; gloo on CPU)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='n-gram speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": N}\' '
-                             '(requests without penalties)')
+                        help='speculative decoding, as vLLM: n-gram lookup \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+                             '"disable_by_batch_size": N}\' or a draft model \'{"model": "<name, folder or .gguf>", '
+                             '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
                              "more get 429")

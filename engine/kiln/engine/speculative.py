@@ -1,4 +1,5 @@
-"""N-gram speculative decoding (prompt lookup), as vLLM's `{"method": "ngram"}`.
+"""Speculative decoding: n-gram prompt lookup, as vLLM's `{"method": "ngram"}` (here), or a
+draft model, `{"method": "draft_model", "model": ...}` (kiln.engine.draft_model).
 
 A decoding sequence whose last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
 occurred earlier in its own text guesses that what followed then follows again: up to
@@ -23,9 +24,17 @@ import numpy as np
 from kiln.engine.sequence import Sequence
 
 
+METHODS = ("ngram", "draft_model")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    method: str = "ngram"
     num_speculative_tokens: int = 4
+    # draft_model: the draft (a name, folder or .gguf, as --model takes; the same vocabulary as the
+    # target), and the quantization it runs with (the target's dtype; "none" by default).
+    model: str | None = None
+    quantization: str = "none"
     # Neither given: 4 and 2; one given: the other takes its value (vLLM's rule).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
@@ -45,22 +54,27 @@ class SpeculativeConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative config: {name} must be a positive integer, got {value!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative config: method {self.method!r} is not supported "
+                             f"({', '.join(map(repr, METHODS))})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative config: method 'draft_model' takes a model (the draft), and only it does")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is more than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
-        """vLLM's --speculative-config: '{"method": "ngram", "num_speculative_tokens": 4, ...}'."""
+        """vLLM's --speculative-config: '{"method": "ngram", "num_speculative_tokens": 4, ...}' or
+        '{"model": "<draft>", "num_speculative_tokens": 4}'."""
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative config is not JSON: {e}") from None
         if not isinstance(fields, dict):
             raise ValueError("speculative config must be a JSON object")
-        method = fields.pop("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"speculative config: method {method!r} is not supported (only 'ngram')")
+        # vLLM's rule: a config that names a model means a draft model.
+        fields.setdefault("method", "draft_model" if "model" in fields else "ngram")
         unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
         if unknown:
             raise ValueError(f"speculative config: unknown field(s) {', '.join(unknown)}")

@@ -106,8 +106,9 @@ class KVCache(Spec):
 
 
 class Speculative(Spec):
-    """Speculative decoding: ngram (prompt lookup, numTokens drafts a step) runs in the engine;
-    a draft model is not implemented yet (SpecImplemented says so)."""
+    """Speculative decoding, numTokens drafts a step: ngram (prompt lookup) or draft (a smaller
+    model with the target's vocabulary guesses them; not yet with tensor parallelism, which
+    SpecImplemented reports)."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.method != 'draft' || has(self.model)",
         "speculative.method draft needs speculative.model (the draft model)")))
@@ -163,6 +164,12 @@ class Engine(Spec):
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))
+
+    @property
+    def draft_model(self) -> ModelSpec | None:
+        """The draft model the engines speculate with: tensor-parallel engines run without one."""
+        spec = self.speculative
+        return spec.model if spec is not None and spec.method == "draft" and self.tensorParallelSize == 1 else None
 
 
 class Toleration(Spec):

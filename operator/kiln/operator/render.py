@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from . import images
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec, ModelSpec
 from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
@@ -28,6 +28,7 @@ LABEL_SERVING = "kiln.dev/serving"
 ROUTER_CLUSTER_ROLE = "kiln-router"
 API_KEYS_ENV = "KILN_API_KEYS"  # what `kiln router` reads its keys from (kiln.router.auth)  # shipped in manifests/base/rbac.yaml
 MODEL_MOUNT = "/models"
+DRAFT_MOUNT = "/draft-model"
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
 # covers that pause plus finishing in-flight generations.
 PRESTOP_SLEEP_S = 10
@@ -95,26 +96,41 @@ def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None
     }
 
 
-def model_location(spec: InferenceServiceSpec) -> tuple[str, list[dict], list[dict]]:
-    """(--model argument, volumes, volume mounts) for the model source."""
-    scheme, rest = spec.model.source.split("://", 1)
+def model_location(model: ModelSpec, volume: str = "model", mount_path: str = MODEL_MOUNT
+                   ) -> tuple[str, list[dict], list[dict]]:
+    """(--model argument, volumes, volume mounts) for a model source; a pvc:// claim is mounted at mount_path."""
+    scheme, rest = model.source.split("://", 1)
     if scheme == "builtin":
         return rest, [], []
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        return str(PurePosixPath(MODEL_MOUNT, path)), [volume], [mount]
+        source = {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        mount = {"name": volume, "mountPath": mount_path, "readOnly": True}
+        return str(PurePosixPath(mount_path, path)), [source], [mount]
     # hostpath:///abs/path: shown inside the pod where it lies on the node.
     path = "/" + rest.lstrip("/")
-    volume = {"name": "model", "hostPath": {"path": path}}
-    return path, [volume], [{"name": "model", "mountPath": path, "readOnly": True}]
+    source = {"name": volume, "hostPath": {"path": path}}
+    return path, [source], [{"name": volume, "mountPath": path, "readOnly": True}]
+
+
+def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[dict], list[dict]]:
+    """(--model argument, the draft model's or None, volumes, volume mounts) of the target model
+    and the draft model the engines speculate with; a path both share is mounted once."""
+    model_arg, volumes, mounts = model_location(spec.model)
+    draft = spec.engine.draft_model
+    if draft is None:
+        return model_arg, None, volumes, mounts
+    draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT)
+    taken = {m["mountPath"] for m in mounts}
+    kept = [m for m in draft_mounts if m["mountPath"] not in taken]
+    names = {m["name"] for m in kept}
+    return model_arg, draft_arg, volumes + [v for v in draft_volumes if v["name"] in names], mounts + kept
 
 
 TP_KV_CACHE_MEMORY = "1Gi"
 
 
-def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None) -> list[str]:
     engine = spec.engine
     args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
@@ -135,8 +151,9 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str) -> list[str]:
     if engine.tensorParallelSize > 1:
         args += ["--tensor-parallel-size", str(engine.tensorParallelSize)]
     speculative = engine.speculative
-    if speculative is not None and speculative.method == "ngram":
-        config = {"method": "ngram", "num_speculative_tokens": speculative.numTokens}
+    if speculative is not None and (speculative.method == "ngram" or draft_arg is not None):
+        config = {"method": "ngram"} if speculative.method == "ngram" else {"method": "draft_model", "model": draft_arg}
+        config["num_speculative_tokens"] = speculative.numTokens
         if speculative.disableByBatchSize is not None:
             config["disable_by_batch_size"] = speculative.disableByBatchSize
         args += ["--speculative-config", json.dumps(config)]
@@ -190,7 +207,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     revision = revision_name(owner.name, spec)
     pod_labels = {**labels(owner.name), LABEL_REVISION: revision,
                   **({LABEL_SERVING: "false"} if pooled(spec) else {})}
-    model_arg, volumes, mounts = model_location(spec)
+    model_arg, draft_arg, volumes, mounts = model_volumes(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
     env = [{"name": "HOME", "value": "/tmp"}]
@@ -203,7 +220,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     container = {
         "name": "engine",
         "image": image,
-        "command": engine_args(spec, model_arg),
+        "command": engine_args(spec, model_arg, draft_arg),
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": container_resources(spec),

@@ -21,8 +21,10 @@ CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Pro
 def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     """Fields this operator version accepts but does not act on yet, and what happens instead."""
     found = []
-    if spec.engine.speculative is not None and spec.engine.speculative.method == "draft":
-        found.append("engine.speculative.method draft (engines decode without it; ngram works)")
+    engine = spec.engine
+    if engine.speculative is not None and engine.speculative.method == "draft" and engine.draft_model is None:
+        found.append("engine.speculative.method draft with tensorParallelSize > 1 (those engines decode without "
+                     "a draft model; ngram works)")
     return found
 
 

@@ -1,0 +1,64 @@
+"""Speculative decoding with a draft model (vLLM's `{"method": "draft_model", "model": ...}`): a
+smaller model of the same vocabulary guesses the next k tokens, greedily, one at a time, and the
+target checks them in one step as it checks n-gram drafts (kiln.engine.speculative), so the
+output is what the target alone gives (greedy: the same tokens; sampled: the same distribution).
+
+The draft model keeps its own KV cache with as many blocks as the target's and the same block
+ids: a sequence's block table addresses both, so the scheduler allocates for both at once, and
+the memory budget pays for both, block for block. Before scheduling, the engine gives each
+sequence that may speculate k placeholder drafts; the scheduler trims them to its budget and
+allocates their blocks; then fill() runs the draft model, first over whatever of the sequence
+its cache lacks (the prompt, the tokens the last step kept), then over one guess at a time,
+writing each guess over a placeholder. Sequence.num_draft_cached says how much of its cache is
+still the sequence's: it falls back to the tokens kept after each check, and to 0 when a
+preemption takes the blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kiln.engine.config import Config, ModelConfig
+from kiln.engine.loader import load_model
+from kiln.engine.model_runner import ModelRunner, kv_block_bytes
+from kiln.engine.sequence import Sequence
+
+
+class DraftModel:
+    def __init__(self, config: Config, target: ModelConfig) -> None:
+        spec = config.speculative
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model runs without tensor parallelism (for now)")
+        # The target's settings, its dtype and device above all; eager (its steps are small and varied).
+        self.config = replace(config, model=spec.model, quantization=spec.quantization, speculative=None,
+                              enforce_eager=True)
+        try:
+            self.loaded = load_model(self.config)
+        except ValueError as e:  # its own words (a context too short, a name not found) name no draft
+            raise ValueError(f"the draft model {spec.model!r}: {e}") from None
+        draft = self.loaded.model_config
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model {spec.model!r} has a vocabulary of {draft.vocab_size} tokens, the "
+                             f"target {target.vocab_size}: a draft must share the target's tokenizer")
+        self.block_bytes = kv_block_bytes(draft, config.block_size, config.kv_cache_torch_dtype)
+        self.runner: ModelRunner | None = None
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV cache: num_blocks blocks, as many as the target's pool."""
+        self.runner = ModelRunner(replace(self.config, kv_cache_memory=num_blocks * self.block_bytes),
+                                  self.loaded.model, self.loaded.model_config)
+        assert self.runner.num_blocks == num_blocks
+
+    def fill(self, seqs: list[Sequence]) -> None:
+        """Replace the placeholder drafts of these sequences with the draft model's guesses."""
+        # (sequence, first position to run, one past the last): the first pass catches the
+        # draft's cache up to the token pending for the target; its logits guess the first draft.
+        spans = [(seq, seq.num_draft_cached, len(seq) - seq.num_draft_tokens) for seq in seqs if seq.num_draft_tokens]
+        while spans:
+            guesses = self.runner.model.backend.argmax(self.runner.last_logits(spans)).tolist()
+            following = []
+            for (seq, _, end), guess in zip(spans, guesses):
+                seq.token_ids[end] = guess  # the placeholder at position `end`
+                seq.num_draft_cached = end
+                if end + 1 < len(seq):  # more placeholders: the guess runs next, to guess the one after
+                    following.append((seq, end, end + 1))
+            spans = following
