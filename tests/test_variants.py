@@ -181,3 +181,28 @@ def test_quantize_cut_short_leaves_the_earlier_variant(tiny_hf_models, tmp_path,
         assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]  # no staging folder, no half-made "new"
+
+
+def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, tmp_path, caplog) -> None:
+    """max_model_len cuts AWQ's calibration text into shorter sequences, which changes the variant:
+    it is cached under its own key, so a server with the full context never reads it (a stale
+    short-context variant once made a pod and the test process disagree on greedy text)."""
+    def load(max_model_len: int, cache: Path) -> dict[str, torch.Tensor]:
+        config = Config(model=str(smollm2_path), dtype="float32", device="cpu", quantization="int8",
+                        max_model_len=max_model_len, quantization_cache=str(cache))
+        return quant_buffers(load_model(config).model)
+
+    short, full = load(256, tmp_path), load(2048, tmp_path)
+    assert sorted(p.name.split("-", 1)[1] for p in tmp_path.glob("*.json")) == [
+        f"int8-float32-v{variants.FORMAT_VERSION}.json", f"int8-float32-w256-v{variants.FORMAT_VERSION}.json"]
+    assert any(not torch.equal(short[k], full[k]) for k in full)
+    alone = load(2048, tmp_path / "alone")  # computed without the short variant beside it
+    assert all(torch.equal(alone[k], full[k]) for k in full)
+    # A manifest from before the window was recorded may hold a short-context variant: recomputed.
+    [manifest] = (tmp_path / "alone").glob("*.json")
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items()
+                                    if k != "calibration_window"}))
+    computed = variants.COMPUTED["int8"]
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        load(2048, tmp_path / "alone")
+    assert variants.COMPUTED["int8"] == computed + 1 and "recomputing it" in caplog.text

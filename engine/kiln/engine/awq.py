@@ -39,6 +39,12 @@ def max_positions(model: nn.Module) -> int | None:
     return next((m.cos_sin.shape[0] for m in model.modules() if hasattr(m, "cos_sin")), None)
 
 
+def calibration_window(model: nn.Module, n_tokens: int = CALIBRATION_TOKENS) -> int:
+    """Tokens per calibration sequence: the text is cut into sequences the model's positions cover,
+    so a model loaded with a shorter max_model_len calibrates (and quantizes) differently."""
+    return min(n_tokens, max_positions(model) or n_tokens)
+
+
 @torch.no_grad()
 def capture_inputs(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Each quantizable Linear's input rows [T, K] (float32) for one prefill of token_ids: one
@@ -51,7 +57,7 @@ def capture_inputs(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Te
             captured[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float()
         hooks.append(module.register_forward_pre_hook(hook))
     device = next(model.parameters()).device
-    window = min(len(token_ids), max_positions(model) or len(token_ids))
+    window = calibration_window(model, len(token_ids))
     lengths = [len(token_ids[i:i + window]) for i in range(0, len(token_ids), window)]
     set_context(prefill_context(lengths, device))
     try:

@@ -6,13 +6,15 @@ weight, so the first load writes it to the variant cache and every later load --
 sharing the directory -- reads it back instead.
 
 The cache directory holds one pair of files per variant, named by its key
-`<first 32 hex digits of the weights' sha256>-<method>-<dtype>-v<FORMAT_VERSION>`:
+`<first 32 hex digits of the weights' sha256>-<method>-<dtype>[-w<window>]-v<FORMAT_VERSION>`:
   KEY.safetensors  the state dict
   KEY.json         manifest: format version, method, dtype, the weights' sha256, and the sha256
                    of KEY.safetensors
 The weights' sha256 is that of the GGUF file, or, for a Hugging Face folder, of the lines
 `<sha256>  <name>` of its *.safetensors files in name order (sha256sum's output). The dtype is in
-the key because the weights are quantized as loaded (bfloat16 by default). Each file is written to
+the key because the weights are quantized as loaded (bfloat16 by default); the calibration window
+(kiln.engine.awq.calibration_window) is, where a max_model_len shorter than the calibration text
+cuts it into several sequences, because that calibrates differently, and it is in every manifest. Each file is written to
 a temporary name in the same directory and moved into place with os.replace, the manifest last,
 so a reader sees whole files or none. A variant whose bytes do not match its manifest (corrupt,
 truncated, or swapped by a concurrent writer) is logged as a warning, recomputed and rewritten.
@@ -34,8 +36,9 @@ import torch
 from torch import nn
 
 from kiln.engine import startup
+from kiln.engine.awq import CALIBRATION_TOKENS, calibration_window
 from kiln.engine.config import DTYPES, Config
-from kiln.engine.quantization import Quantizer, check_method
+from kiln.engine.quantization import ACTIVATION_AWARE, Quantizer, check_method
 
 log = logging.getLogger("kiln.engine")
 
@@ -84,8 +87,19 @@ def model_dtype_name(model: nn.Module) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-def variant_key(weights_sha: str, method: str, dtype_name: str) -> str:
-    return f"{weights_sha[:32]}-{method}-{dtype_name}-v{FORMAT_VERSION}"
+def variant_key(weights_sha: str, method: str, dtype_name: str, window: int | None = None) -> str:
+    """window: the calibration window where it is shorter than the calibration text, else None."""
+    cut = f"-w{window}" if window is not None else ""
+    return f"{weights_sha[:32]}-{method}-{dtype_name}{cut}-v{FORMAT_VERSION}"
+
+
+def calibration(model: nn.Module, method: str) -> tuple[int | None, int | None]:
+    """(the calibration window of method on model, None for a method without calibration;
+    the window again where it cuts the calibration text short, for the key, else None)."""
+    if method not in ACTIVATION_AWARE:
+        return None, None
+    window = calibration_window(model)
+    return window, (window if window < CALIBRATION_TOKENS else None)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -147,9 +161,12 @@ def quantized_state_dict(model: nn.Module, method: str, tokenizer: Any, weights_
     check_method(method)
     dtype_name = model_dtype_name(model)
     weights_sha = weights_sha256(weights_path)
-    key = variant_key(weights_sha, method, dtype_name)
+    window, cut = calibration(model, method)
+    key = variant_key(weights_sha, method, dtype_name, cut)
+    # A manifest without the window was written before it was recorded: recomputed once, since it
+    # may come from a shorter max_model_len.
     expected = {"format_version": FORMAT_VERSION, "method": method, "dtype": dtype_name,
-                "weights_sha256": weights_sha}
+                "weights_sha256": weights_sha, "calibration_window": window}
     if directory is not None:
         state = read_cached(directory, key, expected)
         if state is not None:
