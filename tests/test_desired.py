@@ -168,7 +168,8 @@ def test_pod_annotations_go_on_every_pod_template():
 def test_engine_container_command_resources_probes_and_hardening():
     spec = spec_of(engine={"dtype": "float32", "maxModelLen": 2048, "quantization": "int4",
                            "kvCache": {"memory": "256Mi", "prefixCaching": False, "dtype": "int8"},
-                           "speculative": {"method": "ngram", "numTokens": 3, "disableByBatchSize": 8}},
+                           "speculative": {"method": "ngram", "numTokens": 3, "disableByBatchSize": 8},
+                           "toolCallParser": "hermes"},
                    resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                "effect": "NoSchedule"}]})
@@ -179,10 +180,14 @@ def test_engine_container_command_resources_probes_and_hardening():
                             "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32",
                             "--max-num-seqs", "128", "--kv-cache-memory", str(256 << 20),
                             "--max-model-len", "2048", "--no-prefix-caching",
-                            "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY]
+                            "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY,
+                            "--tool-call-parser", "hermes"]
     # The engine takes the operator's speculative config as written.
-    speculative = SpeculativeConfig.from_json(c["command"][-1])
+    speculative = SpeculativeConfig.from_json(c["command"][-3])
     assert (speculative.num_speculative_tokens, speculative.disable_by_batch_size) == (3, 8)
+    parser = argparse.ArgumentParser()
+    pytest.importorskip("kiln.engine.server").add_arguments(parser)
+    assert parser.parse_args(c["command"][2:]).tool_call_parser == "hermes"  # a choice the engine knows
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                               "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"}}
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"

@@ -72,7 +72,7 @@ class _ChatShape:
 
     def __init__(self, token_text, want_logprobs: bool, index: int, tools: ToolCalls | None = None) -> None:
         self.token_text, self.want_logprobs, self.index, self.tools = token_text, want_logprobs, index, tools
-        self.held = ""  # with tools: the text so far, sent as calls once complete
+        self.held, self.sent = "", 0  # with tools: the text so far, and how much of it went out as content
 
     def opening(self) -> list[dict[str, Any]]:
         return [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -85,8 +85,13 @@ class _ChatShape:
         delta = {"content": text} if text else {}
         if self.tools is not None:  # a call goes out whole: its arguments parse only at the end
             self.held += text
-            delta, finish_reason = ({}, None) if finish_reason is None else \
-                self.tools.message(self.held, finish_reason, streamed=True)
+            if finish_reason is None:
+                upto = max(self.sent, self.tools.streamable(self.held))
+                delta, self.sent = ({"content": self.held[self.sent:upto]} if upto > self.sent else {}), upto
+            else:  # the content not sent yet, and the calls
+                message, finish_reason = self.tools.message(self.held, finish_reason, streamed=True)
+                rest = (message["content"] or "")[self.sent:]
+                delta = {k: v for k, v in (("content", rest), ("tool_calls", message.get("tool_calls"))) if v}
         return {"index": self.index, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": finish_reason}
 
     def full(self, text: str, entries: list[dict], finish_reason: str | None) -> dict[str, Any]:
@@ -121,8 +126,8 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None) -> None:
+        self.engine, self.model_name, self.tool_call_parser = engine, model_name, tool_call_parser
         core = engine.engine
         self.tokenizer, self.max_model_len = core.tokenizer, core.config.max_model_len
         self.vocab_size = core.model_config.vocab_size
@@ -151,14 +156,14 @@ class OpenAIServing:
         self._check_model(req.model)
         self._check_choices(1, req.n)
         top = req.top_logprobs_count()
-        tools = tool_calls(req)
+        tools = tool_calls(req, self.tool_call_parser)
         # The template already wrote the special tokens.
         ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
         params = _sampling(req, max_tokens, top)
-        if tools is not None:
-            params.structured_outputs = tools.structured_outputs()
+        if tools is not None and (constraint := tools.structured_outputs()) is not None:
+            params.structured_outputs = constraint
         return await self._generate(request, req, [ids], [params], lambda index: _ChatShape(
             self.token_text, top is not None, index, tools), False)
 

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kiln.engine import Config, LLMEngine, SamplingParams, openapi
+from kiln.engine import Config, LLMEngine, SamplingParams, openapi, tool_calls
 from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
@@ -54,9 +54,10 @@ def _port(text: str) -> int:
 
 class Server:
     def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
-                 max_queued_tokens: int | None = None, fault_step: int | None = None) -> None:
+                 max_queued_tokens: int | None = None, fault_step: int | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
-        self.max_queued_tokens, self.fault_step = max_queued_tokens, fault_step
+        self.max_queued_tokens, self.fault_step, self.tool_call_parser = max_queued_tokens, fault_step, tool_call_parser
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
         self.torch_thread = TorchThread()  # loads, warms up and then runs the engine (one OpenMP team)
@@ -103,7 +104,7 @@ class Server:
         self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step,
                                   self.torch_thread)
         self.engine.start()
-        self.serving = OpenAIServing(self.engine, self.model_name)
+        self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser)
         phases = self.startup.ready()
         self.metrics.record_startup(phases)
         log.info("ready: serving %r (max_model_len=%d); cold start: %s", self.model_name,
@@ -239,6 +240,8 @@ def _describe_cache(core: LLMEngine) -> str:
 
 async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -267,7 +270,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # streaming work could hold a decode step back by milliseconds. 0.5 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
-    server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step)
+    server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -326,6 +329,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                              '"disable_by_batch_size": N}\' or a draft model \'{"model": "<name, folder or .gguf>", '
                              '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
+    parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
+                        help='how the model writes a tool call, which tool_choice "auto" (the default with tools) '
+                             "needs: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Hermes)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command line: --tool-call-parser alone enables it")
     parser.add_argument("--max-queue", type=_positive(int), default=512,
                         help="requests allowed to wait for a seat in the batch (beyond --max-num-seqs); "
                              "more get 429")

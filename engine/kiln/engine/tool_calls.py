@@ -1,37 +1,80 @@
-"""Function calling on /v1/chat/completions: `tools` and a `tool_choice` that says a call must
-come ("required") or which function it calls (a named choice), as vLLM serves them without a
+"""Function calling on /v1/chat/completions: `tools` with a `tool_choice`.
+
+"required" (a call must come) and a named function are served as vLLM serves them without a
 model-specific parser: the output is constrained with structured outputs to the calls' JSON, so
 it always parses (unless max_tokens cuts it), and is answered as the message's `tool_calls`.
 
-"auto", the model deciding between text and a call, needs a parser that knows how the model
-writes a call (vLLM's --tool-call-parser); Kiln has none yet, so it is a 400 that says what to
-send instead, as vLLM answers without --enable-auto-tool-choice. "none" passes the tools to the
-chat template and lets the model answer in text."""
+"auto" (the default with tools), the model deciding between text and calls, needs a parser that
+knows how the model writes a call: `kiln serve --tool-call-parser hermes` reads the
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes-format models (Qwen2.5,
+Hermes, and any model whose chat template teaches that format), as vLLM's parser of that name.
+Text before the first block is the message's content; a block that does not parse leaves the
+whole output as content, so nothing the model wrote is lost. Without a parser "auto" is a 400
+that says what to send instead, as vLLM answers without --enable-auto-tool-choice. "none" passes
+the tools to the chat template and lets the model answer in text."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
 from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from kiln.engine.sampling_params import StructuredOutputs
 
+PARSERS = ("hermes",)
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_START) + r"(.*?)(?:" + re.escape(CALL_END) + r"|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """(content before the first call or None, [(name, arguments JSON)]) of a Hermes-format output;
+    None where it makes no call or a block is not a call's JSON. A last block that max_tokens cut
+    before its end tag still counts when its JSON is whole."""
+    start = text.find(CALL_START)
+    if start < 0:
+        return None
+    calls = []
+    for block in _CALL.findall(text, start):
+        try:
+            call = json.loads(block)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(name, str):
+            return None
+        calls.append((name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+    return text[:start] or None, calls
+
+
+def held_back(text: str) -> int:
+    """How much of text, from the start, streams as content now: up to a call's start tag, or all
+    but a tail that may be the start tag's beginning."""
+    start = text.find(CALL_START)
+    if start >= 0:
+        return start
+    tail = next((n for n in range(min(len(CALL_START) - 1, len(text)), 0, -1) if CALL_START.startswith(text[-n:])), 0)
+    return len(text) - tail
+
 
 class ToolCalls:
     """What one request's calls must look like, and how its output becomes `tool_calls`."""
 
-    def __init__(self, req: ChatCompletionRequest) -> None:
+    def __init__(self, req: ChatCompletionRequest, parser: str | None = None) -> None:
         choice = req.tool_choice
         self.named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        self.parser = parser if choice in (None, "auto") else None  # the model writes text or calls
         self.parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in req.tools}
         self.parallel = req.parallel_tool_calls
         if self.named is not None and self.named not in self.parameters:
             raise APIError(400, f"tool_choice names the function {self.named!r}, which is not among the tools "
                                 f"({', '.join(self.parameters)})", param="tool_choice")
 
-    def structured_outputs(self) -> StructuredOutputs:
+    def structured_outputs(self) -> StructuredOutputs | None:
         """A named call's arguments object, or "required"'s array of calls (vLLM's shape: each item
-        a tool's name and its parameters; one item unless parallel_tool_calls)."""
+        a tool's name and its parameters; one item unless parallel_tool_calls); None for "auto"."""
+        if self.parser is not None:
+            return None
         if self.named is not None:
             return StructuredOutputs(json=self.parameters[self.named])
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
@@ -40,13 +83,26 @@ class ToolCalls:
             for name, schema in self.parameters.items()]}}
         return StructuredOutputs(json={**calls, "maxItems": 1} if not self.parallel else calls)
 
+    def streamable(self, text: str) -> int:
+        """How much of the output so far a stream sends as content before it ends: with "auto",
+        the text before a call; else none (the calls go out whole at the end)."""
+        return held_back(text) if self.parser is not None else 0
+
     def message(self, text: str, finish_reason: str | None, streamed: bool = False) -> tuple[dict[str, Any], str | None]:
         """The message's fields for this output, and the finish reason to answer: "tool_calls"
-        for "required" (OpenAI's), the engine's own for a named call (as OpenAI answers a forced
-        one). An output cut short keeps its text as content and makes no call, except a named
-        call, whose arguments are the text whatever it holds."""
+        for "required" and for "auto" calls (OpenAI's), the engine's own for a named call (as
+        OpenAI answers a forced one). An output cut short keeps its text as content and makes no
+        call, except a named call, whose arguments are the text whatever it holds."""
+        content = None
         if self.named is not None:
             calls = [(self.named, text)]
+        elif self.parser is not None:
+            parsed = parse_hermes(text)
+            if parsed is None:
+                return {"content": text}, finish_reason
+            content, calls = parsed
+            calls = calls if self.parallel else calls[:1]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             try:
                 calls = [(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
@@ -57,23 +113,26 @@ class ToolCalls:
                        "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
         if streamed:  # a stream's calls carry their place, as OpenAI's chunks do
             tool_calls = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-        return {"content": None, "tool_calls": tool_calls}, finish_reason
+        return {"content": content, "tool_calls": tool_calls}, finish_reason
 
 
-def tool_calls(req: ChatCompletionRequest) -> ToolCalls | None:
-    """The request's calls, None where it makes none; 400 for a choice it cannot be served with."""
+def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCalls | None:
+    """The request's calls, None where it makes none; 400 for a choice it cannot be served with.
+    parser: how the served model writes a call (PARSERS), which "auto" needs."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
-    if choice in (None, "auto"):
+    if choice in (None, "auto") and parser is None:
         raise APIError(400, 'tool_choice "auto" (the default with tools) needs a parser for how this model writes '
-                            'a call, which Kiln does not have: send tool_choice "required", a named function '
-                            '({"type": "function", "function": {"name": ...}}) or "none"', param="tool_choice")
+                            'a call, and this server has none (kiln serve --tool-call-parser hermes): send '
+                            'tool_choice "required", a named function ({"type": "function", "function": '
+                            '{"name": ...}}) or "none"', param="tool_choice")
     if choice == "none":
         return None
     if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
-        raise APIError(400, "a tool call's output is already constrained: leave out response_format and "
-                            "structured_outputs", param="tool_choice")
-    return ToolCalls(req)
+        raise APIError(400, "tools that may be called cannot be combined with response_format or "
+                            "structured_outputs (the output is a call's or the model's own): leave those out, or "
+                            'send tool_choice "none"', param="tool_choice")
+    return ToolCalls(req, parser)

@@ -161,6 +161,10 @@ class Engine(Spec):
                             "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
     kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
     speculative: Speculative | None = None
+    toolCallParser: Literal["none", "hermes"] = Field("none", description=(  # kiln.engine.tool_calls.PARSERS
+        'How the model writes a tool call, which tool_choice "auto" (the default with tools) needs: '
+        'hermes = <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen2.5, Hermes). With none, '
+        "requests with tools must name tool_choice."))
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))

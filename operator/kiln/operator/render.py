@@ -157,6 +157,8 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
         if speculative.disableByBatchSize is not None:
             config["disable_by_batch_size"] = speculative.disableByBatchSize
         args += ["--speculative-config", json.dumps(config)]
+    if engine.toolCallParser != "none":
+        args += ["--tool-call-parser", engine.toolCallParser]
     return args
 
 

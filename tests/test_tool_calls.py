@@ -1,0 +1,107 @@
+"""tool_choice "auto" with `kiln serve --tool-call-parser hermes`: the Hermes-format parser on its
+own (calls, content before them, streamed content held back at a tag split across chunks), and a
+real server on SmolLM2, which copies the call format from earlier turns of the conversation."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kiln.cli import main as cli_main
+from kiln.engine.openai_protocol import ChatCompletionRequest
+from kiln.engine.openai_serving import _ChatShape
+from kiln.engine.tool_calls import parse_hermes, tool_calls
+from test_server import MODEL, WEATHER, ServerProcess
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "celsius"}}\n</tool_call>'
+TOOLS = [WEATHER]
+
+
+def test_hermes_blocks_become_calls_and_the_text_before_them_content() -> None:
+    text = 'Let me look. ' + CALL % "Oslo" + "\n" + '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
+    assert parse_hermes(text) == ("Let me look. ", [("get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+                                                    ("get_time", "{}")])
+    assert parse_hermes(CALL % "Rome") == (None, [("get_weather", '{"city": "Rome", "unit": "celsius"}')])
+    # max_tokens cut the end tag but not the JSON: still a call
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": {}}') == (None, [("f", "{}")])
+    for text in ("plain text", "<tool_call>{\"name\": \"f\", \"argu", "<tool_call>{\"arguments\": {}}</tool_call>",
+                 "<tool_call>[1]</tool_call>", '<tool_call>{"name": 3}</tool_call>'):
+        assert parse_hermes(text) is None, text
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ("Sure, one moment. " + CALL % "Oslo", "Sure, one moment. ", ["Oslo"]),
+    ("No call here, only a < sign and <tool", "No call here, only a < sign and <tool", []),
+    (CALL % "Oslo" + CALL % "Lima", None, ["Oslo", "Lima"]),
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+])
+@pytest.mark.parametrize("size", [1, 3, 11])
+def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(text, content, calls, size) -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    tools = tool_calls(req, "hermes")
+    whole = _ChatShape(None, False, 0, tools).full(text, [], "stop")
+    assert whole["message"]["content"] == content
+    assert [json.loads(c["function"]["arguments"])["city"] for c in whole["message"].get("tool_calls", [])] == calls
+    assert whole["finish_reason"] == ("tool_calls" if calls else "stop")
+    shape, chunks = _ChatShape(None, False, 0, tools), [text[i:i + size] for i in range(0, len(text), size)]
+    deltas = [shape.delta(chunk, [], "stop" if i == len(chunks) - 1 else None) for i, chunk in enumerate(chunks)]
+    streamed = "".join(d["delta"].get("content", "") for d in deltas)
+    assert streamed == (content or "")
+    assert not calls or not any("<tool_call>" in d["delta"].get("content", "") for d in deltas)  # held back
+    assert [c["function"] for d in deltas for c in d["delta"].get("tool_calls", [])] == \
+        [c["function"] for c in whole["message"].get("tool_calls", [])]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"]
+
+
+def few_shot(question: str) -> list[dict]:
+    """Two earlier turns in which the assistant answered a weather question with a call."""
+    return [{"role": "system", "content": "For weather questions call get_weather, writing " + CALL % "CITY"},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": CALL % "Paris"},
+            {"role": "user", "content": "What is the weather in Berlin?"},
+            {"role": "assistant", "content": CALL % "Berlin"},
+            {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "512", "--kv-cache-memory", "64Mi", "--tool-call-parser", "hermes",
+                      "--enable-auto-tool-choice")
+    yield s
+    s.stop()
+
+
+def test_auto_answers_a_call_the_model_writes_as_tool_calls(server) -> None:
+    ask = dict(model=MODEL, messages=few_shot("What is the weather in Tokyo?"), tools=TOOLS, max_tokens=60,
+               temperature=0)
+    choice = server.client.chat.completions.create(**ask).choices[0]  # tool_choice left out: "auto"
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["city"] == "Tokyo"
+    chunks = list(server.client.chat.completions.create(**ask, tool_choice="auto", stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)  # nothing of the call leaks as text
+    (streamed,) = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or ()]
+    assert streamed.index == 0 and streamed.function.model_dump() == call.function.model_dump()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_answers_text_the_model_writes_as_content(server) -> None:
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Write one sentence about cats."}], tools=TOOLS,
+               max_tokens=24, temperature=0)
+    choice = server.client.chat.completions.create(**ask).choices[0]
+    plain = server.client.chat.completions.create(**{**ask, "tools": None}).choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == plain.finish_reason
+    assert "<tool_call>" not in plain.message.content  # else this checks nothing about content
+    chunks = list(server.client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+
+
+def test_a_parser_must_be_known_and_auto_needs_one(caplog, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve", "--tool-call-parser", "mistral"])
+    assert exc.value.code == 2 and "invalid choice: 'mistral'" in capsys.readouterr().err
+    with caplog.at_level(logging.ERROR):
+        assert cli_main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in caplog.text
