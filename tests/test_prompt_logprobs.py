@@ -135,7 +135,7 @@ def quantized_server(variant_cache):
 @pytest.fixture(scope="module")
 def quantized_llm(variant_cache) -> LLM:
     """The server's model in process (the same cached variant), for the reference forward."""
-    return LLM(dtype="float32", quantization=QUANTIZATION, quantization_cache=str(variant_cache))
+    return LLM(dtype="float32", quantization=QUANTIZATION, quantization_cache=str(variant_cache), max_model_len=256)
 
 
 def completion(server: ServerProcess, prompt: str | list[int], **fields) -> dict:

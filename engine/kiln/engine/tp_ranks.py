@@ -72,6 +72,7 @@ class WorkerGroup:
         self.failure: TensorParallelError | None = None
         self.on_failure: Callable[[TensorParallelError], None] | None = None
         self._closing = False
+        self._failing = threading.Lock()  # the watchdog and the engine thread may both see the death
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         device = config.torch_device
@@ -82,8 +83,10 @@ class WorkerGroup:
             raise TensorParallelError("this process already runs a tensor-parallel engine; close it first")
         backend = "nccl" if device.type == "cuda" else "gloo"
         join_s, collective_s = _seconds(JOIN_TIMEOUT_ENV, 120), _seconds(COLLECTIVE_TIMEOUT_ENV, 120)
+        # The store's own operations get the collective timeout: the join deadline is _await's, and
+        # a tiny one here would fail rank 0's connection to its own store on a busy machine.
         store = dist.TCPStore("127.0.0.1", 0, self.size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=join_s))
+                              timeout=timedelta(seconds=collective_s))
         ctx = mp.get_context("spawn")
         atexit.register(self.close)
         for rank in range(1, self.size):
@@ -134,7 +137,7 @@ class WorkerGroup:
         wait([p.sentinel for p in self._procs])
         if self._closing:
             return
-        self.fail(TensorParallelError(self._dead_rank(0) or "a tensor-parallel rank exited"))
+        self.fail(None)
 
     def _dead_rank(self, timeout: float) -> str | None:
         """'rank r (pid p) exited with code c' for the first worker found exited within timeout."""
@@ -145,17 +148,23 @@ class WorkerGroup:
             return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
-    def fail(self, error: BaseException) -> None:
-        """The group is broken (a rank died, a collective failed): the other ranks are killed and
-        the engine told (on_failure), so it reports itself dead instead of waiting on a peer."""
-        if self.failure is not None:
-            return
-        if not isinstance(error, TensorParallelError):  # a collective failed: most often a peer died
-            cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-            error = TensorParallelError(f"{self._dead_rank(1.0) or 'a collective failed'} ({cause})")
-        self.failure = error
-        log.critical("%s: the tensor-parallel group is broken; stopping every rank", self.failure)
-        self.close(grace=0)  # the other ranks may be stuck in a collective
+    def fail(self, error: BaseException | None) -> None:
+        """The group is broken (a rank died: error None, from the watchdog; or a collective failed):
+        the other ranks are killed and the engine told (on_failure), so it reports itself dead
+        instead of waiting on a peer. One thread at a time: two reaping the same rank would read
+        no exit code."""
+        with self._failing:
+            if self.failure is not None:
+                return
+            dead = self._dead_rank(0.0 if error is None else 1.0)
+            if error is None:
+                error = TensorParallelError(dead or "a tensor-parallel rank exited")
+            elif not isinstance(error, TensorParallelError):  # a collective failed: most often a peer died
+                cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+                error = TensorParallelError(f"{dead or 'a collective failed'} ({cause})")
+            self.failure = error
+            log.critical("%s: the tensor-parallel group is broken; stopping every rank", self.failure)
+            self.close(grace=0)  # the other ranks may be stuck in a collective
         if self.on_failure is not None:
             self.on_failure(self.failure)
 
@@ -267,7 +276,7 @@ def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads
         config = replace(config, device=f"cuda:{rank}")
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
-                              timeout=timedelta(seconds=_seconds(JOIN_TIMEOUT_ENV, 120)))
+                              timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
         conn.send(("joined", None))
         dist.init_process_group("nccl" if config.torch_device.type == "cuda" else "gloo", store=store,
                                 rank=rank, world_size=size,
