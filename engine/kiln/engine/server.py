@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kiln.engine import Config, LLMEngine, SamplingParams, openapi, tool_calls
+from kiln.engine import Config, LLMEngine, SamplingParams, openapi, tool_parsers
 from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
@@ -241,7 +241,7 @@ def _describe_cache(core: LLMEngine) -> str:
 async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -329,9 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                              '"disable_by_batch_size": N}\' or a draft model \'{"model": "<name, folder or .gguf>", '
                              '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
-    parser.add_argument("--tool-call-parser", default=None, choices=tool_calls.PARSERS,
+    parser.add_argument("--tool-call-parser", default=None, choices=list(tool_parsers.PARSERS),
                         help='how the model writes a tool call, which tool_choice "auto" (the default with tools) '
-                             "needs: hermes = <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> (Qwen2.5, Hermes)")
+                             "needs: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command line: --tool-call-parser alone enables it")
     parser.add_argument("--max-queue", type=_positive(int), default=512,

@@ -5,57 +5,20 @@ model-specific parser: the output is constrained with structured outputs to the 
 it always parses (unless max_tokens cuts it), and is answered as the message's `tool_calls`.
 
 "auto" (the default with tools), the model deciding between text and calls, needs a parser that
-knows how the model writes a call: `kiln serve --tool-call-parser hermes` reads the
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks of Hermes-format models (Qwen2.5,
-Hermes, and any model whose chat template teaches that format), as vLLM's parser of that name.
-Text before the first block is the message's content; a block that does not parse leaves the
-whole output as content, so nothing the model wrote is lost. Without a parser "auto" is a 400
+knows how the model writes a call (`kiln serve --tool-call-parser`, kiln.engine.tool_parsers):
+the text before the calls is the message's content, and calls that do not parse leave the whole
+output as content, so nothing the model wrote is lost. Without a parser "auto" is a 400
 that says what to send instead, as vLLM answers without --enable-auto-tool-choice. "none" passes
 the tools to the chat template and lets the model answer in text."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
 from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from kiln.engine.sampling_params import StructuredOutputs
-
-PARSERS = ("hermes",)
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_START) + r"(.*?)(?:" + re.escape(CALL_END) + r"|$)", re.DOTALL)
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
-    """(content before the first call or None, [(name, arguments JSON)]) of a Hermes-format output;
-    None where it makes no call or a block is not a call's JSON. A last block that max_tokens cut
-    before its end tag still counts when its JSON is whole."""
-    start = text.find(CALL_START)
-    if start < 0:
-        return None
-    calls = []
-    for block in _CALL.findall(text, start):
-        try:
-            call = json.loads(block)
-            name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, TypeError, KeyError):
-            return None
-        if not isinstance(name, str):
-            return None
-        calls.append((name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    return text[:start] or None, calls
-
-
-def held_back(text: str) -> int:
-    """How much of text, from the start, streams as content now: up to a call's start tag, or all
-    but a tail that may be the start tag's beginning."""
-    start = text.find(CALL_START)
-    if start >= 0:
-        return start
-    tail = next((n for n in range(min(len(CALL_START) - 1, len(text)), 0, -1) if CALL_START.startswith(text[-n:])), 0)
-    return len(text) - tail
-
+from kiln.engine.tool_parsers import PARSERS
 
 class ToolCalls:
     """What one request's calls must look like, and how its output becomes `tool_calls`."""
@@ -63,7 +26,7 @@ class ToolCalls:
     def __init__(self, req: ChatCompletionRequest, parser: str | None = None) -> None:
         choice = req.tool_choice
         self.named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        self.parser = parser if choice in (None, "auto") else None  # the model writes text or calls
+        self.parser = PARSERS[parser] if parser is not None and choice in (None, "auto") else None
         self.parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in req.tools}
         self.parallel = req.parallel_tool_calls
         if self.named is not None and self.named not in self.parameters:
@@ -86,7 +49,7 @@ class ToolCalls:
     def streamable(self, text: str) -> int:
         """How much of the output so far a stream sends as content before it ends: with "auto",
         the text before a call; else none (the calls go out whole at the end)."""
-        return held_back(text) if self.parser is not None else 0
+        return self.parser.streamable(text) if self.parser is not None else 0
 
     def message(self, text: str, finish_reason: str | None, streamed: bool = False) -> tuple[dict[str, Any], str | None]:
         """The message's fields for this output, and the finish reason to answer: "tool_calls"
@@ -97,7 +60,7 @@ class ToolCalls:
         if self.named is not None:
             calls = [(self.named, text)]
         elif self.parser is not None:
-            parsed = parse_hermes(text)
+            parsed = self.parser.parse(text)
             if parsed is None:
                 return {"content": text}, finish_reason
             content, calls = parsed
@@ -118,7 +81,7 @@ class ToolCalls:
 
 def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCalls | None:
     """The request's calls, None where it makes none; 400 for a choice it cannot be served with.
-    parser: how the served model writes a call (PARSERS), which "auto" needs."""
+    parser: how the served model writes a call (a name in tool_parsers.PARSERS), which "auto" needs."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -126,7 +89,7 @@ def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCal
         return None
     if choice in (None, "auto") and parser is None:
         raise APIError(400, 'tool_choice "auto" (the default with tools) needs a parser for how this model writes '
-                            'a call, and this server has none (kiln serve --tool-call-parser hermes): send '
+                            'a call, and this server has none (kiln serve --tool-call-parser): send '
                             'tool_choice "required", a named function ({"type": "function", "function": '
                             '{"name": ...}}) or "none"', param="tool_choice")
     if choice == "none":

@@ -1,0 +1,99 @@
+"""How models write tool calls in their text, for tool_choice "auto" (`kiln serve
+--tool-call-parser NAME`, vLLM's names):
+
+  hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>, one block a call, after
+               any text (Qwen2.5, Hermes, and any model whose chat template teaches it)
+  llama3_json  {"name": ..., "parameters": {...}} as the whole answer, calls separated by ";",
+               optionally after <|python_tag|> (Llama 3.1-3.3's JSON tool calling)
+  mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any text
+
+A parser answers (content before the calls or None, [(name, arguments JSON)]), or None where the
+output makes no call or its calls do not parse: then the whole output is content, so nothing
+the model wrote is lost."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+Calls = list[tuple[str, str]]
+
+
+def _call(obj: object, arguments_key: str) -> tuple[str, str]:
+    """(name, arguments as a JSON string) of one parsed call; ValueError if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a call")
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    return obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def _hermes(calls_text: str) -> Calls:
+    # A last block that max_tokens cut before its end tag still counts when its JSON is whole.
+    return [_call(json.loads(block), "arguments") for block in _HERMES_BLOCK.findall(calls_text)]
+
+
+def _llama3_json(calls_text: str) -> Calls:
+    text, decoder, calls, position = calls_text.removeprefix("<|python_tag|>"), json.JSONDecoder(), [], 0
+    while True:
+        position += len(text[position:]) - len(text[position:].lstrip())  # raw_decode takes no leading space
+        obj, position = decoder.raw_decode(text, position)
+        calls.append(_call(obj, "parameters"))
+        rest = text[position:].strip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            raise ValueError("calls must be separated by ';'")
+        position = text.index(";", position) + 1
+
+
+def _mistral(calls_text: str) -> Calls:
+    calls = json.loads(calls_text.removeprefix("[TOOL_CALLS]"))
+    return [_call(c, "arguments") for c in (calls if isinstance(calls, list) else [calls])]
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    opens: tuple[str, ...]  # what starts the calls
+    anywhere: bool  # the calls may follow text (else they are the whole answer)
+    read: Callable[[str], Calls]  # the calls of the text from its opening on; raises if they do not parse
+
+    def start(self, text: str) -> int | None:
+        """Where the calls begin in text, or None."""
+        if self.anywhere:
+            found = [i for i in (text.find(o) for o in self.opens) if i >= 0]
+            return min(found) if found else None
+        lead = len(text) - len(text.lstrip())
+        return lead if text.startswith(self.opens, lead) else None
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        start = self.start(text)
+        if start is None:
+            return None
+        try:
+            calls = self.read(text[start:])
+        except (ValueError, TypeError):
+            return None
+        return (text[:start] or None), calls
+
+    def streamable(self, text: str) -> int:
+        """How much of text, from the start, a stream may send as content now: up to the calls,
+        less a tail that may be an opening's beginning (or none of it while the answer may still
+        open with calls)."""
+        start = self.start(text)
+        if start is not None:
+            return start
+        if not self.anywhere:
+            lead = text.lstrip()
+            return 0 if any(o.startswith(lead) for o in self.opens) else len(text)
+        tail = max((n for o in self.opens for n in range(1, min(len(o), len(text) + 1))
+                    if o.startswith(text[-n:])), default=0)
+        return len(text) - tail
+
+
+PARSERS = {"hermes": ToolParser(("<tool_call>",), True, _hermes),
+           "llama3_json": ToolParser(("<|python_tag|>", "{"), False, _llama3_json),
+           "mistral": ToolParser(("[TOOL_CALLS]",), True, _mistral)}
