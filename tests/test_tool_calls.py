@@ -19,7 +19,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit":
 TOOLS = [WEATHER]
 
 
-HERMES, LLAMA, MISTRAL = (PARSERS[name] for name in ("hermes", "llama3_json", "mistral"))
+HERMES, LLAMA, MISTRAL, PYTHONIC = (PARSERS[name] for name in ("hermes", "llama3_json", "mistral", "pythonic"))
 OSLO = ("get_weather", '{"city": "Oslo", "unit": "celsius"}')
 
 
@@ -32,6 +32,11 @@ OSLO = ("get_weather", '{"city": "Oslo", "unit": "celsius"}')
      (None, [("f", '{"a": 1}'), ("g", "{}")])),
     (MISTRAL, 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]',
      ("Sure.", [OSLO])),
+    (MISTRAL, 'One sec.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "unit": "celsius"}'
+              '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}', ("One sec.", [OSLO, ("get_time", "{}")])),
+    (PYTHONIC, '[get_weather(city="Oslo", unit=\'celsius\'), get_time()]', (None, [OSLO, ("get_time", "{}")])),
+    (PYTHONIC, '<|python_start|>[f(a=[1, 2.5], b={"k": None}, c=True)]<|python_end|>',
+     (None, [("f", '{"a": [1, 2.5], "b": {"k": null}, "c": true}')])),
 ])
 def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, parsed) -> None:
     assert parser.parse(text) == parsed
@@ -43,6 +48,11 @@ def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, pars
     (LLAMA, 'The call is {"name": "f", "parameters": {}}'),  # not the whole answer: text
     (LLAMA, '{"name": "f", "parameters": {}} and more'), (LLAMA, '{"name": "f", "parameters": {}};'),
     (LLAMA, "{not json}"), (MISTRAL, "[TOOL_CALLS] [{\"name\": \"f\""), (MISTRAL, "no calls"),
+    (MISTRAL, "[TOOL_CALLS]get weather[ARGS]{}"), (MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": '),
+    (MISTRAL, "[TOOL_CALLS]f[ARGS]{} trailing words"),
+    (PYTHONIC, "[f(x=1)] and then text"), (PYTHONIC, "[f(1)]"), (PYTHONIC, "[f(x=open('/etc/passwd'))]"),
+    (PYTHONIC, "[os.system(x='ls')]"), (PYTHONIC, "[f(**kw)]"), (PYTHONIC, "[f(x={1, 2})]"), (PYTHONIC, "[1, 2]"),
+    (PYTHONIC, "[f(x=" + "[" * 5000 + "]" * 5000 + ")]"),
 ])
 def test_output_that_makes_no_whole_call_is_not_parsed(parser, text) -> None:
     assert parser.parse(text) is None
@@ -55,7 +65,11 @@ def test_output_that_makes_no_whole_call_is_not_parsed(parser, text) -> None:
     ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Lima"}}', None, ["Lima"]),
     ("llama3_json", "Lima is in Peru; it rarely rains there.", "Lima is in Peru; it rarely rains there.", []),
+    ("pythonic", '[get_weather(city="Lima"), get_weather(city="Oslo")]', None, ["Lima", "Oslo"]),
+    ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
     ("mistral", 'Hm [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "Hm ", ["Oslo"]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+     None, ["Lima", "Oslo"]),
 ])
 @pytest.mark.parametrize("size", [1, 3, 11])
 def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(name, text, content, calls, size) -> None:
@@ -122,8 +136,8 @@ def test_auto_answers_text_the_model_writes_as_content(server) -> None:
 
 def test_a_parser_must_be_known_and_auto_needs_one(caplog, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli_main(["serve", "--tool-call-parser", "pythonic"])
-    assert exc.value.code == 2 and "invalid choice: 'pythonic'" in capsys.readouterr().err
+        cli_main(["serve", "--tool-call-parser", "no_such_parser"])
+    assert exc.value.code == 2 and "invalid choice: 'no_such_parser'" in capsys.readouterr().err
     with caplog.at_level(logging.ERROR):
         assert cli_main(["serve", "--enable-auto-tool-choice"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in caplog.text

@@ -331,7 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
     parser.add_argument("--tool-call-parser", default=None, choices=list(tool_parsers.PARSERS),
                         help='how the model writes a tool call, which tool_choice "auto" (the default with tools) '
-                             "needs: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral")
+                             "needs: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral, "
+                             "pythonic (Llama 3.2, 4)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="accepted for vLLM's command line: --tool-call-parser alone enables it")
     parser.add_argument("--max-queue", type=_positive(int), default=512,

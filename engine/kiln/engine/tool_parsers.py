@@ -5,13 +5,18 @@
                any text (Qwen2.5, Hermes, and any model whose chat template teaches it)
   llama3_json  {"name": ..., "parameters": {...}} as the whole answer, calls separated by ";",
                optionally after <|python_tag|> (Llama 3.1-3.3's JSON tool calling)
-  mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any text
+  mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] after any text (Mistral 7B
+               v0.3, Nemo); or, from the v11 tokenizer on (Mistral Small 3.1+, Devstral), one
+               [TOOL_CALLS]name[ARGS]{...} a call, optionally with [CALL_ID]id before [ARGS]
+  pythonic     [get_weather(city="Oslo"), get_time()] as the whole answer, literal keyword
+               arguments only, optionally inside <|python_start|>...<|python_end|> (Llama 3.2, Llama 4)
 
 A parser answers (content before the calls or None, [(name, arguments JSON)]), or None where the
 output makes no call or its calls do not parse: then the whole output is content, so nothing
 the model wrote is lost."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
@@ -50,9 +55,41 @@ def _llama3_json(calls_text: str) -> Calls:
         position = text.index(";", position) + 1
 
 
+_MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?(?:\[ARGS\])?\s*(\{.*\})\s*", re.DOTALL)
+
+
 def _mistral(calls_text: str) -> Calls:
-    calls = json.loads(calls_text.removeprefix("[TOOL_CALLS]"))
-    return [_call(c, "arguments") for c in (calls if isinstance(calls, list) else [calls])]
+    text = calls_text.removeprefix("[TOOL_CALLS]")
+    if text.lstrip().startswith(("[", "{")):
+        calls = json.loads(text)
+        return [_call(c, "arguments") for c in (calls if isinstance(calls, list) else [calls])]
+    calls = []
+    for segment in text.split("[TOOL_CALLS]"):
+        match = _MISTRAL_V11_CALL.fullmatch(segment)
+        if match is None:
+            raise ValueError("not name[ARGS]{...}")
+        calls.append(_call({"name": match[1], "arguments": json.loads(match[2])}, "arguments"))
+    return calls
+
+
+def _pythonic(calls_text: str) -> Calls:
+    text = calls_text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError("not a Python list") from e
+    if not isinstance(tree, ast.List):
+        raise ValueError("not a list of calls")
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            raise ValueError("each call is name(keyword=literal, ...)")
+        # literal_eval: a value is read, never run
+        arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        if len(arguments) != len(node.keywords):
+            raise ValueError("**kwargs is not a literal argument")
+        calls.append(_call({"name": node.func.id, "arguments": arguments}, "arguments"))
+    return calls
 
 
 @dataclass(frozen=True)
@@ -75,7 +112,7 @@ class ToolParser:
             return None
         try:
             calls = self.read(text[start:])
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             return None
         return (text[:start] or None), calls
 
@@ -96,4 +133,5 @@ class ToolParser:
 
 PARSERS = {"hermes": ToolParser(("<tool_call>",), True, _hermes),
            "llama3_json": ToolParser(("<|python_tag|>", "{"), False, _llama3_json),
-           "mistral": ToolParser(("[TOOL_CALLS]",), True, _mistral)}
+           "mistral": ToolParser(("[TOOL_CALLS]",), True, _mistral),
+           "pythonic": ToolParser(("<|python_start|>", "["), False, _pythonic)}

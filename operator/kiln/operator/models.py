@@ -161,10 +161,10 @@ class Engine(Spec):
                             "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
     kvCache: KVCache = Field(default_factory=KVCache, json_schema_extra={"default": {}})
     speculative: Speculative | None = None
-    toolCallParser: Literal["none", "hermes", "llama3_json", "mistral"] = Field("none", description=(
+    toolCallParser: Literal["none", "hermes", "llama3_json", "mistral", "pythonic"] = Field("none", description=(
         'How the model writes a tool call, which tool_choice "auto" (the default with tools) needs: '
-        "hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+) or mistral. With none, requests with "
-        "tools must name tool_choice."))  # kiln.engine.tool_parsers.PARSERS
+        "hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral or pythonic (Llama 3.2, 4). "
+        "With none, requests with tools must name tool_choice."))  # kiln.engine.tool_parsers.PARSERS
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))
