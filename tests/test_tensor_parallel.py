@@ -1,7 +1,7 @@
 """Tensor parallelism (issue 19) with gloo on the CPU: a TP engine gives the TP=1 logits and
 greedy tokens (tiny random Llama 4 q / 2 KV heads at TP=2, its KV heads replicated at TP=4,
 SmolLM2 9 q / 3 KV heads at TP=3), refuses shapes and set-ups it cannot run with one clear error,
-and leaves no process behind; int8 weights shard too (int4 is refused). The server-side failure
+and leaves no process behind; int8 and int4 weights shard too. The server-side failure
 and shutdown paths are in test_tensor_parallel_server.py. One torch thread per rank: the ranks
 share the machine's cores."""
 from __future__ import annotations
@@ -18,7 +18,8 @@ from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.llm_engine import LLM
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
-from kiln.engine.tensor_parallel import ShardingError
+from kiln.engine.quantization import Int4Linear, quantize_int4
+from kiln.engine.tensor_parallel import ShardingError, _column_slice, _row_slice
 from kiln.engine.tp_ranks import JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
 
 # Lengths 5..70 under a 32-token budget: long prompts are prefilled in chunks while the short
@@ -159,7 +160,9 @@ def test_heads_tp_cannot_split_are_refused_before_any_rank_starts(smollm2_path):
 def test_kv_heads_tp_cannot_split_are_refused(tiny_llama_dir):
     with pytest.raises(ShardingError, match=r"num_attention_heads \(4\) is not divisible"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=3, **TINY)
-    with pytest.raises(ShardingError, match="holds Int4Linear"):
+    # hidden 64: int4 groups of 64 input channels, which o_proj's two slices of 32 would cut
+    with pytest.raises(ShardingError, match="o_proj: its int4 groups of 64 input channels do not split into 2 "
+                                            "slices of 32"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, quantization="int4-rtn", quantization_cache="off", **TINY)
     assert not rank_processes()
 
@@ -172,6 +175,44 @@ def test_int8_weights_shard_qwen2_biases_tied_embeddings_and_one_kv_head(tiny_hf
     llm = LLM(str(tiny_hf_models["qwen2"]), tensor_parallel_size=2, **kw)
     try:
         assert type(llm.engine.runner.model.inner.model.layers[0].mlp.down_proj.local).__name__ == "Int8Linear"
+        assert greedy(llm, TINY_PROMPTS) == want
+    finally:
+        assert_no_ranks_left(llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # canonical layout; the CPU op's int4pack
+@pytest.mark.parametrize("offsets", ["zeros", "mins"])  # AWQ/RTN integer zeros; a GGUF Q4's float mins
+def test_int4_slices_hold_exactly_their_part_of_the_weight(dtype, offsets):
+    torch.manual_seed(0)
+    packed, scales, zeros = quantize_int4(torch.randn(96, 256), 64)
+    mins = -zeros.float() * scales if offsets == "mins" else None
+    act_scale = torch.rand(256) + 0.5
+
+    def full() -> Int4Linear:
+        return Int4Linear(packed, scales, None if offsets == "mins" else zeros, torch.randn(96), act_scale,
+                          dtype, mins=mins)
+
+    assert full().kernel == ("dequantize" if dtype == torch.float32 else "weight_int4pack_mm_for_cpu")
+    w = full().dequantized_weight()
+    top = _column_slice(full(), lambda t: t[:48])
+    assert top.kernel == full().kernel and torch.equal(top.dequantized_weight(), w[:48])
+    right = _row_slice(full(), 128, 128)
+    assert right.bias is None and torch.equal(right.act_scale, full().act_scale[128:])
+    assert torch.equal(right.dequantized_weight(), w[:, 128:])
+
+
+@pytest.mark.parametrize("method", ["int4-rtn", "int4"])
+def test_int4_weights_shard(tmp_path, method):
+    # Wide enough for whole groups on each rank: o_proj's 256 input channels (2 x 128), down_proj's 512.
+    from tiny_models import write_tiny_model
+    folder = write_tiny_model("llama", tmp_path / "wide", hidden_size=256, intermediate_size=512)
+    kw = dict(TINY, quantization=method, quantization_cache=str(tmp_path / "variants"))
+    want = greedy(LLM(str(folder), **kw), TINY_PROMPTS)
+    llm = LLM(str(folder), tensor_parallel_size=2, **kw)
+    try:
+        layer = llm.engine.runner.model.inner.model.layers[0]
+        assert type(layer.self_attn.o_proj.local).__name__ == "Int4Linear"
+        assert layer.mlp.down_proj.local.in_features == 256
         assert greedy(llm, TINY_PROMPTS) == want
     finally:
         assert_no_ranks_left(llm)

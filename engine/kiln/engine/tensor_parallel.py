@@ -25,9 +25,10 @@ from torch import nn
 
 from kiln.engine.config import ModelConfig
 from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kiln.engine.quantization import Fp8Linear, Int8Linear
+from kiln.engine.quantization import Fp8Linear, Int4Linear, Int8Linear, pack_int4
 
-SHARDABLE = (Linear, Int8Linear, Fp8Linear)  # int4's CPU layout (tinygemm's) cannot be cut
+SHARDABLE = (Linear, Int8Linear, Int4Linear, Fp8Linear)
+ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input channels (the rest along outputs)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ def _column_slice(module: nn.Module, rows: Callable[[torch.Tensor], torch.Tensor
     if isinstance(module, Int8Linear):  # scales per output channel [N] or per (row, group) [N, K/G]
         return Int8Linear(rows(module.qweight).clone(), rows(module.scales).clone(), bias, module.act_scale,
                           module.dtype, module.kernel, scale_dtype=module.scales.dtype)
+    if isinstance(module, Int4Linear):  # every tensor [N, ...]
+        packed, scales, zeros, mins = _int4_parts(module)
+        return Int4Linear(rows(packed).clone(), rows(scales).clone(), _cut(rows, zeros), bias, module.act_scale,
+                          module.dtype, module.kernel, mins=_cut(rows, mins), scale_dtype=scales.dtype)
     if isinstance(module, Fp8Linear):
         return Fp8Linear(rows(module.weight).clone(), rows(module.scales).clone(), bias, module.act_scale,
                          module.dtype)
@@ -101,21 +106,47 @@ def _row_slice(module: nn.Module, start: int, size: int) -> nn.Module:
         local = Linear(size, module.weight.shape[0], gemm=module.gemm)
         local.weight = _param(cols(module.weight))
         return local
+    def groups(t: torch.Tensor) -> torch.Tensor:  # whole groups only: check_model saw to it
+        return t.narrow(1, start // module.group_size, size // module.group_size).clone()
+
     if isinstance(module, Int8Linear):
-        scales = module.scales
-        if module.group_size:  # whole groups only
-            if start % module.group_size or size % module.group_size:
-                raise ShardingError(f"int8 groups of {module.group_size} do not split at input channel {start}")
-            scales = scales.narrow(1, start // module.group_size, size // module.group_size)
-        return Int8Linear(cols(module.qweight), scales.clone(), None, act_scale, module.dtype, module.kernel,
+        scales = groups(module.scales) if module.group_size else module.scales.clone()
+        return Int8Linear(cols(module.qweight), scales, None, act_scale, module.dtype, module.kernel,
                           scale_dtype=module.scales.dtype)
+    if isinstance(module, Int4Linear):  # two codes a byte along the input channels
+        packed, scales, zeros, mins = _int4_parts(module)
+        return Int4Linear(packed.narrow(1, start // 2, size // 2).clone(), groups(scales), _cut(groups, zeros),
+                          None, act_scale, module.dtype, module.kernel, mins=_cut(groups, mins),
+                          scale_dtype=scales.dtype)
     if isinstance(module, Fp8Linear):
         return Fp8Linear(cols(module.weight), module.scales.clone(), None, act_scale, module.dtype)
     raise ShardingError(f"{type(module).__name__} weights do not shard")
 
 
+def _cut(cut: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else cut(t)
+
+
+def _int4_parts(module: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(codes packed [N, K/2], scales [N, K/G], zeros, mins) in the canonical layout, which cuts.
+    The CPU op's own layout (tinygemm's int4pack) gives its codes back exactly through the op:
+    with unit scales and zero offsets it computes q - 8, small integers in any dtype."""
+    if module.kernel != "weight_int4pack_mm_for_cpu":
+        return module.qweight, module.scales, module.zeros, module.mins
+    sz = module.scales_and_zeros  # [K/G, N, 2]: W = (q - 8) * scale + offset
+    unit = torch.stack([torch.ones_like(sz[..., 0]), torch.zeros_like(sz[..., 0])], -1)
+    k, chunk, parts = module.in_features, 1024, []
+    for i in range(0, k, chunk):  # the identity a chunk of rows at a time: K x K can be large
+        eye = torch.zeros(min(chunk, k - i), k, dtype=module.dtype)
+        eye.diagonal(offset=i).fill_(1)
+        parts.append(torch._weight_int4pack_mm_for_cpu(eye, module.qweight, module.group_size, unit))
+    codes = torch.cat(parts).T + 8
+    scales, offsets = sz[..., 0].T.float(), sz[..., 1].T.float()
+    return pack_int4(codes.round()), scales, None, offsets - 8 * scales
+
+
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_r W_r^T) + b: x arrives split along the input features. Float, int8 or fp8."""
+    """y = all_reduce(x_r W_r^T) + b: x arrives split along the input features."""
 
     def __init__(self, full: nn.Module, start: int, size: int) -> None:
         super().__init__()
@@ -211,9 +242,13 @@ def check_model(model: LlamaForCausalLM, tp: int) -> None:
     unsupported = sorted({type(m).__name__ for name, m in model.named_modules()
                           if name.endswith(("_proj", "lm_head")) and not isinstance(m, SHARDABLE)})
     if unsupported:
-        raise ShardingError(f"tensor parallelism shards float, int8 and fp8 weights; this model holds "
-                            f"{', '.join(unsupported)} (int4: quantization int4/int4-rtn, or a GGUF's Q4 "
-                            f"blocks served packed: --gguf-dequantize)")
+        raise ShardingError(f"tensor parallelism shards float, int8, int4 and fp8 weights; this model holds "
+                            f"{', '.join(unsupported)}")
+    for name, m in model.named_modules():
+        group = getattr(m, "group_size", None)
+        if name.endswith(ROW_PARALLEL) and group and (m.in_features // tp) % group:
+            raise ShardingError(f"{name}: its {m.method} groups of {group} input channels do not split into "
+                                f"{tp} slices of {m.in_features // tp}")
 
 
 def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
