@@ -2,7 +2,8 @@
 model quantized to int4 (round to nearest), which guesses well but not always, and the output is
 token for token what the target alone gives, with stops, limits, logprobs, constraints, sampled
 neighbours, preemption, prefix-cache hits and sleep; the same model as its own draft accepts
-every guess; a draft of another vocabulary is refused; the server's flag."""
+every guess; a tensor-parallel target checks a whole draft's guesses on rank 0; a draft of another
+vocabulary is refused; the server's flag."""
 from __future__ import annotations
 
 import json
@@ -95,14 +96,29 @@ def test_preemption_prefix_hits_and_sleep(plain: LLM):
     assert tight.generate(prompts[:2], GREEDY)[0].token_ids == expected[0]  # woken by the request
 
 
-def test_a_draft_must_share_the_vocabulary_and_take_no_tensor_parallelism(tmp_path):
+def test_a_tensor_parallel_target_checks_a_whole_drafts_guesses(tiny_llama_dir):
+    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory=1 << 22)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate([5, 40, 13])]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_llama_dir), **kw).generate(prompts, params)]
+    # Its own int4 variant as the draft: whole on rank 0, its pool as many blocks as every rank's
+    # (each rank's budget pays for the draft's blocks, or the ranks' pools would differ and not start).
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw, speculative=SpeculativeConfig(
+        method="draft_model", model=str(tiny_llama_dir), quantization="int4-rtn", num_speculative_tokens=3))
+    try:
+        assert llm.engine.drafter.runner.num_blocks == llm.engine.runner.num_blocks
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.engine.num_accepted_tokens > 0
+    finally:
+        llm.engine.runner.close()
+
+
+def test_a_draft_must_share_the_vocabulary(tmp_path):
     tiny = write_tiny_model("llama", tmp_path / "tiny")
     with pytest.raises(ValueError, match="the draft model .*tiny': max_model_len 8192 exceeds the model's maximum"):
         LLM(dtype="float32", speculative=SpeculativeConfig(method="draft_model", model=str(tiny)))
     with pytest.raises(ValueError, match="a vocabulary of 96 tokens, the target 49152"):
         LLM(dtype="float32", max_model_len=256, speculative=SpeculativeConfig(method="draft_model", model=str(tiny)))
-    with pytest.raises(ValueError, match="without tensor parallelism"):
-        LLM(dtype="float32", tensor_parallel_size=2, speculative=INT4_DRAFT)
     with pytest.raises(ValueError, match="the draft model 'no-such-draft': .*not found"):
         LLM(dtype="float32", speculative=SpeculativeConfig(method="draft_model", model="no-such-draft"))
 

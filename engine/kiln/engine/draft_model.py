@@ -26,11 +26,10 @@ from kiln.engine.sequence import Sequence
 class DraftModel:
     def __init__(self, config: Config, target: ModelConfig) -> None:
         spec = config.speculative
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with a draft model runs without tensor parallelism (for now)")
-        # The target's settings, its dtype and device above all; eager (its steps are small and varied).
+        # The target's settings, its dtype and device above all; eager (its steps are small and varied);
+        # whole on rank 0 of a tensor-parallel target (a draft is small), every rank's pool paying its blocks.
         self.config = replace(config, model=spec.model, quantization=spec.quantization, speculative=None,
-                              enforce_eager=True)
+                              enforce_eager=True, tensor_parallel_size=1)
         try:
             self.loaded = load_model(self.config)
         except ValueError as e:  # its own words (a context too short, a name not found) name no draft

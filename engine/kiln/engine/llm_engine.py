@@ -93,14 +93,14 @@ class LLMEngine:
         # Loaded before the target's pool is sized: on a GPU its weights come off the free memory.
         self.drafter = DraftModel(self.config, loaded.model_config) \
             if speculative is not None and speculative.method == "draft_model" else None
+        draft_block_bytes = self.drafter.block_bytes if self.drafter else 0
         if self.config.tensor_parallel_size == 1:
-            self.runner = ModelRunner(self.config, loaded.model, loaded.model_config,
-                                      self.drafter.block_bytes if self.drafter else 0)
-            if self.drafter:
-                self.drafter.allocate(self.runner.num_blocks)
+            self.runner = ModelRunner(self.config, loaded.model, loaded.model_config, draft_block_bytes)
         else:  # rank 0 of N: spawns the other ranks, which run the forward only
             from kiln.engine.tp_ranks import start_tensor_parallel
-            self.runner = start_tensor_parallel(self.config, loaded)
+            self.runner = start_tensor_parallel(self.config, loaded, draft_block_bytes)
+        if self.drafter:  # whole, on rank 0
+            self.drafter.allocate(self.runner.num_blocks)
         pool_tokens = self.runner.num_blocks * self.config.block_size
         if pool_tokens < self.config.max_model_len:
             # Otherwise one long request could never fit, even alone, and would wait forever.

@@ -67,7 +67,9 @@ def _to_host(value: Any) -> Any:
 class WorkerGroup:
     """Rank 0's handle on the worker ranks."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, shared_block_bytes: int = 0) -> None:
+        """shared_block_bytes: as ModelRunner's (rank 0's draft model cache), which every rank's
+        budget pays so that all pools have the same block count."""
         self.size = config.tensor_parallel_size
         self.failure: TensorParallelError | None = None
         self.on_failure: Callable[[TensorParallelError], None] | None = None
@@ -92,7 +94,7 @@ class WorkerGroup:
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
-                               args=(rank, config, store.port, child, torch.get_num_threads()))
+                               args=(rank, config, store.port, child, torch.get_num_threads(), shared_block_bytes))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -228,9 +230,9 @@ class LeaderRunner(ModelRunner):
     """ModelRunner on rank 0 of a tensor-parallel engine: the workers' KV caches follow its own
     (sleep, wake), and a failed group stops every rank."""
 
-    def __init__(self, config: Config, model: LeaderModel, loaded: LoadedModel) -> None:
+    def __init__(self, config: Config, model: LeaderModel, loaded: LoadedModel, shared_block_bytes: int = 0) -> None:
         self.group, self._started = model.group, False
-        super().__init__(config, model, local_model_config(loaded.model_config, self.group.size))
+        super().__init__(config, model, local_model_config(loaded.model_config, self.group.size), shared_block_bytes)
         self._started = True
 
     def allocate_kv_cache(self) -> None:
@@ -247,14 +249,14 @@ class LeaderRunner(ModelRunner):
         self.group.close()
 
 
-def start_tensor_parallel(config: Config, loaded: LoadedModel) -> LeaderRunner:
+def start_tensor_parallel(config: Config, loaded: LoadedModel, shared_block_bytes: int = 0) -> LeaderRunner:
     """Spawn ranks 1..N-1, shard rank 0's loaded model, and return rank 0's runner once every rank
     holds its shard and its KV cache."""
     check_model(loaded.model, config.tensor_parallel_size)  # before any rank starts
-    group = WorkerGroup(config)
+    group = WorkerGroup(config, shared_block_bytes)
     try:
         sharded = shard_model(loaded.model, Shard(0, group.size))
-        runner = LeaderRunner(config, LeaderModel(sharded, group), loaded)
+        runner = LeaderRunner(config, LeaderModel(sharded, group), loaded, shared_block_bytes)
         group.wait_ready(runner.num_blocks)
     except BaseException:
         group.close(grace=0)
@@ -264,7 +266,8 @@ def start_tensor_parallel(config: Config, loaded: LoadedModel) -> LeaderRunner:
     return runner
 
 
-def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads: int) -> None:
+def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads: int,
+                 shared_block_bytes: int) -> None:
     # Rank 0 drains on SIGTERM/SIGINT and then stops the workers; a signal sent to the whole
     # process group must not take a worker away mid-drain.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -283,7 +286,7 @@ def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads
                                 timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
         loaded = load_model(config)
         model = shard_model(loaded.model, Shard(rank, size))
-        runner = ModelRunner(config, model, local_model_config(loaded.model_config, size))
+        runner = ModelRunner(config, model, local_model_config(loaded.model_config, size), shared_block_bytes)
         conn.send(("ready", runner.num_blocks))
     except Exception:
         conn.send(("error", traceback.format_exc(limit=4)))

@@ -24,7 +24,7 @@ def unimplemented(spec: InferenceServiceSpec) -> list[str]:
     engine = spec.engine
     if engine.speculative is not None and engine.speculative.method == "draft" and engine.draft_model is None:
         found.append("engine.speculative.method draft with tensorParallelSize > 1 (those engines decode without "
-                     "a draft model; ngram works)")
+                     "a draft model until one has run with tensor parallelism on GPUs; ngram works)")
     return found
 
 
