@@ -14,6 +14,7 @@ query heads all read the one KV head their group shares.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -25,7 +26,7 @@ from torch import nn
 
 from kiln.engine.config import ModelConfig
 from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
-from kiln.engine.quantization import Fp8Linear, Int4Linear, Int8Linear, pack_int4
+from kiln.engine.quantization import Fp8Linear, Int4Linear, Int8Linear, pack_int4, unpack_int4
 
 SHARDABLE = (Linear, Int8Linear, Int4Linear, Fp8Linear)
 ROW_PARALLEL = ("o_proj", "down_proj")  # split along their input channels (the rest along outputs)
@@ -127,22 +128,32 @@ def _cut(cut: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor | None) ->
     return None if t is None else cut(t)
 
 
+@functools.cache  # one per weight shape, cleared when shard_model is done
+def _int4pack_order(n: int, k: int) -> torch.Tensor:
+    """For each code of the CPU op's packed layout (tinygemm's int4pack) of an [n, k] matrix, as
+    unpack_int4 reads it, the index (row * k + col) of the code it holds. The layout only moves
+    codes, so packing every code's own index, 4 bits at a time, and reading them back tells where."""
+    index = torch.arange(n * k, dtype=torch.int32).reshape(n, k)
+    order = torch.zeros(n * k, dtype=torch.int32)
+    for shift in range(0, max(1, (n * k - 1).bit_length()), 4):
+        packed = torch._convert_weight_to_int4pack_for_cpu((index >> shift) & 15, 2)
+        order |= unpack_int4(packed).flatten().to(torch.int32) << shift
+    if not torch.bincount(order, minlength=n * k).eq(1).all():
+        raise ShardingError("this torch's CPU int4 layout does more than move codes: int4 weights in it do not shard")
+    return order
+
+
 def _int4_parts(module: Int4Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(codes packed [N, K/2], scales [N, K/G], zeros, mins) in the canonical layout, which cuts.
-    The CPU op's own layout (tinygemm's int4pack) gives its codes back exactly through the op:
-    with unit scales and zero offsets it computes q - 8, small integers in any dtype."""
+    """(codes packed [N, K/2], scales [N, K/G], zeros, mins) in the canonical layout, which cuts;
+    the CPU op's own layout is unpacked exactly (its codes put back where they came from)."""
     if module.kernel != "weight_int4pack_mm_for_cpu":
         return module.qweight, module.scales, module.zeros, module.mins
+    n, k = module.out_features, module.in_features
+    codes = torch.empty(n * k, dtype=torch.uint8)
+    codes[_int4pack_order(n, k)] = unpack_int4(module.qweight).flatten()
     sz = module.scales_and_zeros  # [K/G, N, 2]: W = (q - 8) * scale + offset
-    unit = torch.stack([torch.ones_like(sz[..., 0]), torch.zeros_like(sz[..., 0])], -1)
-    k, chunk, parts = module.in_features, 1024, []
-    for i in range(0, k, chunk):  # the identity a chunk of rows at a time: K x K can be large
-        eye = torch.zeros(min(chunk, k - i), k, dtype=module.dtype)
-        eye.diagonal(offset=i).fill_(1)
-        parts.append(torch._weight_int4pack_mm_for_cpu(eye, module.qweight, module.group_size, unit))
-    codes = torch.cat(parts).T + 8
     scales, offsets = sz[..., 0].T.float(), sz[..., 1].T.float()
-    return pack_int4(codes.round()), scales, None, offsets - 8 * scales
+    return pack_int4(codes.reshape(n, k)), scales, None, offsets - 8 * scales
 
 
 class RowParallelLinear(nn.Module):
@@ -259,9 +270,12 @@ def shard_model(model: LlamaForCausalLM, shard: Shard) -> ShardedModel:
         log.warning("%d KV heads for %d ranks: each KV head is replicated on %d ranks",
                     cfg.num_key_value_heads, shard.size, shard.size // cfg.num_key_value_heads)
     with torch.no_grad():
-        for layer in model.model.layers:
-            _shard_attention(layer.self_attn, cfg, shard)
-            _shard_mlp(layer.mlp, cfg, shard)
+        try:
+            for layer in model.model.layers:
+                _shard_attention(layer.self_attn, cfg, shard)
+                _shard_mlp(layer.mlp, cfg, shard)
+        finally:
+            _int4pack_order.cache_clear()
         embed = model.model.embed_tokens
         model.model.embed_tokens = VocabParallelEmbedding(embed.weight, shard)
         if model.lm_head is not None:
