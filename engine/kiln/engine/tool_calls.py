@@ -20,6 +20,7 @@ from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, NamedTo
 from kiln.engine.sampling_params import StructuredOutputs
 from kiln.engine.tool_parsers import PARSERS
 
+
 class ToolCalls:
     """What one request's calls must look like, and how its output becomes `tool_calls`."""
 
