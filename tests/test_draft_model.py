@@ -17,6 +17,7 @@ from kiln.engine.speculative import SpeculativeConfig
 from test_engine_generate import one_thread  # noqa: F401 (autouse: one torch thread, as there)
 from test_server import ServerProcess, complete
 from test_speculative import GREEDY, PLAIN, REPEATING, plain  # noqa: F401 (plain: a fixture)
+from test_tensor_parallel import TINY, TINY_PROMPTS, greedy
 from tiny_models import write_tiny_model
 
 INT4_DRAFT = SpeculativeConfig(method="draft_model", model="smollm2-135m", quantization="int4-rtn",
@@ -97,17 +98,14 @@ def test_preemption_prefix_hits_and_sleep(plain: LLM):
 
 
 def test_a_tensor_parallel_target_checks_a_whole_drafts_guesses(tiny_llama_dir):
-    kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_memory=1 << 22)
-    prompts = [[3 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate([5, 40, 13])]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(tiny_llama_dir), **kw).generate(prompts, params)]
+    want = greedy(LLM(str(tiny_llama_dir), **TINY), TINY_PROMPTS)
     # Its own int4 variant as the draft: whole on rank 0, its pool as many blocks as every rank's
     # (each rank's budget pays for the draft's blocks, or the ranks' pools would differ and not start).
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **kw, speculative=SpeculativeConfig(
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY, speculative=SpeculativeConfig(
         method="draft_model", model=str(tiny_llama_dir), quantization="int4-rtn", num_speculative_tokens=3))
     try:
         assert llm.engine.drafter.runner.num_blocks == llm.engine.runner.num_blocks
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert greedy(llm, TINY_PROMPTS) == want
         assert llm.engine.num_accepted_tokens > 0
     finally:
         llm.engine.runner.close()
