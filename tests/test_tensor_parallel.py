@@ -21,6 +21,7 @@ from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.quantization import Int4Linear, quantize_int4
 from kiln.engine.tensor_parallel import ShardingError, _column_slice, _row_slice
 from kiln.engine.tp_ranks import JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
+from tiny_models import write_tiny_model
 
 # Lengths 5..70 under a 32-token budget: long prompts are prefilled in chunks while the short
 # ones decode in the same steps (mixed batches), and the 64 greedy tokens run on paged KV.
@@ -204,7 +205,6 @@ def test_int4_slices_hold_exactly_their_part_of_the_weight(dtype, offsets):
 @pytest.mark.parametrize("method", ["int4-rtn", "int4"])
 def test_int4_weights_shard(tmp_path, method):
     # Wide enough for whole groups on each rank: o_proj's 256 input channels (2 x 128), down_proj's 512.
-    from tiny_models import write_tiny_model
     folder = write_tiny_model("llama", tmp_path / "wide", hidden_size=256, intermediate_size=512)
     kw = dict(TINY, quantization=method, quantization_cache=str(tmp_path / "variants"))
     want = greedy(LLM(str(folder), **kw), TINY_PROMPTS)
