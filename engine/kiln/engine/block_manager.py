@@ -22,9 +22,10 @@ NO_HASH = None
 HASH_BYTES = 16  # 128 bits: collisions out of reach, and half the dict key of a 32-byte digest
 
 
-def first_parent_hash(cache_salt: str | None) -> bytes:
-    """The chain's root: a distinct value per salt, and for no salt at all."""
-    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+def first_parent_hash(cache_salt: str | None, lora_id: int = 0) -> bytes:
+    """The chain's root: a distinct value per salt, and for no salt at all, and per LoRA adapter
+    (0: none), whose K/V differ from the base model's for the same tokens."""
+    salt = repr((cache_salt, lora_id)).encode()  # repr: no two pairs read the same
     return hashlib.blake2b(salt, digest_size=HASH_BYTES, person=b"kiln-cache-salt").digest()
 
 
@@ -77,8 +78,9 @@ class BlockManager:
         """Chained hash of the sequence's full block `index`, memoized on the sequence."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            # The first block's parent is the request's cache salt: no chain crosses salts.
-            parent = seq.block_hashes[i - 1] if i else first_parent_hash(seq.params.cache_salt)
+            # The first block's parent is the request's cache salt and adapter: no chain crosses them.
+            parent = seq.block_hashes[i - 1] if i else \
+                first_parent_hash(seq.params.cache_salt, seq.lora.id if seq.lora else 0)
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size]))
         return seq.block_hashes[index]
 

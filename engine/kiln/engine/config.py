@@ -57,6 +57,11 @@ class Config:
     tensor_parallel_size: int = 1
     # N-gram speculative decoding (kiln.engine.speculative); None: off.
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (kiln.engine.lora), as vLLM's --enable-lora: the most distinct adapters one
+    # batch mixes (requests of others wait), and the largest rank an adapter may have.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -66,7 +71,7 @@ class Config:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if name == "kv_cache_memory" and value is None:
                 continue
@@ -75,8 +80,12 @@ class Config:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters with tensor parallelism are not supported: the adapters' weights are "
+                             "not split across ranks; serve them with tensor_parallel_size 1")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.attention_backend not in BACKENDS:

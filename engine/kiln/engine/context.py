@@ -3,8 +3,12 @@ Attention layer reads it, so the model's forward signature stays (input_ids, pos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kiln.engine.lora import LoRAMapping
 
 
 @dataclass
@@ -15,6 +19,7 @@ class Context:
     max_seqlen_k: int
     slot_mapping: torch.Tensor  # int64 [N]: cache slot of each new token's K/V (-1 = skip)
     block_tables: torch.Tensor  # int32 [B, max_blocks], padded
+    lora: LoRAMapping | None = None  # the rows of each LoRA adapter in the step (kiln.engine.lora)
     # what the backend derives from the metadata once per step, before the layer loop, and every
     # layer reuses (kiln.engine.attention.prepare_step)
     derived: dict = field(default_factory=dict, repr=False, compare=False)

@@ -4,7 +4,8 @@ for the steps whose every layer is the same few ops: batch-1 decode spent 4-5 ms
 
 It runs when the step and the layers allow it, and the module path (LlamaDecoderLayer) runs otherwise:
   the step   every sequence attends over the cache with the fused op (decodes, and prefills and
-             chunks of up to cpu_attention.SDPA_ABOVE tokens) and stores every row's K/V
+             chunks of up to cpu_attention.SDPA_ABOVE tokens) and stores every row's K/V; no
+             sequence has a LoRA adapter
   the layers plain `Linear`s with the backend's GEMM and no bias (not quantized, not tensor-parallel)
              and a float cache in the activations' dtype (not int8/fp8)
 The op calls the same C++ functions the module path reaches, in the same order: the same bits.
@@ -34,7 +35,9 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
                step: StepAttention | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(hidden, residual) after every layer, as the module loop returns them; None when this step or
     these layers need the module path (see the module docstring)."""
-    if step is None or step.keep is not None or not isinstance(step.plan, CpuPlan) or step.plan.long:
+    ctx = get_context()
+    if step is None or step.keep is not None or not isinstance(step.plan, CpuPlan) or step.plan.long \
+            or ctx.lora is not None:  # LoRA updates are added by hooks on the modules
         return None
     kept = _WEIGHTS.get(layers)
     if kept is None or kept[0] != x.dtype:
@@ -52,7 +55,6 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, rope: tuple[torch.Tensor,
     packed = []
     if max_rows and cpu_kernels.PACKING and x.shape[0] > max_rows:
         packed = [cpu_kernels.packed_weight(w) for i, w in enumerate(weights) if i % 6 in GEMMS]
-    ctx = get_context()
     return torch.ops.kiln.decoder_layers(
         x, weights, packed, [c.k_cache for c in caches], [c.v_cache for c in caches], *rope, ctx.slot_mapping,
         ctx.cu_seqlens_q, ctx.seq_lens, ctx.block_tables, attn.num_heads, attn.num_kv_heads,

@@ -29,7 +29,7 @@ class DraftModel:
         # The target's settings, its dtype and device above all; eager (its steps are small and varied);
         # whole on rank 0 of a tensor-parallel target (a draft is small), every rank's pool paying its blocks.
         self.config = replace(config, model=spec.model, quantization=spec.quantization, speculative=None,
-                              enforce_eager=True, tensor_parallel_size=1)
+                              enforce_eager=True, tensor_parallel_size=1, enable_lora=False)
         try:
             self.loaded = load_model(self.config)
         except ValueError as e:  # its own words (a context too short, a name not found) name no draft

@@ -15,6 +15,7 @@ from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import Config, resolve_max_model_len
 from kiln.engine.draft_model import DraftModel
 from kiln.engine.loader import load_model
+from kiln.engine.lora import LoRAAdapter, load_adapter
 from kiln.engine.model_runner import ModelRunner, RunnerOutput
 from kiln.engine.prompt_logprobs import PromptLogprob, entry
 from kiln.engine.sampling_params import SamplingParams
@@ -113,22 +114,49 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.is_sleeping = False
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, since start
+        self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name:
+            raise ValueError("a LoRA adapter needs a non-empty name")
+        if name in self.loras:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = self.loras[name] = load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; KeyError if none has that name, ValueError while requests use it."""
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
+        users = sum(seq.lora is adapter for seq in self.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they finish")
+        del self.loras[name]
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   self.config.max_loras)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora: str | None = None) -> None:
+        """lora: the name of a loaded LoRA adapter to run the request with (add_lora)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora is not None and lora not in self.loras:
+            raise ValueError(f"no LoRA adapter named {lora!r} is loaded")
         token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         if params.logit_bias and not all(t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
                              f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
-        seq = Sequence(request_id, token_ids, params, next(self._arrivals))
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals), self.loras.get(lora))
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         if not params.ignore_eos:
@@ -350,12 +378,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter (needs enable_lora=True) that generate(lora=name) runs with."""
+        self.engine.add_lora(name, path)
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
-        """Final outputs, in input order."""
+        """Final outputs, in input order; lora: an adapter added with add_lora, for every prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(params, list):
@@ -365,7 +398,7 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, lora)
         except ValueError:
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -383,9 +416,10 @@ class LLM:
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         params: SamplingParams | list[SamplingParams] | None = None,
+        lora: str | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         # The template wrote the special tokens: a tokenizer that adds BOS would double it.
         prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
                                          add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora)

@@ -16,6 +16,7 @@ from kiln.engine.context import Context, prefill_context, reset_context, set_con
 from kiln.engine.kernels.cuda_graphs import DecodeGraphs
 from kiln.engine.kv_quant import SCALE_DTYPE, is_quantized, kv_bytes_per_token_head
 from kiln.engine.llama import LlamaForCausalLM
+from kiln.engine.lora import install_hooks, lora_mapping
 from kiln.engine.prompt_logprobs import ScoredPosition, rows_per_chunk, score_rows
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
@@ -104,6 +105,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if self._can_use_graphs(config) else []
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.applies_lora = config.enable_lora
+        if self.applies_lora:
+            install_hooks(model)
         with startup.phase("kv_alloc"):
             self.num_blocks = self._allocate_kv_cache(config, model_config, shared_block_bytes)
 
@@ -242,6 +246,8 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             slot_mapping=to_device(slots, torch.int64),
             block_tables=to_device(tables, torch.int32),
+            lora=lora_mapping([(seq.lora, end - start) for seq, start, end in spans], self.device)
+            if self.applies_lora else None,
         )
         return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
@@ -256,7 +262,8 @@ class ModelRunner:
         """One forward over the batch: tokens and logprob entries for the sequences that sample,
         and the prompt positions scored for those that asked for prompt logprobs."""
         prepared = self.prepare(batch)
-        if self.graphs is not None and self.graphs.can_run(prepared.context):
+        # Graphs replay the base model's kernels only: steps with LoRA adapters run eagerly.
+        if self.graphs is not None and prepared.context.lora is None and self.graphs.can_run(prepared.context):
             hidden = self.graphs.run(prepared.input_ids, prepared.positions, prepared.context)
         else:
             hidden = self._forward(prepared.input_ids, prepared.positions, prepared.context)

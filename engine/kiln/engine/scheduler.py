@@ -6,6 +6,8 @@ chunks, then waiting requests are admitted first come, first served into what bu
 When the KV pool runs dry, the most recently arrived running sequence is preempted by
 recompute: its blocks are freed and it goes back to the head of the queue with all its tokens,
 so nothing it produced is lost (its full blocks usually come back from the prefix cache).
+At most max_loras distinct LoRA adapters run at once. A request whose adapter finds no seat waits,
+and so do the adapter requests behind it (so it is not starved); base-model requests go on.
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
@@ -70,16 +74,23 @@ class Scheduler:
         kept.extend(queue)  # not scheduled this step (budget spent), still running
 
         # Admitting while preempting would only thrash.
-        while self.waiting and budget > 0 and not preempted and len(kept) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {seq.lora for seq in kept if seq.lora is not None}
+        held, i = False, 0  # once a request waits for an adapter seat, later ones with adapters wait too
+        while i < len(self.waiting) and budget > 0 and not preempted and len(kept) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.lora is not None and (held or (seq.lora not in adapters and len(adapters) >= self.max_loras)):
+                held, i = True, i + 1
+                continue
             prefix = self.block_manager.match_prefix(seq)
             num_tokens = min(len(seq) - len(prefix) * self.block_manager.block_size, budget)
             if not self.block_manager.can_allocate(prefix, num_tokens):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # FCFS: nobody overtakes for memory
+            del self.waiting[i]
             self.block_manager.allocate(seq, prefix)
             self.block_manager.append_slots(seq, num_tokens)
             seq.status = SequenceStatus.RUNNING
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             batch.add(seq, num_tokens)
             kept.append(seq)
             budget -= num_tokens

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.engine.lora import LoRAAdapter
 
 
 class SequenceStatus(Enum):
@@ -14,9 +17,11 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: int,
+                 lora: LoRAAdapter | None = None):
         self.request_id = request_id
         self.params = params
+        self.lora = lora  # the adapter its tokens run with (kiln.engine.lora); None: the base model
         self.arrival = arrival  # FCFS order, also across preemptions
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -1,0 +1,179 @@
+"""LoRA adapters served beside their base model, as vLLM's `--enable-lora` does: a request names an
+adapter (the OpenAI `model` field) and its tokens run the base weights plus the adapter's low-rank
+update; requests of other adapters and of the base model share the batch.
+
+An adapter is a PEFT folder (adapter_config.json + adapter_model.safetensors) for the attention and
+MLP projections. Each projection's update is kept as two matrices in the model's fused layout: A
+[r_total, in] stacks the shards' A (q, k, v into qkv_proj; gate, up into gate_up_proj), and B
+[out, r_total] holds each shard's B, times the adapter's scale, in its own rows and columns. A
+forward hook on each projection adds (x A^T) B^T to the rows of each adapter in the step, read from
+the step's Context (`LoRAMapping`): no module is swapped, so quantized and float projections take
+adapters alike, and a model with no adapter loaded runs no hook at all.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from kiln.engine.context import get_context
+
+# PEFT's module name -> (the model's fused projection, shard index)
+_TARGETS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_ids = itertools.count(1)  # never reused: a reloaded name must not meet the old adapter's cached prefixes
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served: missing files, unsupported PEFT options, wrong shapes."""
+
+
+@dataclass(eq=False)
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    id: int  # unique per load: the prefix cache's salt
+    # (layer index, fused projection) -> (A [r_total, in], B [out, r_total] scaled)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class LoRAMapping:
+    """Which rows of a step each adapter's update goes to; rows None: every row of the step."""
+    groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
+
+
+def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA folder into the model's fused layout, in the model's dtype and device."""
+    folder = Path(path)
+    config_file, tensors_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file() or not tensors_file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: {path} must hold adapter_config.json and adapter_model.safetensors")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not JSON: {e}") from None
+    scale = _scale(name, config, max_rank)
+    try:
+        tensors = load_file(str(tensors_file))
+    except Exception as e:  # safetensors' own errors name no file
+        raise LoRAError(f"LoRA adapter {name!r}: cannot read {tensors_file}: {e}") from None
+    shards: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.match(key)
+        if match is None or match.group(2) not in _TARGETS:
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of an attention or MLP "
+                            f"projection ({', '.join(_TARGETS)}): only those take adapters here")
+        layer, (fused, shard) = int(match.group(1)), _TARGETS[match.group(2)]
+        shards.setdefault((layer, fused), {}).setdefault(shard, {})[match.group(3)] = tensor
+    if not shards:
+        raise LoRAError(f"LoRA adapter {name!r}: {tensors_file} holds no LoRA weights")
+    weights = {key: _fuse(name, model, key, parts, scale) for key, parts in sorted(shards.items())}
+    return LoRAAdapter(name, str(path), int(config["r"]), next(_ids), weights)
+
+
+def _scale(name: str, config: dict, max_rank: int) -> float:
+    """The update's factor (lora_alpha / r, or / sqrt(r) with rsLoRA), after refusing what the
+    update here does not compute."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
+    refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
+               "alpha_pattern": "per-module alphas", "modules_to_save": "fully trained modules (modules_to_save)"}
+    for option, what in refused.items():
+        if config.get(option):
+            raise LoRAError(f"LoRA adapter {name!r}: {what} are not supported ({option} is set)")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json needs a positive integer r and a lora_alpha")
+    if rank > max_rank:
+        raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, dict[str, torch.Tensor]],
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B of one fused projection from its shards' (A, B); B's rows of a shard without an
+    adapter stay zero."""
+    layer, fused = key
+    layers = model.model.layers
+    if layer >= len(layers):
+        raise LoRAError(f"LoRA adapter {name!r} has weights for layer {layer}; the model has {len(layers)}")
+    sizes = model._shard_sizes(fused) if fused in ("qkv_proj", "gate_up_proj") else None
+    cfg = model.config
+    in_features = cfg.intermediate_size if fused == "down_proj" else \
+        cfg.num_attention_heads * cfg.head_dim if fused == "o_proj" else cfg.hidden_size
+    out_sizes = sizes or [cfg.hidden_size]
+    weight = model.model.embed_tokens.weight
+    a_rows, b_blocks, cols = [], [], 0
+    for shard, ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {fused} (shard {shard}) has lora_{''.join(ab)} "
+                            "without its other half")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_sizes[shard], a.shape[0]):
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {fused} has lora_A {tuple(a.shape)} and lora_B "
+                            f"{tuple(b.shape)}; this model needs [r, {in_features}] and [{out_sizes[shard]}, r]: "
+                            "an adapter of another base model?")
+        a_rows.append(a)
+        b_blocks.append((sum(out_sizes[:shard]), cols, b))
+        cols += a.shape[0]
+    big_b = torch.zeros(sum(out_sizes), cols, dtype=torch.float32)
+    for row, col, b in b_blocks:
+        big_b[row:row + b.shape[0], col:col + b.shape[1]] = b.float() * scale
+    return (torch.cat(a_rows).to(weight.dtype).to(weight.device).contiguous(),
+            big_b.to(weight.dtype).to(weight.device).contiguous())
+
+
+def install_hooks(model: nn.Module) -> None:
+    """Make every layer's projections add the step's adapters' updates (once per model)."""
+    for index, layer in enumerate(model.model.layers):
+        for module, fused in ((layer.self_attn.qkv_proj, "qkv_proj"), (layer.self_attn.o_proj, "o_proj"),
+                              (layer.mlp.gate_up_proj, "gate_up_proj"), (layer.mlp.down_proj, "down_proj")):
+            module.register_forward_hook(_hook((index, fused)))
+
+
+def _hook(key: tuple[int, str]):
+    def add_updates(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        mapping = get_context().lora
+        if mapping is None:
+            return out
+        x = args[0]
+        for adapter, rows in mapping.groups:
+            ab = adapter.weights.get(key)
+            if ab is None:
+                continue
+            a, b = ab
+            if rows is None:
+                out.add_(x @ a.t() @ b.t())
+            else:
+                out.index_add_(0, rows, x.index_select(0, rows) @ a.t() @ b.t())
+        return out
+    return add_updates
+
+
+def lora_mapping(adapters: list[tuple[LoRAAdapter | None, int]], device: torch.device) -> LoRAMapping | None:
+    """The step's mapping from each sequence's adapter and its row count, in flat-batch order;
+    None when no sequence has one (the hooks then do nothing)."""
+    rows: dict[LoRAAdapter, list[int]] = {}
+    start = 0
+    for adapter, count in adapters:
+        if adapter is not None:
+            rows.setdefault(adapter, []).extend(range(start, start + count))
+        start += count
+    if not rows:
+        return None
+    return LoRAMapping([(adapter, None if len(taken) == start else torch.tensor(taken, device=device))
+                        for adapter, taken in rows.items()])

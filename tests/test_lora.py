@@ -1,0 +1,269 @@
+"""LoRA adapters in the engine (kiln.engine.lora) against a reference: HF transformers' SmolLM2 with the
+adapter's update merged into its weights (W + alpha/r B A), and the engine's own outputs with the adapter
+alone, in mixed batches, through the prefix cache and under the scheduler's max_loras."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kiln.engine.config import Config
+from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.lora import LoRAError, load_adapter, lora_mapping
+from kiln.engine.llm_engine import LLM, LLMEngine
+from kiln.engine.sampling_params import SamplingParams
+
+from test_model import hf_smollm2, rel_err  # noqa: F401 (a fixture)
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def projection_shape(hf_config, projection: str) -> tuple[int, int]:
+    """(out, in) of a projection of a Llama-family model."""
+    hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim, inter = hidden // heads, hf_config.intermediate_size
+    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+            "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}[projection]
+
+
+def write_adapter(folder: Path, hf_config, seed: int, rank: int = 8, alpha: float = 16,
+                  targets: tuple[str, ...] = tuple(PROJECTIONS), layers: range | None = None,
+                  **config: object) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA folder with random A and B (large enough to change greedy text); its tensors."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers if layers is not None else range(hf_config.num_hidden_layers):
+        for projection in targets:
+            out, inp = projection_shape(hf_config, projection)
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[projection]}.{projection}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp ** 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.03
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+         **config}))
+    return tensors
+
+
+def merged_into(hf_model, tensors: dict[str, torch.Tensor], scale: float) -> None:
+    """Add scale * B A into the HF model's weights: what the adapter means."""
+    modules = dict(hf_model.named_modules())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith("lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace("lora_A", "lora_B")]
+                modules[name].weight += scale * (b @ a)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, hf_smollm2) -> dict[str, tuple[Path, dict[str, torch.Tensor]]]:
+    root = tmp_path_factory.mktemp("loras")
+    config = hf_smollm2[0].config
+    return {"sql": (root / "sql", write_adapter(root / "sql", config, seed=1)),
+            # attention only, rsLoRA scaling, another rank: each PEFT option the update reads
+            "attn": (root / "attn", write_adapter(root / "attn", config, seed=2, rank=4, alpha=8,
+                                                 targets=("q_proj", "v_proj"), use_rslora=True))}
+
+
+@pytest.fixture(scope="module")
+def llm(adapters, smollm2_path) -> LLM:
+    llm = LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_loras=2,
+              kv_cache_memory=64 << 20, max_model_len=256)
+    for name, (path, _) in adapters.items():
+        llm.add_lora(name, str(path))
+    return llm
+
+
+def forward_with_adapters(model, prompts: list[list[int]], adapters: list) -> torch.Tensor:
+    """Logits of every token of the prompts as one flat batch (no KV cache), prompt i with adapters[i]."""
+    context = prefill_context([len(p) for p in prompts])
+    context.lora = lora_mapping([(a, len(p)) for a, p in zip(adapters, prompts)], torch.device("cpu"))
+    set_context(context)
+    try:
+        ids = torch.tensor([t for p in prompts for t in p])
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, positions))
+    finally:
+        reset_context()
+
+
+@pytest.mark.parametrize("name, scale", [("sql", 16 / 8), ("attn", 8 / 4 ** 0.5)])
+def test_adapter_logits_match_transformers_with_the_update_merged(name, scale, adapters, hf_smollm2,
+                                                                   smollm2_path) -> None:
+    import transformers
+    path, tensors = adapters[name]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+    merged_into(merged, tensors, scale)
+    base = hf_smollm2[0]
+    engine = LLMEngine(Config(model=str(smollm2_path), dtype="float32", device="cpu", enable_lora=True,
+                              kv_cache_memory=16 << 20, max_model_len=128))
+    adapter = engine.add_lora(name, str(path))
+    prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
+    # the adapter on the middle prompt only: its rows, and no others, take the update
+    logits = forward_with_adapters(engine.runner.model, prompts, [None, adapter, None])
+    start = 0
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref = (merged if i == 1 else base)(torch.tensor([prompt])).logits[0]
+            other = (base if i == 1 else merged)(torch.tensor([prompt])).logits[0]
+        got = logits[start:start + len(prompt)]
+        assert rel_err(got, ref) < 1e-3
+        assert rel_err(got, other) > 1e-2  # the update is large enough to tell apart
+        start += len(prompt)
+
+
+def alone(llm: LLM, prompt: str, lora: str | None) -> list[int]:
+    return llm.generate(prompt, GREEDY, lora=lora)[0].token_ids
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(llm) -> None:
+    loras = [None, "sql", "attn"]
+    expected = {(p, lora): alone(llm, p, lora) for p in PROMPTS for lora in loras}
+    for p in PROMPTS:  # each adapter changes the text
+        assert len({tuple(expected[p, lora]) for lora in loras}) == 3
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()  # recomputed in one batch, not taken from the cache
+    for i, (p, lora) in enumerate(expected):
+        engine.add_request(f"mixed-{i}", p, GREEDY, lora)
+    assert sorted({s.lora.name for s in engine.scheduler.waiting if s.lora}) == ["attn", "sql"]
+    done = {}
+    while engine.has_unfinished_requests():
+        batch_loras = {s.lora.name if s.lora else None for s in engine.scheduler.running}
+        assert len(batch_loras - {None}) <= 2
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [done[f"mixed-{i}"] for i in range(len(expected))] == list(expected.values())
+
+
+def test_prefix_cache_is_never_shared_across_adapters(llm) -> None:
+    engine = llm.engine
+    prompt = ("In the spring of 1450, a goldsmith in Mainz began an experiment with movable metal type, oil-based "
+              "ink and a wooden press adapted from those used for wine. His first project was")  # full blocks
+    base = alone(llm, prompt, None)
+    hits = engine.stats().prefix_cache_hits
+    with_sql = alone(llm, prompt, "sql")
+    assert engine.stats().prefix_cache_hits == hits  # the base model's blocks were not reused
+    assert with_sql != base
+    assert alone(llm, prompt, "sql") == with_sql
+    assert engine.stats().prefix_cache_hits > hits  # but the adapter's own were
+
+
+def test_max_loras_seats_adapters_and_base_requests_go_on(llm) -> None:
+    engine = llm.engine
+    engine.scheduler.max_loras = 1  # the fixture's is 2
+    try:
+        for i, lora in enumerate(["sql", "attn", None, "sql"]):
+            engine.add_request(f"seat-{i}", PROMPTS[0], GREEDY, lora)
+        engine.step()
+        # attn waits for a seat; the sql request behind it waits too (no overtaking it), the base one runs
+        assert sorted(engine.running_request_ids()) == ["seat-0", "seat-2"]
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o.request_id for o in engine.step() if o.finished]
+        assert finished.index("seat-1") < finished.index("seat-3")
+    finally:
+        engine.scheduler.max_loras = engine.config.max_loras
+
+
+def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smollm2) -> None:
+    engine = llm.engine
+    before = alone(llm, PROMPTS[1], "attn")
+    engine.add_request("busy", PROMPTS[1], GREEDY, "attn")
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        engine.remove_lora("attn")
+    engine.abort_request("busy")
+    engine.remove_lora("attn")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'attn'"):
+        llm.generate(PROMPTS[1], GREEDY, lora="attn")
+    with pytest.raises(KeyError):
+        engine.remove_lora("attn")
+    other = tmp_path / "other"
+    write_adapter(other, hf_smollm2[0].config, seed=7, rank=4, alpha=8, targets=("q_proj", "v_proj"))
+    llm.add_lora("attn", str(other))
+    try:
+        assert alone(llm, PROMPTS[1], "attn") != before  # the new weights, not the old cache
+    finally:
+        engine.remove_lora("attn")
+        llm.add_lora("attn", str(adapters["attn"][0]))
+    assert alone(llm, PROMPTS[1], "attn") == before
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda d, c: (d / "adapter_config.json").unlink(), "must hold adapter_config.json"),
+    (lambda d, c: (d / "adapter_config.json").write_text("{not json"), "is not JSON"),
+    (lambda d, c: (d / "adapter_model.safetensors").write_bytes(b"\0" * 64), "cannot read"),
+    (lambda d, c: write_adapter(d, c, 3, rank=32, alpha=32), "rank 32, more than --max-lora-rank 16"),
+    (lambda d, c: write_adapter(d, c, 3, use_dora=True), "DoRA"),
+    (lambda d, c: write_adapter(d, c, 3, bias="all"), "bias='all'"),
+    (lambda d, c: write_adapter(d, c, 3, modules_to_save=["lm_head"]), "modules_to_save"),
+    (lambda d, c: write_adapter(d, c, 3, r=0), "positive integer r"),
+    (lambda d, c: write_adapter(d, c, 3, layers=range(40, 41)), "layer 40; the model has 30"),
+])
+def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_path, hf_smollm2, llm) -> None:
+    folder = tmp_path / "bad"
+    write_adapter(folder, hf_smollm2[0].config, seed=3)
+    change(folder, hf_smollm2[0].config)
+    with pytest.raises(LoRAError, match=error):
+        load_adapter("bad", str(folder), llm.engine.runner.model, 16)
+    assert "bad" not in llm.engine.loras
+
+
+def test_an_adapter_of_another_model_or_module_is_refused(tmp_path, hf_smollm2, llm) -> None:
+    config = hf_smollm2[0].config
+    tensors = write_adapter(tmp_path, config, seed=4, layers=range(1))
+    key = next(iter(tensors))
+    save_file({key: tensors[key][:, :100].contiguous(), key.replace("lora_A", "lora_B"): tensors[key.replace("lora_A", "lora_B")]},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="an adapter of another base model"):
+        load_adapter("wrong", str(tmp_path), llm.engine.runner.model, 16)
+    save_file({"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 49152)},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="only those take adapters"):
+        load_adapter("embed", str(tmp_path), llm.engine.runner.model, 16)
+    save_file({key: tensors[key]}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError, match="without its other half"):
+        load_adapter("half", str(tmp_path), llm.engine.runner.model, 16)
+
+
+def test_lora_settings_are_checked(llm, adapters) -> None:
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.add_lora("sql", str(adapters["sql"][0]))
+    with pytest.raises(ValueError, match="not supported: the adapters' weights are not split"):
+        Config(enable_lora=True, tensor_parallel_size=2)
+    for field in ("max_loras", "max_lora_rank"):
+        with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+            Config(**{field: 0})
+    with pytest.raises(ValueError, match="enable_lora must be true or false"):
+        Config(enable_lora="yes")
+
+
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int4")])
+def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, adapters, hf_smollm2, smollm2_path,
+                                                           variant_cache) -> None:
+    """The hooks sit on whatever module a projection is (quantized variants swap them): the adapter moves
+    the logits toward transformers' merged model, from where the base variant's are."""
+    import transformers
+    path, tensors = adapters["sql"]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+    merged_into(merged, tensors, 16 / 8)
+    engine = LLMEngine(Config(model=str(smollm2_path), dtype=dtype, device="cpu", enable_lora=True,
+                              quantization=quantization, quantization_cache=str(variant_cache),
+                              kv_cache_memory=16 << 20, max_model_len=256))
+    adapter = engine.add_lora("sql", str(path))
+    prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
+    with_adapter = forward_with_adapters(engine.runner.model, prompts, [adapter] * len(prompts)).float()
+    without = forward_with_adapters(engine.runner.model, prompts, [None] * len(prompts)).float()
+    with torch.no_grad():
+        ref = torch.cat([merged(torch.tensor([p])).logits[0] for p in prompts])
+    assert rel_err(with_adapter, ref) < rel_err(without, ref) * (0.95 if quantization == "int4" else 0.5)
