@@ -14,7 +14,7 @@ from kiln.engine.speculative import SpeculativeConfig
 from kiln.operator.desired import Desired, desired, desired_replicas
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
-from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name, served_model_name
+from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name
 from kiln.operator.status import summarize, transitions, unimplemented
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,8 +301,8 @@ def test_model_sources_become_volumes(source, model_arg, volume):
 
 
 def test_served_name_defaults_to_the_source_basename():
-    assert served_model_name(spec_of(model={"source": "pvc://w/dir/qwen.gguf"})) == "qwen"
-    assert served_model_name(spec_of(model={"source": "builtin://smollm2-135m", "name": "chat"})) == "chat"
+    assert spec_of(model={"source": "pvc://w/dir/qwen.gguf"}).model.served_name == "qwen"
+    assert spec_of(model={"source": "builtin://smollm2-135m", "name": "chat"}).model.served_name == "chat"
 
 
 def test_revision_changes_with_model_or_engine_only():
@@ -514,3 +514,46 @@ def test_router_replicas_come_from_the_spec_with_a_budget_and_a_graceful_stop():
     assert want(spec_of()).objects() and child(want(spec_of()), "Deployment", "chat-router")["spec"]["replicas"] == 1
     with pytest.raises(ValueError):
         spec_of(router={"replicas": 0})
+
+
+def test_lora_adapters_reach_the_engine_with_their_volumes():
+    spec = spec_of(model={"name": "m", "source": "hostpath:///srv/base"}, engine={
+        "maxLoras": 3, "maxLoraRank": 64,
+        "adapters": [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "poet", "source": "pvc://loras"},
+                     {"name": "same-dir", "source": "hostpath:///srv/base"}]})
+    pod = pod_spec(want(spec).stable.deployment)
+    c = pod["containers"][0]
+    command = c["command"]
+    assert command[command.index("--lora-modules") + 1:] == ["sql=/adapters/0/sql", "poet=/adapters/1",
+                                                             "same-dir=/srv/base"]
+    assert "--enable-lora" in command
+    assert command[command.index("--max-loras") + 1] == "3" and command[command.index("--max-lora-rank") + 1] == "64"
+    assert {"name": "adapter-0", "persistentVolumeClaim": {"claimName": "loras", "readOnly": True}} in pod["volumes"]
+    assert {"name": "adapter-1", "mountPath": "/adapters/1", "readOnly": True} in c["volumeMounts"]
+    assert [m["mountPath"] for m in c["volumeMounts"]].count("/srv/base") == 1  # mounted once for both
+    assert len({v["name"] for v in pod["volumes"]}) == len(pod["volumes"])
+    # The engine reads the flags as written here.
+    from kiln.engine.server import add_arguments
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(command[2:])
+    assert args.enable_lora and args.lora_modules == [("sql", "/adapters/0/sql"), ("poet", "/adapters/1"),
+                                                      ("same-dir", "/srv/base")]
+    # An adapter is part of the revision: adding one rolls out; none renders no LoRA flags.
+    assert revision_name("x", spec) != revision_name("x", spec_of(model={"name": "m", "source": "hostpath:///srv/base"}))
+    assert "--enable-lora" not in pod_spec(want(spec_of()).stable.deployment)["containers"][0]["command"]
+
+
+@pytest.mark.parametrize("engine, model, error", [
+    ({"tensorParallelSize": 2, "adapters": [{"name": "a", "source": "pvc://c"}]}, {}, "tensor parallelism"),
+    ({"adapters": [{"name": "smollm2-135m", "source": "pvc://c"}]}, {}, "the model's own name"),
+    ({"adapters": [{"name": "chat", "source": "pvc://c"}]}, {"name": "chat"}, "the model's own name"),
+    ({"adapters": [{"name": "a", "source": "pvc://c"}, {"name": "a", "source": "pvc://d"}]}, {}, "more than once"),
+    ({"adapters": [{"name": "a b", "source": "pvc://c"}]}, {}, "pattern"),
+    ({"maxLoras": 0}, {}, "greater than or equal to 1"),
+])
+def test_bad_adapters_are_refused_before_any_pod(engine, model, error):
+    with pytest.raises(ValueError, match=error):
+        spec_of(model={"source": "builtin://smollm2-135m", **model}, engine=engine,
+                resources={"gpus": engine.get("tensorParallelSize", 0)})

@@ -3,7 +3,6 @@ adapter's update merged into its weights (W + alpha/r B A), and the engine's own
 alone, in mixed batches, through the prefix cache and under the scheduler's max_loras."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,52 +15,11 @@ from kiln.engine.lora import LoRAError, load_adapter, lora_mapping
 from kiln.engine.llm_engine import LLM, LLMEngine
 from kiln.engine.sampling_params import SamplingParams
 
+from lora_support import merged_into, write_adapter
 from test_model import hf_smollm2, rel_err  # noqa: F401 (a fixture)
 
-PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def projection_shape(hf_config, projection: str) -> tuple[int, int]:
-    """(out, in) of a projection of a Llama-family model."""
-    hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
-    head_dim, inter = hidden // heads, hf_config.intermediate_size
-    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
-            "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}[projection]
-
-
-def write_adapter(folder: Path, hf_config, seed: int, rank: int = 8, alpha: float = 16,
-                  targets: tuple[str, ...] = tuple(PROJECTIONS), layers: range | None = None,
-                  **config: object) -> dict[str, torch.Tensor]:
-    """A PEFT LoRA folder with random A and B (large enough to change greedy text); its tensors."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in layers if layers is not None else range(hf_config.num_hidden_layers):
-        for projection in targets:
-            out, inp = projection_shape(hf_config, projection)
-            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[projection]}.{projection}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp ** 0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.03
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
-         **config}))
-    return tensors
-
-
-def merged_into(hf_model, tensors: dict[str, torch.Tensor], scale: float) -> None:
-    """Add scale * B A into the HF model's weights: what the adapter means."""
-    modules = dict(hf_model.named_modules())
-    with torch.no_grad():
-        for key, a in tensors.items():
-            if key.endswith("lora_A.weight"):
-                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-                b = tensors[key.replace("lora_A", "lora_B")]
-                modules[name].weight += scale * (b @ a)
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +180,8 @@ def test_an_adapter_of_another_model_or_module_is_refused(tmp_path, hf_smollm2, 
     config = hf_smollm2[0].config
     tensors = write_adapter(tmp_path, config, seed=4, layers=range(1))
     key = next(iter(tensors))
-    save_file({key: tensors[key][:, :100].contiguous(), key.replace("lora_A", "lora_B"): tensors[key.replace("lora_A", "lora_B")]},
+    b_key = key.replace("lora_A", "lora_B")
+    save_file({key: tensors[key][:, :100].contiguous(), b_key: tensors[b_key]},
               str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(LoRAError, match="an adapter of another base model"):
         load_adapter("wrong", str(tmp_path), llm.engine.runner.model, 16)

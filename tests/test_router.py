@@ -392,6 +392,16 @@ async def test_a_path_with_dot_segments_is_refused_not_resolved_to_an_engine_rou
 
 
 @on_event_loop
+async def test_adapters_are_never_loaded_into_one_replica_through_the_router() -> None:
+    async with service(2) as svc:
+        for path in (b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter"):
+            status, body = await raw_post(svc.port, path, b'{"lora_name": "a", "lora_path": "/x"}')
+            error = json.loads(body)["error"]
+            assert status == 403 and error["code"] == "adapters_in_spec" and "engine.adapters" in error["message"]
+        assert svc.hits() == [0, 0]
+
+
+@on_event_loop
 async def test_a_gzip_body_reaches_the_engine_decoded_and_a_corrupt_one_is_a_400() -> None:
     async with service(1) as svc:
         body = json.dumps({"prompt": "hi"}).encode()

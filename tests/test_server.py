@@ -258,6 +258,8 @@ BAD = [
       "tool_choice": "required"}, 400, "tools.0.function.name"),
     ("null content outside a tool-calling turn", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
+    ("a LoRA adapter on a server without --enable-lora", "/v1/load_lora_adapter",
+     {"lora_name": "a", "lora_path": "/tmp"}, 400, None),
     ("unknown route", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, None),
     ("wrong method", "/v1/models", {}, 405, None),
 ]

@@ -126,8 +126,10 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.wrap_future(self._running)
 
-    async def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestStream]:
-        """Admit requests together (one client request's choices): ValueError if the engine
+    async def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]],
+                         lora: str | None = None) -> list[RequestStream]:
+        """Admit requests together (one client request's choices, run with one LoRA adapter or
+        none): ValueError if the engine
         rejects one, QueueFullError if too many requests or prompt tokens wait, EngineDeadError
         once the engine loop has failed. Room is checked for all of them at once: they are
         refused whole or admitted whole."""
@@ -140,7 +142,7 @@ class AsyncEngine:
         added = [self._loop.create_future() for _ in requests]
         for stream, (request_id, prompt, params), future in zip(streams, requests, added):
             self._streams[request_id] = stream
-            self._commands.put(("add", request_id, prompt, params, future))
+            self._commands.put(("add", request_id, prompt, params, lora, future))
         try:
             await asyncio.wait(added)
         except asyncio.CancelledError:  # client gone while queued: the adds still run, so undo them
@@ -249,9 +251,9 @@ class AsyncEngine:
             except Exception as e:
                 self._loop.call_soon_threadsafe(_resolve, done, None, e)
             return
-        _, request_id, prompt, params, added = cmd
+        _, request_id, prompt, params, lora, added = cmd
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora)
             self._loop.call_soon_threadsafe(_resolve, added, None, None)
         except Exception as e:  # ValueError for bad input; anything else is still this request's error
             self._loop.call_soon_threadsafe(_resolve, added, None, e)

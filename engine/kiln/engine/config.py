@@ -62,6 +62,7 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -83,6 +84,8 @@ class Config:
         for name in ("enforce_eager", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules (--lora-modules) need enable_lora (--enable-lora)")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters with tensor parallelism are not supported: the adapters' weights are "
                              "not split across ranks; serve them with tensor_parallel_size 1")

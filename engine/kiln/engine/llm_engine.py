@@ -81,6 +81,10 @@ class EngineStats:
     is_sleeping: bool
     spec_decode_num_draft_tokens: int = 0  # speculative guesses checked by the model, since start
     spec_decode_num_accepted_tokens: int = 0  # of them, those it agreed with
+    # With LoRA enabled (else None): the adapters of the running and of the waiting requests, and
+    # how many may run at once
+    lora_adapters: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    max_loras: int | None = None
 
 
 class LLMEngine:
@@ -115,6 +119,8 @@ class LLMEngine:
         self.is_sleeping = False
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, since start
         self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
+        for name, path in self.config.lora_modules:
+            self.add_lora(name, path)
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""
@@ -248,6 +254,10 @@ class LLMEngine:
             is_sleeping=self.is_sleeping,
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            lora_adapters=tuple(tuple(sorted({s.lora.name for s in seqs if s.lora is not None}))
+                                for seqs in (self.scheduler.running, self.scheduler.waiting))
+            if self.config.enable_lora else None,
+            max_loras=self.config.max_loras if self.config.enable_lora else None,
         )
 
     def step(self) -> list[RequestOutput]:

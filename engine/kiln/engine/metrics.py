@@ -63,6 +63,13 @@ class ServerMetrics:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self.request_queue_time = histogram("request_queue_time_seconds",
                                             "Arrival to the start of the engine step that first ran the request.")
+        # vLLM's vllm:lora_requests_info, which LoRA-aware gateways read: one series (only with LoRA),
+        # labelled with the adapters in use, its value the time they last changed.
+        self._lora_info = Gauge("kiln:lora_requests_info", "LoRA adapters of the running and waiting requests "
+                                "(comma-separated labels); the value is when they last changed.",
+                                ["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                                registry=r)
+        self._lora_seen: tuple | None = None
         success = Counter("kiln:request_success", "Finished requests by finish reason.",
                           ["model_name", "finished_reason"], registry=r)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
@@ -75,6 +82,12 @@ class ServerMetrics:
         self.num_free_kv_cache_blocks.set(stats.num_free_kv_blocks)
         self.kv_cache_bytes.set(stats.kv_cache_bytes)
         self.engine_sleep_state.set(int(stats.is_sleeping))
+        if stats.lora_adapters is not None and stats.lora_adapters != self._lora_seen:
+            self._lora_seen = stats.lora_adapters
+            running, waiting = stats.lora_adapters
+            self._lora_info.clear()
+            self._lora_info.labels(self.model_name, str(stats.max_loras), ",".join(running),
+                                   ",".join(waiting)).set_to_current_time()
         for field, followed in self._followed.items():
             total = getattr(stats, field)
             followed.inc(max(total - self._seen[field], 0))

@@ -345,6 +345,17 @@ class DetokenizeRequest(_Request):
     tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter."""
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     """Parse a JSON body into `model`, turning every failure into a 400 naming the field."""
     try:

@@ -135,7 +135,7 @@ class OpenAIServing:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req: CompletionRequest = parse_request(CompletionRequest, await request.read())
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
         prompt_ids = [self._prompt_ids(p) for p in prompts]
@@ -149,11 +149,11 @@ class OpenAIServing:
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
                 for p in prompts] if req.echo else None
         return await self._generate(request, req, prompt_ids, params, lambda index: _CompletionShape(
-            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, echo)
+            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, lora, echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         self._check_choices(1, req.n)
         top = req.top_logprobs_count()
         tools = tool_calls(req, self.tool_call_parser)
@@ -165,7 +165,7 @@ class OpenAIServing:
         if tools is not None and (constraint := tools.structured_outputs()) is not None:
             params.structured_outputs = constraint
         return await self._generate(request, req, [ids], [params], lambda index: _ChatShape(
-            self.token_text, top is not None, index, tools), False)
+            self.token_text, top is not None, index, tools), False, lora)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: a prompt's (or a conversation's) token ids as this model runs them."""
@@ -221,11 +221,17 @@ class OpenAIServing:
                                 f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _check_model(self, model: str | None) -> None:
-        """None: not given (optional, as in vLLM: this server's one model)."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names, or None for the base model (also when not
+        given: optional, as in vLLM)."""
+        loras = self.engine.engine.loras
+        if model is None or model == self.model_name:
+            return None
+        if model in loras:
+            return model
+        served = ", ".join(repr(m) for m in [self.model_name, *loras])
+        raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     def _max_tokens(self, prompt_len: int, prompt_param: str, requested: int | None, param: str,
                     default: int | None) -> int:
@@ -245,11 +251,12 @@ class OpenAIServing:
         return requested
 
     async def _generate(self, request: web.Request, req, prompts: list[list[int]], params: list[SamplingParams],
-                        shape: Callable[[int], Any], prompt_logprobs: bool,
+                        shape: Callable[[int], Any], prompt_logprobs: bool, lora: str | None,
                         echo: list[str] | None = None) -> web.StreamResponse:
         """Choices n at a time per prompt, indexed prompt by prompt as OpenAI and vLLM do; with a
         seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible.
-        prompt_logprobs: the client asked for them; echo: each prompt's text, to send first."""
+        prompt_logprobs: the client asked for them; lora: the adapter they run with; echo: each
+        prompt's text, to send first."""
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
                            _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None)
                    for i, ids in enumerate(prompts) for j in range(req.n)]
@@ -258,21 +265,23 @@ class OpenAIServing:
         # frees every choice's request.
         try:
             streams = await self._submit([(request_id if len(choices) == 1 else f"{request_id}-{c.index}",
-                                           c.prompt_ids, c.params) for c in choices])
+                                           c.prompt_ids, c.params) for c in choices], lora)
             for choice, stream in zip(choices, streams):
                 choice.stream = stream
             prompt_tokens = sum(map(len, prompts))  # once per prompt, however many choices (vLLM)
+            model = lora or self.model_name  # answered under the name asked for, as vLLM does
             if req.stream:
-                return await self._stream(request, req, request_id, choices, prompt_tokens)
-            return await self._collect(request_id, choices, prompt_tokens)
+                return await self._stream(request, req, request_id, model, choices, prompt_tokens)
+            return await self._collect(request_id, model, choices, prompt_tokens)
         finally:
             for choice in choices:
                 if choice.stream is not None:
                     self.engine.abort(choice.stream.request_id)
 
-    async def _submit(self, requests: list[tuple[str, list[int], SamplingParams]]) -> list[RequestStream]:
+    async def _submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+                      lora: str | None) -> list[RequestStream]:
         try:
-            return await self.engine.submit_all(requests)
+            return await self.engine.submit_all(requests, lora)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         except EngineDeadError as e:
@@ -280,7 +289,7 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def _collect(self, request_id: str, choices: list[_Choice], prompt_tokens: int) -> web.Response:
+    async def _collect(self, request_id: str, model: str, choices: list[_Choice], prompt_tokens: int) -> web.Response:
         echoes: dict[int, str] = {c.index: "" for c in choices}
         entries: dict[int, list[dict]] = {c.index: [] for c in choices}
         done: dict[int, dict[str, Any]] = {}
@@ -296,18 +305,18 @@ class OpenAIServing:
                     done[choice.index] = {**choice.shape.full(text, entries[choice.index], out.finish_reason),
                                           **choice.fields.prompt(out.prompt_token_ids, out),
                                           **choice.fields.generated(out.token_ids)}
-        body = envelope(request_id, choices[0].shape.object_full, self.model_name, [done[i] for i in sorted(done)],
+        body = envelope(request_id, choices[0].shape.object_full, model, [done[i] for i in sorted(done)],
                         usage=usage(prompt_tokens, completion_tokens))
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, req, request_id: str, choices: list[_Choice],
+    async def _stream(self, request: web.Request, req, request_id: str, model: str, choices: list[_Choice],
                       prompt_tokens: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         extra: dict[str, Any] = {"created": int(time.time()), **({"usage": None} if req.include_usage else {})}
 
         def chunk(choices: list[dict[str, Any]], **fields: Any) -> bytes:
-            return sse(envelope(request_id, object_chunk, self.model_name, choices, **{**extra, **fields}))
+            return sse(envelope(request_id, object_chunk, model, choices, **{**extra, **fields}))
 
         object_chunk = choices[0].shape.object_chunk
         completion_tokens = 0

@@ -13,7 +13,8 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from kiln.engine.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kiln.engine.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 FinishReason = Literal["stop", "length"]
@@ -115,6 +116,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None = Field(default=None, ge=1)  # once the model is loaded
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):
@@ -152,7 +155,8 @@ class Detokenized(BaseModel):
 
 MODELS: list[type[BaseModel]] = [
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorResponse, Completion,
-    ChatCompletion, ModelList, Tokens, Detokenized, Health, Readiness, SleepState, SleepChange]
+    ChatCompletion, ModelList, Tokens, Detokenized, Health, Readiness, SleepState, SleepChange,
+    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
 
 
 def ref(model: type[BaseModel] | str) -> dict[str, str]:
@@ -264,8 +268,22 @@ def engine_document() -> dict[str, Any]:
             "200": response("awake", SleepChange), "503": _NOT_READY}),
         "/is_sleeping": get("Whether the KV cache is released", "isSleeping", {
             "200": response("the state", SleepState), "503": _NOT_READY}),
+        "/v1/load_lora_adapter": _lora("Load a LoRA adapter (a PEFT folder), served under its name",
+                                       LoadLoRAAdapterRequest, "400", "a bad adapter or name, or LoRA not enabled"),
+        "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter", UnloadLoRAAdapterRequest, "404",
+                                         "no adapter of that name", "409", "requests still use it (code busy)"),
         "/openapi.json": self_path(),
     })
+
+
+def _lora(summary: str, request: type[BaseModel], *errors: str) -> dict[str, Any]:
+    """vLLM's adapter endpoints: a line of text on success; `errors`: status, description pairs."""
+    statuses = {"400": "a bad request body, or LoRA not enabled (--enable-lora)", "413": "the body is over 16 MiB",
+                **dict(zip(errors[::2], errors[1::2]))}
+    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
+                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+                     "responses": {"200": response("done", media=TEXT),
+                                   **{code: error(why) for code, why in statuses.items()}, "503": _NOT_READY}}}
 
 
 def handler(document: Callable[[], dict[str, Any]]) -> Callable[[web.Request], Awaitable[web.Response]]:

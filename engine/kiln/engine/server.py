@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kiln.engine import Config, LLMEngine, SamplingParams, openapi, tool_parsers
+from kiln.engine import Config, LLMEngine, SamplingParams, lora_serving, openapi, tool_parsers
 from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
@@ -73,6 +73,8 @@ class Server:
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
             web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping),
+            web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             web.get("/openapi.json", openapi.handler(openapi.engine_document))])
 
     @property
@@ -183,7 +185,8 @@ class Server:
         if self.serving is not None:
             card["max_model_len"] = self.serving.max_model_len
             card["dtype"] = str(self.config.torch_dtype).removeprefix("torch.")  # what --dtype auto chose
-        return web.json_response({"object": "list", "data": [card]})
+        cards = lora_serving.model_cards(self.engine, self.model_name, card)  # and the LoRA adapters
+        return web.json_response({"object": "list", "data": cards})
 
     # A standby replica (warm pool) sleeps: its KV cache is released until it is woken, by
     # POST /wake_up or implicitly by its first request. The names are vLLM's sleep-mode endpoints.
@@ -220,6 +223,12 @@ class Server:
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self.serving.tokenize(request)
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_serving.load_lora_adapter(self.engine, self.model_name, request)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora_serving.unload_lora_adapter(self.engine, request)
+
     async def detokenize(self, request: web.Request) -> web.Response:
         return await self.serving.detokenize(request)
 
@@ -242,6 +251,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
+        name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
+        lora_serving.check_names(args.lora_modules, name)
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -251,7 +262,9 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         attention_backend=args.attention_backend, device=args.device, seed=args.seed,
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
                         gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype,
-                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        lora_modules=tuple(args.lora_modules),
                         speculative=SpeculativeConfig.from_json(args.speculative_config)
                         if args.speculative_config else None)
     except ValueError as e:
@@ -269,7 +282,6 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # which a waiting thread gets only after the switch interval (5 ms by default): a token's
     # streaming work could hold a decode step back by milliseconds. 0.5 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
@@ -317,6 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_positive(int), default=16)
     add_memory_arguments(parser)
     add_quantization_arguments(parser)
+    lora_serving.add_lora_arguments(parser)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
                         help="the engine's one backend for attention, norm and RoPE: auto = triton on CUDA, "

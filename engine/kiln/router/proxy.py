@@ -387,6 +387,13 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def adapters_are_in_the_spec(request: web.Request) -> web.Response:
+    """Loading an adapter through the router would change one replica of many: the set is the
+    InferenceService's, and a change to it rolls out to every replica."""
+    return error_response(403, "LoRA adapters are set in the InferenceService's engine.adapters; a change there "
+                               "rolls out to every replica", "invalid_request_error", "adapters_in_spec")
+
+
 def build_app(source: EndpointSource, limits: Limits = Limits(),
               traffic: TrafficSource | None = None, api_keys: ApiKeys | None = None) -> web.Application:
     """`traffic`: the rollout's split (None: no split, every ready replica alike); `api_keys`:
@@ -399,6 +406,8 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_page)
     app.router.add_get("/openapi.json", handler(router_document))
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # before /v1/*: never one replica's
+        app.router.add_route("*", path, adapters_are_in_the_spec)
     app.router.add_route("*", "/v1/{tail:.*}", router.forward)
     for path in ("/tokenize", "/detokenize"):  # vLLM's, answered by any replica
         app.router.add_route("*", path, router.forward)

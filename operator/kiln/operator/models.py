@@ -6,7 +6,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from kubernetes.utils import parse_quantity
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 GROUP = "kiln.dev"
 VERSION = "v1alpha1"
@@ -75,6 +75,7 @@ class Spec(BaseModel):
 
 class ModelSpec(Spec):
     """Which weights to serve and under what name."""
+
     name: str | None = Field(None, max_length=128, description=(
         "The name clients send as the OpenAI `model`; defaults to the last part of the source."))
     source: str = Field(max_length=512, description=(
@@ -83,6 +84,14 @@ class ModelSpec(Spec):
             "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?"
             "|hostpath:///[^/].*)$')",
             "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>")))
+
+    @property
+    def served_name(self) -> str:
+        """name, or the source's last part (a .gguf without its suffix)."""
+        if self.name:
+            return self.name
+        last = self.source.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
+        return last.removesuffix(".gguf")
 
 
 class KVCache(Spec):
@@ -119,6 +128,17 @@ class Speculative(Spec):
     model: ModelSpec | None = None
 
 
+class Adapter(Spec):
+    """A LoRA adapter (a PEFT folder: adapter_config.json, adapter_model.safetensors) that the engines
+    serve beside the model, under its own name."""
+    name: str = Field(max_length=128, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*$", description=(
+        "The name clients send as the OpenAI `model` to run with this adapter."))
+    source: str = Field(max_length=512, description="pvc://<claim>/<path> or hostpath:///<absolute path>.",
+                        json_schema_extra=rules(cel(
+                            "self.matches('^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?|hostpath:///[^/].*)$')",
+                            "must be pvc://<claim>/<path> or hostpath:///<absolute path>")))
+
+
 # Kubernetes refuses these names for env variables and Secret/ConfigMap keys.
 NOT_DOTS = rules(cel("self != '.' && !self.startsWith('..')", "must not be '.' or start with '..'"))
 
@@ -150,8 +170,13 @@ class EnvVar(Spec):
         return value or None  # as the API server stores it (it drops an empty value), or plans never end
 
 
+NO_TP_ADAPTERS = "engine.adapters cannot be served with tensor parallelism (engine.tensorParallelSize > 1)"
+
+
 class Engine(Spec):
     """Engine settings; any change here (or to the model) makes a new revision."""
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0", NO_TP_ADAPTERS)))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     maxModelLen: int | None = Field(None, ge=16, le=1 << 20)
     maxNumSeqs: int = Field(128, ge=1, le=4096)
@@ -168,6 +193,17 @@ class Engine(Spec):
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))
+    adapters: Annotated[list[Adapter], *BY_NAME] = Field(default_factory=list, max_length=32, description=(
+        "LoRA adapters served beside the model, each under its name; not with tensor parallelism."))
+    maxLoras: int = Field(1, ge=1, le=64, description=(
+        "Distinct adapters one batch may mix; requests of other adapters wait for a seat."))
+    maxLoraRank: int = Field(16, ge=1, le=512, description="The largest rank an adapter may have.")
+
+    @model_validator(mode="after")
+    def _adapters_without_tensor_parallelism(self) -> Engine:
+        if self.adapters and self.tensorParallelSize > 1:
+            raise ValueError(NO_TP_ADAPTERS)
+        return self
 
     @property
     def draft_model(self) -> ModelSpec | None:
@@ -300,12 +336,17 @@ class RouterSpec(Spec):
     replicas: int = Field(1, ge=1, le=20)
 
 
+ADAPTER_IS_MODEL = "an engine.adapters name is the model's own name: requests could not tell them apart"
+
+
 class InferenceServiceSpec(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
         "engine.tensorParallelSize must divide resources.gpus"), cel(
         "self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
-        "engine.tensorParallelSize is larger than resources.gpus: a tensor-parallel rank needs a GPU of its own")))
+        "engine.tensorParallelSize is larger than resources.gpus: a tensor-parallel rank needs a GPU of its own"), cel(
+        "!has(self.model.name) || !has(self.engine.adapters) || "
+        "!self.engine.adapters.exists(a, a.name == self.model.name)", ADAPTER_IS_MODEL)))
     model: ModelSpec
     replicas: int = Field(1, ge=0, le=1000, description=(
         "Replicas when autoscaling is off; what /scale (HPA, KEDA, kubectl scale) sets."))
@@ -320,6 +361,12 @@ class InferenceServiceSpec(Spec):
         default_factory=list, max_length=16, description=(
             "Registry credentials (kubernetes.io/dockerconfigjson Secrets) for the engine and router "
             "pods, when the engine image is in a private registry; changing them restarts the pods."))
+
+    @model_validator(mode="after")
+    def _adapters_named_apart_from_the_model(self) -> InferenceServiceSpec:
+        if any(adapter.name == self.model.served_name for adapter in self.engine.adapters):
+            raise ValueError(ADAPTER_IS_MODEL)
+        return self
 
 
 class Condition(BaseModel):

@@ -12,7 +12,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from . import images
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec, ModelSpec
+from .models import GROUP, KIND, VERSION, Adapter, InferenceServiceSpec, ModelSpec
 from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
@@ -29,6 +29,7 @@ ROUTER_CLUSTER_ROLE = "kiln-router"
 API_KEYS_ENV = "KILN_API_KEYS"  # what `kiln router` reads its keys from (kiln.router.auth)  # shipped in manifests/base/rbac.yaml
 MODEL_MOUNT = "/models"
 DRAFT_MOUNT = "/draft-model"
+ADAPTER_MOUNT = "/adapters"  # the i-th adapter's claim at /adapters/<i>
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
 # covers that pause plus finishing in-flight generations.
 PRESTOP_SLEEP_S = 10
@@ -65,13 +66,6 @@ def revision_name(name: str, spec: InferenceServiceSpec) -> str:
     return f"{name}-{digest[:8]}"
 
 
-def served_model_name(spec: InferenceServiceSpec) -> str:
-    if spec.model.name:
-        return spec.model.name
-    last = spec.model.source.split("://", 1)[1].rstrip("/").rsplit("/", 1)[-1]
-    return last.removesuffix(".gguf")
-
-
 def selector(name: str, component: str = "engine") -> dict[str, str]:
     return {LABEL_ISVC: name, LABEL_COMPONENT: component}
 
@@ -96,7 +90,7 @@ def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None
     }
 
 
-def model_location(model: ModelSpec, volume: str = "model", mount_path: str = MODEL_MOUNT
+def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path: str = MODEL_MOUNT
                    ) -> tuple[str, list[dict], list[dict]]:
     """(--model argument, volumes, volume mounts) for a model source; a pvc:// claim is mounted at mount_path."""
     scheme, rest = model.source.split("://", 1)
@@ -113,26 +107,40 @@ def model_location(model: ModelSpec, volume: str = "model", mount_path: str = MO
     return path, [source], [{"name": volume, "mountPath": path, "readOnly": True}]
 
 
-def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[dict], list[dict]]:
-    """(--model argument, the draft model's or None, volumes, volume mounts) of the target model
-    and the draft model the engines speculate with; a path both share is mounted once."""
+def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[str], list[dict], list[dict]]:
+    """(--model argument, the draft model's or None, --lora-modules entries, volumes, volume mounts)
+    of the target model, the draft model the engines speculate with and the LoRA adapters; a path
+    two of them share is mounted once."""
     model_arg, volumes, mounts = model_location(spec.model)
     draft = spec.engine.draft_model
-    if draft is None:
-        return model_arg, None, volumes, mounts
-    draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT)
+    draft_arg = None
+    if draft is not None:
+        draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT)
+        _add_volumes(volumes, mounts, draft_volumes, draft_mounts)
+    lora_modules = []
+    for i, adapter in enumerate(spec.engine.adapters):
+        path, adapter_volumes, adapter_mounts = model_location(adapter, f"adapter-{i}", f"{ADAPTER_MOUNT}/{i}")
+        _add_volumes(volumes, mounts, adapter_volumes, adapter_mounts)
+        lora_modules.append(f"{adapter.name}={path}")
+    return model_arg, draft_arg, lora_modules, volumes, mounts
+
+
+def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict], new_mounts: list[dict]) -> None:
+    """Add a source's volumes and mounts, but none at a path already mounted."""
     taken = {m["mountPath"] for m in mounts}
-    kept = [m for m in draft_mounts if m["mountPath"] not in taken]
+    kept = [m for m in new_mounts if m["mountPath"] not in taken]
     names = {m["name"] for m in kept}
-    return model_arg, draft_arg, volumes + [v for v in draft_volumes if v["name"] in names], mounts + kept
+    volumes += [v for v in new_volumes if v["name"] in names]
+    mounts += kept
 
 
 TP_KV_CACHE_MEMORY = "1Gi"
 
 
-def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None) -> list[str]:
+def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None,
+                lora_modules: list[str] | None = None) -> list[str]:
     engine = spec.engine
-    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", served_model_name(spec),
+    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", spec.model.served_name,
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
             "--max-num-seqs", str(engine.maxNumSeqs)]
     # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
@@ -159,6 +167,9 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
         args += ["--speculative-config", json.dumps(config)]
     if engine.toolCallParser != "none":
         args += ["--tool-call-parser", engine.toolCallParser]
+    if lora_modules:
+        args += ["--enable-lora", "--max-loras", str(engine.maxLoras), "--max-lora-rank", str(engine.maxLoraRank),
+                 "--lora-modules", *lora_modules]
     return args
 
 
@@ -209,7 +220,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     revision = revision_name(owner.name, spec)
     pod_labels = {**labels(owner.name), LABEL_REVISION: revision,
                   **({LABEL_SERVING: "false"} if pooled(spec) else {})}
-    model_arg, draft_arg, volumes, mounts = model_volumes(spec)
+    model_arg, draft_arg, lora_modules, volumes, mounts = model_volumes(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
     env = [{"name": "HOME", "value": "/tmp"}]
@@ -222,7 +233,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     container = {
         "name": "engine",
         "image": image,
-        "command": engine_args(spec, model_arg, draft_arg),
+        "command": engine_args(spec, model_arg, draft_arg, lora_modules),
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": container_resources(spec),

@@ -1,0 +1,92 @@
+"""LoRA adapters on `kiln serve`, with vLLM's flags and endpoints: `--enable-lora --lora-modules
+name=path`, each adapter listed by /v1/models and served under its name as the OpenAI `model`, and
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter to change the set while serving."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from kiln.engine.openai_protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
+
+if TYPE_CHECKING:
+    from kiln.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: name=path, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.startswith("{"):
+        try:
+            entry = json.loads(text)
+            name, path = entry["name"], entry["path"]
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f'not {{"name": ..., "path": ...}}: {text}') from None
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path (an adapter's name and its PEFT folder), got {text!r}")
+    return name, path
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters beside the model: requests name one as their model")
+    parser.add_argument("--lora-modules", type=lora_module, nargs="+", default=[], metavar="NAME=PATH",
+                        help="adapters (PEFT folders) loaded at start, each served under its name")
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="distinct adapters one batch may mix; requests of others wait for a seat")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank an adapter may have")
+
+
+def check_names(lora_modules: list[tuple[str, str]], model_name: str) -> None:
+    """ValueError for names a request could not tell apart."""
+    names = [name for name, _ in lora_modules]
+    if model_name in names:
+        raise ValueError(f"--lora-modules: {model_name!r} is the served model's name")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"--lora-modules: {', '.join(duplicates)} given more than once")
+
+
+def model_cards(engine: AsyncEngine | None, model_name: str, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """/v1/models: the base model's card, then one per adapter naming its parent (as vLLM does)."""
+    loras = engine.engine.loras if engine is not None else {}
+    return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "kiln", "root": adapter.path,
+                      "parent": model_name} for name, adapter in loras.items()]
+
+
+async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.Request) -> web.Response:
+    req: LoadLoRAAdapterRequest = parse_request(LoadLoRAAdapterRequest, await request.read())
+    _check_enabled(engine)
+    if req.lora_name == model_name:
+        raise APIError(400, f"{req.lora_name!r} is the served model's name", param="lora_name")
+    try:
+        adapter = await engine.call(lambda: engine.engine.add_lora(req.lora_name, req.lora_path))
+    except ValueError as e:  # a bad folder (LoRAError), or the name is taken
+        raise APIError(400, str(e), param="lora_path" if "already loaded" not in str(e) else "lora_name") from None
+    log.info("LoRA adapter %r loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(engine: AsyncEngine, request: web.Request) -> web.Response:
+    req: UnloadLoRAAdapterRequest = parse_request(UnloadLoRAAdapterRequest, await request.read())
+    _check_enabled(engine)
+    try:
+        await engine.call(lambda: engine.engine.remove_lora(req.lora_name))
+    except KeyError:
+        raise APIError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
+                       code="model_not_found") from None
+    except ValueError as e:  # requests still use it: nothing of theirs is lost
+        raise APIError(409, str(e), param="lora_name", code="busy") from None
+    log.info("LoRA adapter %r unloaded", req.lora_name)
+    return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def _check_enabled(engine: AsyncEngine) -> None:
+    if not engine.engine.config.enable_lora:
+        raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora)")

@@ -1,0 +1,147 @@
+"""LoRA adapters through `kiln serve` (vLLM's flags and endpoints), driven by the openai client and raw
+HTTP: each adapter answers under its name as the in-process engine does with it, and adapters are
+loaded and unloaded while the server runs, with every bad request refused by name."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kiln.engine.llm_engine import LLM
+from kiln.engine.sampling_params import SamplingParams
+from kiln_process import REPO, get
+from lora_support import SMOLLM2, write_adapter
+from test_server import MODEL, ServerProcess, post
+
+PROMPT = "The capital of France is"
+
+
+def adapter_call(url: str, body: dict) -> tuple[int, str | dict]:
+    """POST to an adapter endpoint: (status, the success line or the error JSON)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("served-loras")
+    write_adapter(root / "sql", SMOLLM2, seed=11)
+    write_adapter(root / "poet", SMOLLM2, seed=12, rank=4, alpha=32, targets=("q_proj", "v_proj", "down_proj"))
+    return {"sql": root / "sql", "poet": root / "poet"}
+
+
+@pytest.fixture(scope="module")
+def server(folders):
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "128Mi",
+                      "--enable-lora", "--lora-modules", f"sql={folders['sql']}", "--max-loras", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(folders) -> dict[str | None, str]:
+    """Greedy text of PROMPT from the in-process engine: base, and with each adapter."""
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", enable_lora=True, max_loras=2,
+              lora_modules=tuple((name, str(path)) for name, path in folders.items()),
+              kv_cache_memory=64 << 20, max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    return {lora: llm.generate(PROMPT, greedy, lora=lora)[0].text for lora in (None, "sql", "poet")}
+
+
+def test_adapters_are_listed_and_answer_under_their_name(server, folders, reference):
+    cards = server.client.models.list().data
+    assert [m.id for m in cards] == [MODEL, "sql"]
+    assert cards[1].parent == MODEL and cards[1].root == str(folders["sql"])
+    assert len(set(reference.values())) == 3  # each adapter says something else
+    for model, lora in ((MODEL, None), ("sql", "sql")):
+        answer = server.client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=16)
+        assert answer.model == model and answer.choices[0].text == reference[lora]
+    chunks = list(server.client.completions.create(model="sql", prompt=PROMPT, temperature=0, max_tokens=16,
+                                                   stream=True))
+    assert {c.model for c in chunks} == {"sql"} and "".join(c.choices[0].text for c in chunks) == reference["sql"]
+    chat = server.client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "Hi"}],
+                                                 temperature=0, max_tokens=4)
+    assert chat.model == "sql"
+    status, body = post(server.url + "/tokenize", {"model": "sql", "prompt": PROMPT})
+    assert status == 200 and body["count"] > 0
+
+
+def test_unknown_model_names_what_is_served(server):
+    status, body = post(server.url + "/v1/completions", {"model": "sq1", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "'smol', 'sql'" in body["error"]["message"]
+
+
+def test_load_and_unload_while_serving(server, folders, reference):
+    url = server.url
+    assert adapter_call(url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(folders["poet"])}) == \
+        (200, "Success: LoRA adapter 'poet' added successfully.")
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql", "poet"]
+    answer = server.client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=16)
+    assert answer.choices[0].text == reference["poet"]
+    # a long stream holds the adapter: unloading it is refused and the stream loses nothing
+    stream = server.client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=200,
+                                              stream=True, extra_body={"ignore_eos": True})
+    texts: list[str] = []
+    reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+    reader.start()
+    status, body = adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "poet"})
+    # vLLM's lora_requests_info, as LoRA-aware gateways read it: recorded before the 409 was answered
+    info = [key for key in server.metrics() if key.startswith("kiln:lora_requests_info")]
+    reader.join(120)
+    assert status == 409 and body["error"]["code"] == "busy" and "in use" in body["error"]["message"]
+    assert info == ["kiln:lora_requests_info{max_lora=2,running_lora_adapters=poet,waiting_lora_adapters=}"]
+    assert "".join(texts).startswith(reference["poet"]) and len(texts) >= 190
+    assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "poet"})[0] == 200
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
+    assert post(url + "/v1/completions", {"model": "poet", "prompt": PROMPT, "max_tokens": 2})[0] == 404
+
+
+@pytest.mark.parametrize("path, body, status, message", [
+    ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded"),
+    ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json"),
+    ("load", {"lora_name": MODEL, "lora_path": "/nonexistent"}, 400, "the served model's name"),
+    ("load", {"lora_name": "new"}, 400, "lora_path"),
+    ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name"),
+    ("unload", {"lora_name": "nobody"}, 404, "no LoRA adapter named 'nobody'"),
+    ("unload", {"lora_name": "sql", "extra": 1}, 400, "extra"),
+])
+def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, message):
+    got, answer = adapter_call(f"{server.url}/v1/{path}_lora_adapter", body)
+    assert got == status and message in answer["error"]["message"], answer
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]  # nothing changed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lora-modules", "sql=/x"], "need enable_lora (--enable-lora)"),
+    (["--enable-lora", "--lora-modules", "smollm2-135m=/x"], "is the served model's name"),
+    (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "a given more than once"),
+    (["--enable-lora", "--lora-modules", "noequals"], "expected name=path"),
+    (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
+    (["--enable-lora", "--tensor-parallel-size", "2"], "with tensor parallelism are not supported"),
+])
+def test_bad_lora_flags_stop_the_server_before_loading(args, message):
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_an_adapter_that_cannot_load_fails_the_start(tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8, "use_dora": true}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--enable-lora", "--lora-modules",
+                           f"d={tmp_path}", "--max-model-len", "64", "--kv-cache-memory", "16Mi", "--port", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "DoRA are not supported" in done.stderr, done.stderr[-2000:]
+
+
