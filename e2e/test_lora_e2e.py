@@ -16,7 +16,7 @@ import pytest
 from e2e_support import LOAD_TIMEOUT, PROMPT, REPO, Target
 
 sys.path.insert(0, str(REPO / "tests"))  # the adapter writer, shared with tests/
-from test_lora import SMOLLM2, write_adapter  # noqa: E402
+from lora_support import SMOLLM2, write_adapter  # noqa: E402
 
 NAME = "smol-lora"
 

@@ -44,7 +44,9 @@ class FakeEngine:
     one per item put in `steps`); endless (SSE events until the client goes away); break
     (one SSE event, then drop the connection); hang_up (drop the connection unanswered).
     It keeps the last request's body and headers, and has the engine's POST /sleep, a route
-    no client of the router may reach."""
+    no client of the router may reach. With `serves`, a request naming another model gets the
+    engine's 404 (code model_not_found)."""
+    serves: set[str] | None = None
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -64,9 +66,13 @@ class FakeEngine:
         self.hits += 1
         self.body, self.headers = await request.read(), request.headers
         try:
-            script = json.loads(self.body).get("fake", "answer")
-        except (ValueError, RecursionError):
-            script = "answer"
+            payload = json.loads(self.body)
+            script, model = payload.get("fake", "answer"), payload.get("model")
+        except (ValueError, RecursionError, AttributeError):
+            script, model = "answer", None
+        if self.serves is not None and model not in self.serves:
+            return web.json_response({"error": {"message": f"model {model!r} does not exist", "type": "x",
+                                                "param": "model", "code": "model_not_found"}}, status=404)
         try:
             return await getattr(self, f"_{script}")(request)
         except asyncio.CancelledError:  # the client hung up; a real engine aborts the request

@@ -76,6 +76,32 @@ async def test_a_weighted_revision_without_ready_replicas_gives_its_share_to_the
 
 
 @on_event_loop
+async def test_a_model_only_one_revision_serves_is_answered_there() -> None:
+    """A LoRA adapter the canary adds (or the stable revision still has) is never a 404 for the
+    share of requests the split sends to the revision without it."""
+    traffic = split({"stable": 50, "canary": 50})
+    async with service(3, revisions=["stable", "stable", "canary"], traffic=traffic) as svc:
+        for fake in svc.engines[:2]:
+            fake.serves = {"base"}
+        svc.engines[2].serves = {"base", "sql"}
+        for _ in range(20):
+            answer = await svc.client.post("/v1/completions", json={"model": "sql", "prompt": "x"})
+            assert answer.status == 200 and (await answer.json())["engine"] == "engine-2"
+        stable_hits = sum(svc.hits()[:2])
+        assert stable_hits > 0  # some went to the stable revision first, and were answered by the canary
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_requests_total", revision="canary", code="200") == 20
+        # A model no revision serves: the engine's 404, after asking each revision once.
+        answer = await svc.client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert answer.status == 404 and (await answer.json())["error"]["code"] == "model_not_found"
+        assert sum(svc.hits()) == stable_hits + 20 + 2
+        # Another 404 (no such route on the engine) is passed on, not retried.
+        before = sum(svc.hits())
+        answer = await svc.client.post("/v1/embeddings", json={"model": "base"})
+        assert answer.status == 404 and sum(svc.hits()) == before
+
+
+@on_event_loop
 async def test_mirrored_comparisons_score_the_canary_and_the_noise_floor() -> None:
     ScoringEngine.agrees = 3  # the canary's argmax matches 3 of the 4 stable tokens
     traffic = split({"stable": 50, "canary": 50}, Mirror(sample_rate=0.5, floor_sample_rate=0.5))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -87,6 +88,15 @@ class _Retryable(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.stale = reason == "stale_connection"
+
+
+class _NotServedHere(Exception):
+    """The replica's revision does not serve the model the request names (a LoRA adapter that
+    one revision of a rollout adds or still has): another revision may."""
+
+    def __init__(self, answer: web.Response) -> None:
+        super().__init__("model_not_found")
+        self.answer = answer  # the 404, for when no other revision can take it
 
 
 def _failure_reason(exc: Exception, reused: bool) -> str:
@@ -222,6 +232,7 @@ class Router:
                     exchange: _Exchange) -> web.StreamResponse:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
+        not_served: web.Response | None = None  # a revision's 404 for the model named
         stale = 0
         again: Endpoint | None = None  # the replica a dead pooled connection was to
         while len(tried) < ATTEMPTS:
@@ -230,6 +241,8 @@ class Router:
             else:
                 endpoint = self.balancer.pick(failed, self._revision(failed))
             again = None
+            if endpoint is None and not_served is not None:  # no other revision to ask
+                return not_served
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
@@ -243,6 +256,9 @@ class Router:
             try:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange)
+            except _NotServedHere as e:
+                not_served = e.answer
+                failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
             except _Retryable as retry:
                 if retry.stale and stale < MAX_STALE:
                     # A dead pooled connection says nothing of the replica (e.g. one that left
@@ -256,6 +272,8 @@ class Router:
                     self.metrics.retries.labels(endpoint.revision).inc()
                     continue
                 failed.append(endpoint)
+        if not_served is not None:
+            return not_served
         exchange.revision = NO_REVISION
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
         return error_response(503, f"no replica could take the request ({len(tried)} "
@@ -323,6 +341,12 @@ class Router:
                                   "bad_gateway", "upstream_error")
         if exchange.held is not None:  # its status line: the first byte after the wait
             self.metrics.cold_started(time.monotonic() - exchange.held)
+        if upstream.status == 404 and upstream.content_type == "application/json":
+            async with upstream:  # an error body: small, and needed whole to tell which 404
+                answer = web.Response(status=404, body=await upstream.read(), content_type="application/json")
+            if _error_code(answer.body) == "model_not_found":
+                raise _NotServedHere(answer)
+            return answer
         async with upstream:
             response = web.StreamResponse(
                 status=upstream.status, reason=upstream.reason,
@@ -385,6 +409,13 @@ class Router:
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def adapters_are_in_the_spec(request: web.Request) -> web.Response:
