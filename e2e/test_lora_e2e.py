@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from e2e_support import LOAD_TIMEOUT, PROMPT, REPO, Target
+from e2e_support import PROMPT, REPO, Target, ready_with_its_engine_pod
 
 sys.path.insert(0, str(REPO / "tests"))  # the adapter writer, shared with tests/
 from lora_support import SMOLLM2, write_adapter  # noqa: E402
@@ -36,13 +36,7 @@ def test_an_adapter_in_the_spec_is_served_under_its_name(target: Target, namespa
                      "resources": {"cpu": "1", "memory": "2Gi"}}}
     target.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
     try:
-        target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
-                       f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
-        status = json.loads(target.kubectl("get", "isvc", NAME, "-n", namespace, "-o", "json"))["status"]
-        assert {c["type"]: c["status"] for c in status["conditions"]}["SpecImplemented"] == "True"
-        (pod,) = json.loads(target.kubectl("get", "pods", "-n", namespace, "-l",
-                                           f"kiln.dev/inferenceservice={NAME},kiln.dev/component=engine",
-                                           "-o", "json"))["items"]
+        pod = ready_with_its_engine_pod(target, namespace, NAME)
         command = pod["spec"]["containers"][0]["command"]
         assert command[command.index("--lora-modules") + 1:] == [f"sql={folder}"]
 

@@ -13,7 +13,7 @@ import sys
 import openai
 import pytest
 
-from e2e_support import LOAD_TIMEOUT, REPO, Target
+from e2e_support import REPO, Target, ready_with_its_engine_pod
 
 sys.path.insert(0, str(REPO / "tests"))  # the tiny model's writer, shared with tests/
 from tiny_models import write_tiny_model  # noqa: E402
@@ -37,14 +37,7 @@ def test_tp2_service_on_a_gpu_node_asks_two_gpus_and_answers_like_tp1(target: Ta
                      "resources": {"gpus": 2, "cpu": "1", "memory": "2Gi"}}}
     target.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
     try:
-        target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
-                       f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
-        status = json.loads(target.kubectl("get", "isvc", NAME, "-n", namespace, "-o", "json"))["status"]
-        assert {c["type"]: c["status"] for c in status["conditions"]}["SpecImplemented"] == "True"
-        pods = json.loads(target.kubectl("get", "pods", "-n", namespace, "-l",
-                                         f"kiln.dev/inferenceservice={NAME},kiln.dev/component=engine",
-                                         "-o", "json"))["items"]
-        (pod,) = pods
+        pod = ready_with_its_engine_pod(target, namespace, NAME)
         (c,) = pod["spec"]["containers"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
         assert c["command"][-2:] == ["--tensor-parallel-size", "2"]

@@ -155,6 +155,18 @@ def smollm2_fp32(smollm2_path: Path):
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path):
+    """(model, tokenizer) of HF transformers from the same GGUF, float32: the reference. Shared:
+    never change its weights."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                              dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
 def smollm2_dequantized(smollm2_path: Path):
     """SmolLM2 in float32 on the CPU with every GGUF weight dequantized (no packed Q4_1
     projections): the float model quantized variants are computed from. Shared: never change it."""

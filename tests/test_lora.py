@@ -10,13 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.engine.config import Config
-from kiln.engine.context import prefill_context, reset_context, set_context
-from kiln.engine.lora import LoRAError, load_adapter, lora_mapping
+from kiln.engine.lora import LoRAError, load_adapter
 from kiln.engine.llm_engine import LLM, LLMEngine
 from kiln.engine.sampling_params import SamplingParams
 
 from lora_support import merged_into, write_adapter
-from test_model import hf_smollm2, rel_err  # noqa: F401 (a fixture)
+from test_model import forward_prefill, rel_err
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -41,20 +40,6 @@ def llm(adapters, smollm2_path) -> LLM:
     return llm
 
 
-def forward_with_adapters(model, prompts: list[list[int]], adapters: list) -> torch.Tensor:
-    """Logits of every token of the prompts as one flat batch (no KV cache), prompt i with adapters[i]."""
-    context = prefill_context([len(p) for p in prompts])
-    context.lora = lora_mapping([(a, len(p)) for a, p in zip(adapters, prompts)], torch.device("cpu"))
-    set_context(context)
-    try:
-        ids = torch.tensor([t for p in prompts for t in p])
-        positions = torch.cat([torch.arange(len(p)) for p in prompts])
-        with torch.inference_mode():
-            return model.compute_logits(model(ids, positions))
-    finally:
-        reset_context()
-
-
 @pytest.mark.parametrize("name, scale", [("sql", 16 / 8), ("attn", 8 / 4 ** 0.5)])
 def test_adapter_logits_match_transformers_with_the_update_merged(name, scale, adapters, hf_smollm2,
                                                                    smollm2_path) -> None:
@@ -69,7 +54,7 @@ def test_adapter_logits_match_transformers_with_the_update_merged(name, scale, a
     adapter = engine.add_lora(name, str(path))
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
     # the adapter on the middle prompt only: its rows, and no others, take the update
-    logits = forward_with_adapters(engine.runner.model, prompts, [None, adapter, None])
+    logits = forward_prefill(engine.runner.model, prompts, [None, adapter, None])
     start = 0
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
@@ -221,8 +206,8 @@ def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, a
                               kv_cache_memory=16 << 20, max_model_len=256))
     adapter = engine.add_lora("sql", str(path))
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
-    with_adapter = forward_with_adapters(engine.runner.model, prompts, [adapter] * len(prompts)).float()
-    without = forward_with_adapters(engine.runner.model, prompts, [None] * len(prompts)).float()
+    with_adapter = forward_prefill(engine.runner.model, prompts, [adapter] * len(prompts)).float()
+    without = forward_prefill(engine.runner.model, prompts, [None] * len(prompts)).float()
     with torch.no_grad():
         ref = torch.cat([merged(torch.tensor([p])).logits[0] for p in prompts])
     assert rel_err(with_adapter, ref) < rel_err(without, ref) * (0.95 if quantization == "int4" else 0.5)

@@ -15,7 +15,7 @@ import pytest
 
 from kiln.engine.llm_engine import LLM
 from kiln.engine.sampling_params import SamplingParams
-from kiln_process import REPO, get
+from kiln_process import REPO
 from lora_support import SMOLLM2, write_adapter
 from test_server import MODEL, ServerProcess, post
 

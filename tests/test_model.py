@@ -12,6 +12,7 @@ from kiln.engine.attention import paged_attention, store_kvcache
 from kiln.engine.config import Config
 from kiln.engine.context import Context, prefill_context, reset_context, set_context
 from kiln.engine.loader import load_model
+from kiln.engine.lora import lora_mapping
 from kiln.engine.tokenizer import IncrementalDetokenizer
 
 TEXTS = ["Hello world!", "The capital of France is", "café naïve — 日本語のテキスト 🚀🔥👩‍👩‍👧",
@@ -19,18 +20,13 @@ TEXTS = ["Hello world!", "The capital of France is", "café naïve — 日本語
          "<|im_start|>user\nspecial tokens stay whole<|im_end|>", "def f(x):\n    return x ** 2  # code"]
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path: Path):
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                              dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    return model.eval(), tokenizer
-
-
-def forward_prefill(model, prompts: list[list[int]]) -> torch.Tensor:
-    """Logits of every token of several prompts run as one flattened batch, no KV cache."""
-    set_context(prefill_context([len(p) for p in prompts]))
+def forward_prefill(model, prompts: list[list[int]], adapters: list | None = None) -> torch.Tensor:
+    """Logits of every token of several prompts run as one flattened batch, no KV cache; prompt i
+    with the LoRA adapter adapters[i] (kiln.engine.lora), if given."""
+    context = prefill_context([len(p) for p in prompts])
+    if adapters is not None:
+        context.lora = lora_mapping([(a, len(p)) for a, p in zip(adapters, prompts)], torch.device("cpu"))
+    set_context(context)
     try:
         ids = torch.tensor([t for p in prompts for t in p])
         positions = torch.cat([torch.arange(len(p)) for p in prompts])
