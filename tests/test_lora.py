@@ -211,3 +211,16 @@ def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, a
     with torch.no_grad():
         ref = torch.cat([merged(torch.tensor([p])).logits[0] for p in prompts])
     assert rel_err(with_adapter, ref) < rel_err(without, ref) * (0.95 if quantization == "int4" else 0.5)
+
+
+def test_speculative_decoding_checks_drafts_with_the_adapter(llm, adapters, smollm2_path) -> None:
+    """N-gram drafts are checked in a step whose rows carry the adapter: greedy text is the same."""
+    from kiln.engine.speculative import SpeculativeConfig
+    speculating = LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_model_len=256,
+                      kv_cache_memory=64 << 20, lora_modules=(("sql", str(adapters["sql"][0])),),
+                      speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    prompt = "List: red, green, blue, red, green, blue, red, green,"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = speculating.generate(prompt, params, lora="sql")[0].token_ids
+    assert got == llm.generate(prompt, params, lora="sql")[0].token_ids
+    assert speculating.engine.num_accepted_tokens > 0  # drafts were checked, and some kept
