@@ -148,7 +148,7 @@ def decoder_weight_count(model: torch.nn.Module) -> int:
 
 
 def test_smollm2_q4_1_served_packed_matches_dequantized_greedy(smollm2_path: Path) -> None:
-    from kiln.engine.llm_engine import LLM
+    from kiln.engine.llm import LLM
     from kiln.engine.sampling_params import SamplingParams
     prompts = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
                "The three primary colors are", "Water boils at", "My favourite book is",

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from kiln.engine.config import Config
 from kiln.engine.lora import LoRAError, load_adapter
-from kiln.engine.llm_engine import LLM, LLMEngine
+from kiln.engine.llm import LLM
+from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
 
 from lora_support import merged_into, write_adapter

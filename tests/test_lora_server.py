@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engine.llm_engine import LLM
+from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
 from kiln_process import REPO
 from lora_support import SMOLLM2, write_adapter

@@ -198,7 +198,7 @@ def test_calibration_longer_than_max_model_len_runs_in_windows(tiny_llama_dir) -
 
 
 def test_smollm2_int8_greedy_matches_float(smollm2_path, smollm2_fp32) -> None:
-    from kiln.engine.llm_engine import LLM
+    from kiln.engine.llm import LLM
     from kiln.engine.sampling_params import SamplingParams
     prompts = ["The capital of France is", "Once upon a time, there was a"]
     llm = LLM(str(smollm2_path), dtype="float32", device="cpu", quantization="int8", kv_cache_memory=1 << 24,

@@ -15,7 +15,7 @@ import torch
 
 from kiln.engine.config import Config
 from kiln.engine.context import prefill_context, reset_context, set_context
-from kiln.engine.llm_engine import LLM
+from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.quantization import Int4Linear, quantize_int4

@@ -14,7 +14,7 @@ import urllib.request
 import psutil
 import pytest
 
-from kiln.engine.llm_engine import LLM
+from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
 from test_server import MODEL, ServerProcess, get, post
 

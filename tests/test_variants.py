@@ -16,7 +16,7 @@ from kiln.cli import main as kiln
 from kiln.engine import quantize_cli, quantized_folder, variants
 from kiln.engine.config import QUANTIZATION_METHODS, Config, ModelLoadError
 from kiln.engine.evaluate import Scorer, attach_pool
-from kiln.engine.llm_engine import LLM
+from kiln.engine.llm import LLM
 from kiln.engine.loader import load_model
 from kiln.engine.quantization import QuantLinear
 from kiln.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ from typing import Any
 
 _EXPORTS = {
     "Config": "kiln.engine.config",
-    "LLM": "kiln.engine.llm_engine",
+    "LLM": "kiln.engine.llm",
     "LLMEngine": "kiln.engine.llm_engine",
     "RequestOutput": "kiln.engine.llm_engine",
     "EngineStats": "kiln.engine.llm_engine",

@@ -128,11 +128,10 @@ class AsyncEngine:
 
     async def submit_all(self, requests: list[tuple[str, list[int], SamplingParams]],
                          lora: str | None = None) -> list[RequestStream]:
-        """Admit requests together (one client request's choices, run with one LoRA adapter or
-        none): ValueError if the engine
-        rejects one, QueueFullError if too many requests or prompt tokens wait, EngineDeadError
-        once the engine loop has failed. Room is checked for all of them at once: they are
-        refused whole or admitted whole."""
+        """Admit requests together (one client request's choices, all with the LoRA adapter `lora`
+        or none): ValueError if the engine rejects one, QueueFullError if too many requests or
+        prompt tokens wait, EngineDeadError once the engine loop has failed. Room is checked for
+        all of them at once: they are refused whole or admitted whole."""
         self._check_alive()
         self._check_room(len(requests), sum(len(prompt) for _, prompt, _ in requests))
         # All queued at once, not one per engine step (the engine reads its commands between

@@ -1,7 +1,7 @@
 """The engine loop: requests in, one scheduled forward per step(), tokens and text out.
 
-LLMEngine is the step-at-a-time API the server drives; LLM is the offline convenience that
-submits a list of prompts and steps until all are done."""
+LLMEngine is the step-at-a-time API the server drives; LLM (kiln.engine.llm) is the offline
+convenience that submits a list of prompts and steps until all are done."""
 from __future__ import annotations
 
 import itertools
@@ -378,58 +378,3 @@ class LLMEngine:
         new_token_ids = seq.token_ids[seq.num_prompt_tokens + seq.num_emitted_tokens :]
         seq.num_emitted_chars, seq.num_emitted_tokens = visible, seq.num_output_tokens
         return RequestOutput(seq, new_token_ids, new_text, visible)
-
-
-class LLM:
-    """Offline generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
-
-    def __init__(self, model: str = "smollm2-135m", **config_kwargs: Any):
-        self.engine = LLMEngine(Config(model=model, **config_kwargs))
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
-
-    def add_lora(self, name: str, path: str) -> None:
-        """Load a PEFT LoRA adapter (needs enable_lora=True) that generate(lora=name) runs with."""
-        self.engine.add_lora(name, path)
-
-    def generate(
-        self,
-        prompts: str | list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-        lora: str | None = None,
-    ) -> list[RequestOutput]:
-        """Final outputs, in input order; lora: an adapter added with add_lora, for every prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = [f"llm-{next(self._ids)}" for _ in prompts]
-        try:
-            for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p, lora)
-        except ValueError:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError("the engine stopped with requests unfinished")
-            for output in self.engine.step():
-                if output.finished:
-                    final[output.request_id] = output
-        return [final[i] for i in ids]
-
-    def chat(
-        self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-        lora: str | None = None,
-    ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        # The template wrote the special tokens: a tokenizer that adds BOS would double it.
-        prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
-                                         add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, params, lora)
