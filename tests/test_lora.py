@@ -151,6 +151,7 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     (lambda d, c: write_adapter(d, c, 3, bias="all"), "bias='all'"),
     (lambda d, c: write_adapter(d, c, 3, modules_to_save=["lm_head"]), "modules_to_save"),
     (lambda d, c: write_adapter(d, c, 3, r=0), "positive integer r"),
+    (lambda d, c: write_adapter(d, c, 3, r=4), "has rank 8, adapter_config.json says r=4"),
     (lambda d, c: write_adapter(d, c, 3, layers=range(40, 41)), "layer 40; the model has 30"),
 ])
 def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_path, hf_smollm2, llm) -> None:

@@ -94,8 +94,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
+        self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
+        # These, and a draft model, are loaded before the pool is sized: on a GPU their weights
+        # come off the free memory (adapters loaded later come out of what the pool leaves).
+        for name, path in self.config.lora_modules:
+            self._add_lora(loaded.model, name, path)
         speculative = self.config.speculative
-        # Loaded before the target's pool is sized: on a GPU its weights come off the free memory.
         self.drafter = DraftModel(self.config, loaded.model_config) \
             if speculative is not None and speculative.method == "draft_model" else None
         draft_block_bytes = self.drafter.block_bytes if self.drafter else 0
@@ -118,19 +122,19 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.is_sleeping = False
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, since start
-        self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
-        for name, path in self.config.lora_modules:
-            self.add_lora(name, path)
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""
+        return self._add_lora(self.runner.model, name, path)
+
+    def _add_lora(self, model: torch.nn.Module, name: str, path: str) -> LoRAAdapter:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
         if name in self.loras:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        adapter = self.loras[name] = load_adapter(name, path, self.runner.model, self.config.max_lora_rank)
+        adapter = self.loras[name] = load_adapter(name, path, model, self.config.max_lora_rank)
         return adapter
 
     def remove_lora(self, name: str) -> None:

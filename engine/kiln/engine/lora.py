@@ -79,7 +79,7 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
         shards.setdefault((layer, fused), {}).setdefault(shard, {})[match.group(3)] = tensor
     if not shards:
         raise LoRAError(f"LoRA adapter {name!r}: {tensors_file} holds no LoRA weights")
-    weights = {key: _fuse(name, model, key, parts, scale) for key, parts in sorted(shards.items())}
+    weights = {key: _fuse(name, model, key, parts, config["r"], scale) for key, parts in sorted(shards.items())}
     return LoRAAdapter(name, str(path), int(config["r"]), next(_ids), weights)
 
 
@@ -104,7 +104,7 @@ def _scale(name: str, config: dict, max_rank: int) -> float:
 
 
 def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, dict[str, torch.Tensor]],
-          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+          rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """A and B of one fused projection from its shards' (A, B); B's rows of a shard without an
     adapter stay zero."""
     layer, fused = key
@@ -127,6 +127,9 @@ def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, di
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {fused} has lora_A {tuple(a.shape)} and lora_B "
                             f"{tuple(b.shape)}; this model needs [r, {in_features}] and [{out_sizes[shard]}, r]: "
                             "an adapter of another base model?")
+        if a.shape[0] != rank:  # the scale is alpha / r: a tensor of another rank would be scaled wrongly
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {fused} has rank {a.shape[0]}, "
+                            f"adapter_config.json says r={rank}")
         a_rows.append(a)
         b_blocks.append((sum(out_sizes[:shard]), cols, b))
         cols += a.shape[0]
