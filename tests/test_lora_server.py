@@ -145,3 +145,15 @@ def test_an_adapter_that_cannot_load_fails_the_start(tmp_path):
     assert done.returncode == 1 and "DoRA are not supported" in done.stderr, done.stderr[-2000:]
 
 
+
+
+def test_lora_modules_take_name_path_and_vllm_json():
+    import argparse
+
+    from kiln.engine.lora_serving import lora_module
+    assert lora_module("sql=/loras/sql") == ("sql", "/loras/sql")
+    assert lora_module("a=/p=q") == ("a", "/p=q")  # the first '=' splits
+    assert lora_module('{"name": "sql", "path": "/loras/sql", "base_model_name": "x"}') == ("sql", "/loras/sql")
+    for bad in ("=/x", "sql=", '{"name": "sql"}', '{"name": 1, "path": "/x"}', "{not json"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            lora_module(bad)
