@@ -198,13 +198,18 @@ SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
                        {"type": "string", "pattern": "^\\{", "contentMediaType": JSON}]}}}
 
 
+def _with_body(summary: str, request: type[BaseModel], responses: dict[str, Any]) -> dict[str, Any]:
+    """A POST whose JSON body is `request`; its operationId is the request's name."""
+    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
+                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
+                     "responses": responses}}
+
+
 def _generation(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
     ok = response(f"the whole answer; with stream=true, server-sent events of {answer.__name__} "
                   "chunks ending with `data: [DONE]`", answer)
     ok["content"][SSE] = {"schema": SSE_EVENT}
-    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
-                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
-                     "responses": {"200": ok, **_GENERATION_ERRORS}}}
+    return _with_body(summary, request, {"200": ok, **_GENERATION_ERRORS})
 
 
 def get(summary: str, op_id: str, responses: dict[str, Any]) -> dict[str, Any]:
@@ -216,10 +221,8 @@ def post(summary: str, op_id: str, responses: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tokenizing(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
-    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
-                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
-                     "responses": {"200": response("the result", answer), **{
-                         status: _GENERATION_ERRORS[status] for status in ("400", "404", "413", "503")}}}}
+    return _with_body(summary, request, {"200": response("the result", answer), **{
+        status: _GENERATION_ERRORS[status] for status in ("400", "404", "413", "503")}})
 
 
 def tokenizer_paths() -> dict[str, Any]:
@@ -278,12 +281,11 @@ def engine_document() -> dict[str, Any]:
 
 def _lora(summary: str, request: type[BaseModel], *errors: str) -> dict[str, Any]:
     """vLLM's adapter endpoints: a line of text on success; `errors`: status, description pairs."""
-    statuses = {"400": "a bad request body, or LoRA not enabled (--enable-lora)", "413": "the body is over 16 MiB",
+    statuses = {"400": "a bad request body, or LoRA not enabled (--enable-lora)",
                 **dict(zip(errors[::2], errors[1::2]))}
-    return {"post": {"summary": summary, "operationId": request.__name__.removesuffix("Request"),
-                     "requestBody": {"required": True, "content": {JSON: {"schema": ref(request)}}},
-                     "responses": {"200": response("done", media=TEXT),
-                                   **{code: error(why) for code, why in statuses.items()}, "503": _NOT_READY}}}
+    return _with_body(summary, request, {"200": response("done", media=TEXT),
+                                         **{code: error(why) for code, why in statuses.items()},
+                                         "413": _GENERATION_ERRORS["413"], "503": _NOT_READY})
 
 
 def handler(document: Callable[[], dict[str, Any]]) -> Callable[[web.Request], Awaitable[web.Response]]:
