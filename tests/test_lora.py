@@ -20,6 +20,7 @@ from test_model import forward_prefill, rel_err
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SCALES = {"sql": 16 / 8, "attn": 8 / 4 ** 0.5}  # the adapters' lora_alpha / r, and / sqrt(r) with rsLoRA
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,18 @@ def adapters(tmp_path_factory, hf_smollm2) -> dict[str, tuple[Path, dict[str, to
 
 
 @pytest.fixture(scope="module")
+def merged(adapters, smollm2_path) -> dict[str, torch.nn.Module]:
+    """Per adapter, transformers' SmolLM2 with the update merged into its weights: what it means."""
+    import transformers
+    models = {}
+    for name, (_, tensors) in adapters.items():
+        models[name] = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+        merged_into(models[name], tensors, SCALES[name])
+    return models
+
+
+@pytest.fixture(scope="module")
 def llm(adapters, smollm2_path) -> LLM:
     llm = LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_loras=2,
               kv_cache_memory=64 << 20, max_model_len=256)
@@ -41,26 +54,18 @@ def llm(adapters, smollm2_path) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("name, scale", [("sql", 16 / 8), ("attn", 8 / 4 ** 0.5)])
-def test_adapter_logits_match_transformers_with_the_update_merged(name, scale, adapters, hf_smollm2,
-                                                                   smollm2_path) -> None:
-    import transformers
-    path, tensors = adapters[name]
-    merged = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
-    merged_into(merged, tensors, scale)
-    base = hf_smollm2[0]
-    engine = LLMEngine(Config(model=str(smollm2_path), dtype="float32", device="cpu", enable_lora=True,
-                              kv_cache_memory=16 << 20, max_model_len=128))
-    adapter = engine.add_lora(name, str(path))
+@pytest.mark.parametrize("name", SCALES)
+def test_adapter_logits_match_transformers_with_the_update_merged(name, llm, merged, hf_smollm2) -> None:
+    engine = llm.engine
+    base, with_update = hf_smollm2[0], merged[name]
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
     # the adapter on the middle prompt only: its rows, and no others, take the update
-    logits = forward_prefill(engine.runner.model, prompts, [None, adapter, None])
+    logits = forward_prefill(engine.runner.model, prompts, [None, engine.loras[name], None])
     start = 0
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            ref = (merged if i == 1 else base)(torch.tensor([prompt])).logits[0]
-            other = (base if i == 1 else merged)(torch.tensor([prompt])).logits[0]
+            ref = (with_update if i == 1 else base)(torch.tensor([prompt])).logits[0]
+            other = (base if i == 1 else with_update)(torch.tensor([prompt])).logits[0]
         got = logits[start:start + len(prompt)]
         assert rel_err(got, ref) < 1e-3
         assert rel_err(got, other) > 1e-2  # the update is large enough to tell apart
@@ -194,15 +199,11 @@ def test_lora_settings_are_checked(llm, adapters) -> None:
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int4")])
-def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, adapters, hf_smollm2, smollm2_path,
+def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, adapters, merged, smollm2_path,
                                                            variant_cache) -> None:
     """The hooks sit on whatever module a projection is (quantized variants swap them): the adapter moves
     the logits toward transformers' merged model, from where the base variant's are."""
-    import transformers
-    path, tensors = adapters["sql"]
-    merged = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
-    merged_into(merged, tensors, 16 / 8)
+    path, _ = adapters["sql"]
     engine = LLMEngine(Config(model=str(smollm2_path), dtype=dtype, device="cpu", enable_lora=True,
                               quantization=quantization, quantization_cache=str(variant_cache),
                               kv_cache_memory=16 << 20, max_model_len=256))
@@ -211,7 +212,7 @@ def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, a
     with_adapter = forward_prefill(engine.runner.model, prompts, [adapter] * len(prompts)).float()
     without = forward_prefill(engine.runner.model, prompts, [None] * len(prompts)).float()
     with torch.no_grad():
-        ref = torch.cat([merged(torch.tensor([p])).logits[0] for p in prompts])
+        ref = torch.cat([merged["sql"](torch.tensor([p])).logits[0] for p in prompts])
     assert rel_err(with_adapter, ref) < rel_err(without, ref) * (0.95 if quantization == "int4" else 0.5)
 
 
