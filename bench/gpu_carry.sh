@@ -28,7 +28,7 @@ head -c $((size / 2)) "$gguf" >.gpu1/smol.part
 tail -c +$((size / 2 + 1)) "$gguf" >.gpu2/smol.part
 sha256sum "$gguf" | cut -d' ' -f1 >.gpu1/smol.sha256
 $py -m pip download -q --only-binary=:all: --no-deps --python-version "$pyver" \
-    --platform manylinux2014_x86_64 -d .gpu1/whl gguf pydantic pydantic_core annotated-types typing-inspection
+    --platform manylinux2014_x86_64 -d .gpu1/whl gguf pydantic pydantic_core annotated-types typing-inspection llguidance
 cp -r .gpu1/whl .gpu2/
 for d in .gpu1 .gpu2; do
     grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
