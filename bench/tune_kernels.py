@@ -95,6 +95,24 @@ GEMM_CANDIDATES = [
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4, "num_stages": 4},
     # dequantize the whole weight, then cuBLAS (kernels.dequant; the default above 16 rows)
     {"DEQUANT": 1},
+    # int4 read as int32 words, a code made a float by one AND-OR where it stands (kernels.int4_gemv).
+    # A thread loads x once for its columns however many rows it holds: wide N tiles amortize that.
+    # Plain loads are not pipelined, so many splits (programs) keep the bytes in flight.
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16, "num_warps": 2},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16, "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 16, "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 32},
+    # more splits, now that their sum loads every split at once
+    {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16}, {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
 ]
 # The GEMV on 16-bit weights at batch 1 (quant_gemm.linear), against cuBLAS (candidate 0).
 GEMV_CANDIDATES = [
@@ -184,11 +202,12 @@ def finite(times: list[float]) -> list[float | None]:
 
 
 def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[dict | None]:
-    """K tiles stay inside one quantization group; MAGIC only changes int4 kernels; one row never
+    """K tiles stay inside one quantization group; MAGIC and WORDS only change int4 kernels; one row never
     pays for dequantizing a whole weight; above 16 rows (where DEQUANT is the default) the tile
     candidates switch it off and GEMV (a row a program) is left out."""
     def fits(c: dict) -> bool:
-        return ((not group or c.get("BLOCK_K", 0) <= group) and not (key.startswith("w8") and c.get("MAGIC"))
+        return ((not group or c.get("BLOCK_K", 0) <= group)
+                and not (key.startswith("w8") and (c.get("MAGIC") or c.get("WORDS")))
                 and not (key.endswith("-m1") and c.get("DEQUANT")) and not (key.endswith("-m64") and c.get("GEMV")))
     def tile_candidate(c: dict | None) -> dict | None:
         if key.endswith("-m64") and c and "DEQUANT" not in c:
@@ -225,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="tuned configs (default engine/kiln/engine/kernels/tuned/<gpu>.json)")
     parser.add_argument("--report", type=Path, help="summary JSON (default bench/results/tune_kernels-<gpu>.json)")
     parser.add_argument("--budget-s", type=float, default=150, help="skip remaining candidates after this long")
+    parser.add_argument("--keys", nargs="+", metavar="KEY", help="tune only these keys (e.g. w4-g128-m1); "
+                        "the others keep what the file holds")
     args = parser.parse_args(argv)
+    known = [key for key, _ in gemm_keys("cuda") + gemv_keys("cuda") + attention_keys("cuda")]
+    if set(args.keys or ()) - set(known):
+        parser.error(f"unknown --keys {sorted(set(args.keys) - set(known))}; the keys are {known}")
     require_cuda("bench/tune_kernels.py")
     from kiln.engine.kernels import tuned
     gpu = torch.cuda.get_device_name(0)
@@ -237,13 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with torch.inference_mode():
         # Batch-1 decode's keys first: the issue's goals (W4A16 at M=1, the 8B model's decode).
-        gemm, attention = gemm_keys("cuda"), attention_keys("cuda")
+        def chosen(keys: list[tuple[str, list[Shape]]]) -> list[tuple[str, list[Shape]]]:
+            return [(key, shapes) for key, shapes in keys if not args.keys or key in args.keys]
+        gemm, attention = chosen(gemm_keys("cuda")), attention_keys("cuda")
         tune(GEMM, gemm[:1], GEMM_CANDIDATES, deadline, configs, report)
-        tune(GEMV, gemv_keys("cuda"), [None] + GEMV_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, attention[1:2], SPLIT_CANDIDATES, deadline, configs, report)
+        tune(GEMV, chosen(gemv_keys("cuda")), [None] + GEMV_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, chosen(attention[1:2]), SPLIT_CANDIDATES, deadline, configs, report)
         tune(GEMM, gemm[1:], GEMM_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, attention[:1], ATTENTION_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, attention[2:], PREFILL_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, chosen(attention[:1]), ATTENTION_CANDIDATES, deadline, configs, report)
+        tune(ATTENTION, chosen(attention[2:]), PREFILL_CANDIDATES, deadline, configs, report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": gpu, "machine": machine(), "tuned_by": "bench/tune_kernels.py",
                                "configs": {k: v for k, v in configs.items() if v}}, indent=2) + "\n")

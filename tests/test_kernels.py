@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kiln.engine.kernels import get_backend, quant_gemm, tuned  # noqa: E402
+from kiln.engine.kernels import get_backend, int4_gemv, quant_gemm, tuned  # noqa: E402
 from kiln.engine.kernels.backend import resolve_backend_name  # noqa: E402
 from kiln.engine.kernels.kv_store import store_kvcache, store_kvcache_ref  # noqa: E402
 from kiln.engine.kernels.norm_rope import (cos_sin_cache, rms_norm, rms_norm_ref, rope, rope_ref,  # noqa: E402
@@ -478,7 +478,8 @@ def test_kernels_compile_for_h100() -> None:
                                                       "_store_kvcache_kernel:", "_rms_norm_kernel:",
                                                       "_rope_kernel:", "_dequant_gemm_kernel:",
                                                       "_sum_splits_kernel:", "_dequant_gemv_kernel:",
-                                                      "_silu_mul_kernel:", "_dequant_kernel:"}
+                                                      "_silu_mul_kernel:", "_dequant_kernel:",
+                                                      "_int4_words_gemv_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
 
 
@@ -490,3 +491,41 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
     done = subprocess.run([sys.executable, str(bench / script), *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "no CUDA device found" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
+@pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
+def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int) -> None:
+    """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
+    float where it stands, for every int4 format and group, split over K (3 splits: the sum's
+    padded rows masked), N not a tile multiple."""
+    gen = torch.Generator().manual_seed(group + m)
+    x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
+    qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,
+                                         symmetric=kind == "w4-symmetric")
+    kw = {}
+    if kind == "w4-mins":
+        zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
+    args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [group]
+    assert int4_gemv.as_words(args[0]) is not None
+    config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits}
+    out = poisoned((m, 40), dtype)
+    with tuned.override("quant_gemm", f"w4-g{group}-m{1 if m == 1 else 16}", config):
+        w4a16_gemm(x, *args, **kw, out=out)
+    assert_close(out, w4a16_gemm_ref(x, *args, **kw))
+
+
+def test_int4_words_gemv_falls_back_off_word_boundaries() -> None:
+    """A packed weight that does not start on a 4-byte boundary is read byte-wise instead: same result."""
+    gen = torch.Generator().manual_seed(15)
+    x = torch.randn(1, 128, generator=gen).half().to(DEVICE)
+    qweight, scales, zeros = quantize_w4(torch.randn(24, 128, generator=gen).half(), 64)
+    # made on the device: a copy there would start on a fresh, aligned allocation
+    shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8, device=DEVICE)[1:].view(qweight.shape)
+    shifted.copy_(qweight)
+    args = [shifted] + [t.to(DEVICE) for t in (scales, zeros)] + [64]
+    assert int4_gemv.as_words(args[0]) is None
+    with tuned.override("quant_gemm", "w4-g64-m1", {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": 64}):
+        out = w4a16_gemm(x, *args)
+    assert_close(out, w4a16_gemm_ref(x, *args))

@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.engine.kernels import activation, dequant, kv_store, norm_rope, paged_attention, quant_gemm
+from kiln.engine.kernels import activation, dequant, int4_gemv, kv_store, norm_rope, paged_attention, quant_gemm
 
 Job = tuple[object, dict[str, str], dict[str, object], int]  # kernel, arg types, constexprs, warps
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -92,7 +92,8 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                     y_ptr="*fp32"),
                dict(gemm_tiles(1, 128), BLOCK_N=32, BLOCK_K=128, INT4=True, HAS_ZEROS=offsets == "zeros",
                     HAS_MINS=offsets == "mins", DOT_PREC=paged_attention.dot_precision(dtype), MAGIC=magic), 4)
-    yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), dict(BLOCK=quant_gemm.SUM_BLOCK), 4)
+    for splits in (4, 28):
+        yield (quant_gemm._sum_splits_kernel, dict(part_ptr="*fp32", y_ptr=f"*{t}"), quant_gemm.sum_tiles(splits), 4)
     # The GEMV configs (a row a program): int8 per channel, int4 with zeros (converted, or by the 2**23 trick),
     # GGUF Q4_1's mins, and 16-bit weights (quant_gemm.linear).
     for w, offsets, group, s, magic in (("i8", None, 0, t, 0), ("u8", "zeros", 128, t, 0),
@@ -102,6 +103,13 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                     y_ptr="*fp32"),
                dict(INT4=w == "u8", HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
                     BLOCK_K=min(128, group or 256), MAGIC=magic, SCALED=w != t), 4)
+    # int4 read as int32 words (int4_gemv): zeros, symmetric, GGUF Q4_1's mins.
+    for offsets, group, s in (("zeros", 128, t), (None, 128, t), ("mins", 32, "fp16")):
+        yield (int4_gemv._int4_words_gemv_kernel,
+               dict(x_ptr=f"*{t}", w_ptr="*i32", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
+                    y_ptr="*fp32"),
+               dict(HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=64,
+                    BLOCK_K=group), 4)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
 

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.engine.kernels import dequant, tuned
+from kiln.engine.kernels import dequant, int4_gemv, tuned
 from kiln.engine.kernels.paged_attention import dot_precision
 
 GROUP_SIZES = (32, 64, 128)
-SUM_BLOCK = 1024  # columns per program of the split-K sum
+SUM_TILE = 4096  # partial sums a program of the split-K sum adds (splits x columns)
 
 
 def quantize_w8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,15 +240,23 @@ def _dequant_gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, M, N, splits, stride_ym, BLOCK: tl.constexpr):
-    # part [splits, M, N] fp32 contiguous -> y [M, N] rows of stride_ym.
+def _sum_splits_kernel(part_ptr, y_ptr, M, N, splits, stride_ym, BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+    # part [splits, M, N] fp32 contiguous -> y [M, N] rows of stride_ym. Every split's slice is
+    # loaded at once (SPLITS: splits rounded up to a power of two): a loop over splits waited one
+    # memory latency a split, as long as a decode GEMV itself at 16 splits or more.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + (s * M + row) * N + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+    s = tl.arange(0, SPLITS)
+    parts = tl.load(part_ptr + (s[:, None] * M + row) * N + offs[None, :], mask=(s < splits)[:, None] & ok[None, :],
+                    other=0.0)
+    tl.store(y_ptr + row * stride_ym + offs, tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_tiles(splits: int) -> dict[str, int]:
+    """The split-K sum's constexprs: about SUM_TILE partial sums a program, at least 32 columns."""
+    pad = triton.next_power_of_2(splits)
+    return dict(SPLITS=pad, BLOCK=max(32, min(1024, SUM_TILE // pad)))
 
 
 def _m_bucket(m: int) -> str:
@@ -261,7 +269,8 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
 
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
     may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
-    GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel), MAGIC (_codes) and DEQUANT.
+    GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel; with WORDS 1 and int4 weights,
+    int4_gemv's kernel, which reads them as int32 words), MAGIC (_codes) and DEQUANT.
     DEQUANT (the default above 16 rows): dequantize the whole weight, then cuBLAS (kernels.dequant)."""
     tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
                  BLOCK_K=min(64, group_size) if group_size else 64, DEQUANT=int(m > 16))
@@ -297,16 +306,22 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
                target.stride(0) if splits > 1 else 0)
     kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, MAGIC=tiles.pop("MAGIC", 0))
+    words = int4_gemv.as_words(qweight) if tiles.pop("WORDS", 0) and int4 else None
     if tiles.pop("GEMV", 0):
         del tiles["BLOCK_M"]
-        _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
-            x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
+        if words is not None:
+            int4_gemv.launch(x2, words, scales, z, target, n, k, k_per_split, splits, strides, kinds["HAS_ZEROS"],
+                             kinds["HAS_MINS"], tiles)
+        else:
+            _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
+                x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
     else:
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
         _dequant_gemm_kernel[grid](x2, qweight, scales, z, target, m, n, k, k_per_split, *strides, **kinds, **tiles,
                                    DOT_PREC=dot_precision(x.dtype))
     if splits > 1:
-        _sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](target, y, m, n, splits, y.stride(0), BLOCK=SUM_BLOCK)
+        sums = sum_tiles(splits)
+        _sum_splits_kernel[(m, triton.cdiv(n, sums["BLOCK"]))](target, y, m, n, splits, y.stride(0), **sums)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,0 +1,87 @@
+"""W4A16 at one row of x (batch-1 decode) on the CUDA cores, reading the packed weight as int32 words.
+
+The byte-wise kernels (quant_gemm) spend several integer instructions a code: widen the byte,
+shift, mask, offset, convert. On an H100 that capped every W4A16 config at about the speed of
+W8A16 on the same shape, 1 TB/s of int4 weights (bench/results/kernels-nvidia-h100-20261127.json):
+the integer pipe, which runs at half the FMA rate, was the limit, not memory.
+
+Here a word holds 8 codes, k = 8w + i in bits 4i..4i+3 (the uint8 [N, K // 2] layout read four
+bytes at a time). A code becomes a float with one AND-OR where it stands: OR-ed under the exponent
+of 2**(23 - 4i) the nibble is worth exactly its value, so `float - 2**(23 - 4i)` is the code
+(nibbles 0-3 from the word, 4-7 from the word shifted right by 16: one shift for eight codes).
+Then one FMA with x. Each program sums BLOCK_N rows over one quantization group a tile (BLOCK_K
+divides the group); split-K partitions are summed by quant_gemm's second kernel.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _nibble(word, shift: tl.constexpr):
+    # The code at bits shift..shift+3 (shift <= 12) as an exact float: the bits OR-ed under the
+    # exponent of 2**(23 - shift) are worth 2**(23 - shift) + code.
+    exponent: tl.constexpr = (150 - shift) << 23
+    bias = tl.full([], exponent, tl.int32).to(tl.float32, bitcast=True)
+    return ((word & (0xF << shift)) | exponent).to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def _int4_words_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
+    HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
+    row = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_w = offs_n.to(tl.int64)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    k_lo = tl.program_id(2) * k_per_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+        cols = k0 // 8 + offs_w  # K is whole groups and BLOCK_K divides one: no column mask
+        words = tl.load(w_ptr + rows_w[:, None] * stride_wn + cols[None, :], mask=n_ok[:, None], other=0,
+                        eviction_policy="evict_first")
+        high = words >> 16
+        part = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
+        x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
+        x_row = x_ptr + row * stride_xm + cols * 8
+        for i in tl.static_range(8):
+            # x's column 8w + i for each word w (x is a few KB, read from cache)
+            x = tl.load(x_row + i).to(tl.float32)
+            part += _nibble(words if i < 4 else high, 4 * (i % 4)) * x[None, :]
+            x_sum += x
+        dot = tl.sum(part, axis=1)
+        total = tl.sum(x_sum, axis=0)
+        if HAS_ZEROS:
+            dot -= total * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
+        elif not HAS_MINS:  # symmetric: codes centred on 8
+            dot -= 8.0 * total
+        dot *= tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_MINS:  # q * s + m: the mins multiply the group's sum of x
+            dot += total * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        acc += dot
+    y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
+    """The packed uint8 [N, K // 2] weight as int32 [N, K // 8] over the same memory, or None where
+    its rows are not whole aligned words (then the byte-wise kernel serves)."""
+    if qweight.stride(1) != 1 or qweight.shape[1] % 4 or qweight.stride(0) % 4 or qweight.data_ptr() % 4:
+        return None
+    return qweight.view(torch.int32)
+
+
+def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor, target: torch.Tensor,
+           n: int, k: int, k_per_split: int, splits: int, strides: tuple[int, ...], has_zeros: bool,
+           has_mins: bool, tiles: dict[str, int]) -> None:
+    """strides and tiles (GROUP, BLOCK_N, BLOCK_K, num_warps ...) as quant_gemm._launch has them; the
+    weight's stride is in bytes there, in words here."""
+    stride_xm, stride_wn, *rest = strides
+    _int4_words_gemv_kernel[(x2.shape[0], triton.cdiv(n, tiles["BLOCK_N"]), splits)](
+        x2, words, scales, z, target, n, k, k_per_split, stride_xm, stride_wn // 4, *rest,
+        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, **tiles)
