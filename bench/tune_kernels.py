@@ -109,6 +109,13 @@ GEMM_CANDIDATES = [
     {"GEMV": 1, "WORDS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 8},
     {"GEMV": 1, "WORDS": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 32},
     {"GEMV": 1, "WORDS": 1, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 32},
+    # the next tile's words loaded before this tile's math (not yet timed on a GPU)
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 16, "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 16},
     # more splits, now that their sum loads every split at once
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},

@@ -496,10 +496,11 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
 @pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
-def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int) -> None:
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int, prefetch: int) -> None:
     """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
     float where it stands, for every int4 format and group, split over K (3 splits: the sum's
-    padded rows masked), N not a tile multiple."""
+    padded rows masked), N not a tile multiple, with and without the next tile prefetched."""
     gen = torch.Generator().manual_seed(group + m)
     x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,
@@ -509,7 +510,7 @@ def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, spli
         zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
     args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [group]
     assert int4_gemv.as_words(args[0]) is not None
-    config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits}
+    config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits, "PREFETCH": prefetch}
     out = poisoned((m, 40), dtype)
     with tuned.override("quant_gemm", f"w4-g{group}-m{1 if m == 1 else 16}", config):
         w4a16_gemm(x, *args, **kw, out=out)
@@ -526,6 +527,7 @@ def test_int4_words_gemv_falls_back_off_word_boundaries() -> None:
     shifted.copy_(qweight)
     args = [shifted] + [t.to(DEVICE) for t in (scales, zeros)] + [64]
     assert int4_gemv.as_words(args[0]) is None
-    with tuned.override("quant_gemm", "w4-g64-m1", {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": 64}):
+    config = {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 16, "BLOCK_K": 64}
+    with tuned.override("quant_gemm", "w4-g64-m1", config):
         out = w4a16_gemm(x, *args)
     assert_close(out, w4a16_gemm_ref(x, *args))

@@ -1,9 +1,10 @@
 """W4A16 at one row of x (batch-1 decode) on the CUDA cores, reading the packed weight as int32 words.
 
 The byte-wise kernels (quant_gemm) spend several integer instructions a code: widen the byte,
-shift, mask, offset, convert. On an H100 that capped every W4A16 config at about the speed of
-W8A16 on the same shape, 1 TB/s of int4 weights (bench/results/kernels-nvidia-h100-20261127.json):
-the integer pipe, which runs at half the FMA rate, was the limit, not memory.
+shift, mask, offset, convert. On an H100 every W4A16 config of theirs stopped near W8A16's time on
+the same shape, 1 TB/s of int4 weights (bench/results/kernels-nvidia-h100-20261127.json): the work
+a code, not memory, looked like the limit (the integer pipe runs at half the FMA rate). This kernel
+took the 4096x14336 GEMV from 1.54x to 2.11x cuBLAS bf16 there (`-2.json`).
 
 Here a word holds 8 codes, k = 8w + i in bits 4i..4i+3 (the uint8 [N, K // 2] layout read four
 bytes at a time). A code becomes a float with one AND-OR where it stands: OR-ed under the exponent
@@ -31,28 +32,38 @@ def _int4_words_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
     HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
+    # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
+    # memory once, not once a tile (Triton does not pipeline loads that feed no tl.dot).
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows_w = offs_n.to(tl.int64)
     offs_w = tl.arange(0, BLOCK_K // 8)
+    tiles = w_ptr + rows_w[:, None] * stride_wn + offs_w[None, :]  # K is whole groups: no column mask
     acc = tl.zeros([BLOCK_N], tl.float32)
     k_lo = tl.program_id(2) * k_per_split
-    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
-        cols = k0 // 8 + offs_w  # K is whole groups and BLOCK_K divides one: no column mask
-        words = tl.load(w_ptr + rows_w[:, None] * stride_wn + cols[None, :], mask=n_ok[:, None], other=0,
-                        eviction_policy="evict_first")
-        high = words >> 16
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if PREFETCH:
+        words = tl.load(tiles + k_lo // 8, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH:
+            this = words
+            rows_next = tl.where(k0 + BLOCK_K < k_hi, N, 0)  # no rows past the partition's last tile
+            words = tl.load(tiles + (k0 + BLOCK_K) // 8, mask=(offs_n < rows_next)[:, None], other=0,
+                            eviction_policy="evict_first")
+        else:
+            this = tl.load(tiles + k0 // 8, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
+        high = this >> 16
         part = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
         x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
-        x_row = x_ptr + row * stride_xm + cols * 8
+        x_row = x_ptr + row * stride_xm + k0 + offs_w * 8
         for i in tl.static_range(8):
             # x's column 8w + i for each word w (x is a few KB, read from cache)
             x = tl.load(x_row + i).to(tl.float32)
-            part += _nibble(words if i < 4 else high, 4 * (i % 4)) * x[None, :]
+            part += _nibble(this if i < 4 else high, 4 * (i % 4)) * x[None, :]
             x_sum += x
         dot = tl.sum(part, axis=1)
         total = tl.sum(x_sum, axis=0)
@@ -78,10 +89,10 @@ def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
 
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor, target: torch.Tensor,
            n: int, k: int, k_per_split: int, splits: int, strides: tuple[int, ...], has_zeros: bool,
-           has_mins: bool, tiles: dict[str, int]) -> None:
-    """strides and tiles (GROUP, BLOCK_N, BLOCK_K, num_warps ...) as quant_gemm._launch has them; the
-    weight's stride is in bytes there, in words here."""
+           has_mins: bool, prefetch: int, tiles: dict[str, int]) -> None:
+    """strides and tiles (GROUP, BLOCK_N, BLOCK_K, num_warps ...) as quant_gemm._launch has them;
+    the weight's stride is in bytes there, in words here."""
     stride_xm, stride_wn, *rest = strides
     _int4_words_gemv_kernel[(x2.shape[0], triton.cdiv(n, tiles["BLOCK_N"]), splits)](
         x2, words, scales, z, target, n, k, k_per_split, stride_xm, stride_wn // 4, *rest,
-        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, **tiles)
+        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, PREFETCH=prefetch, **tiles)
