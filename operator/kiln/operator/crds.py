@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec, InferenceServiceStatus, cel
+from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec, cel
+from .status_schema import InferenceServiceStatus
 
 CRD_FILE = f"{PLURAL}.{GROUP}.yaml"
 REPO_CRDS = Path(__file__).resolve().parents[3] / "crds"
