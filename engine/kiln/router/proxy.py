@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -38,20 +37,12 @@ from kiln.router.forwarding import has_dot_segment, request_headers, response_he
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
+from kiln.router.retries import (ATTEMPTS, MAX_STALE, RETRYABLE, NotServedHere, Retryable, error_code, failure_reason,
+                                 mark_reused)
 from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 
 log = logging.getLogger("kiln.router")
 
-ATTEMPTS = 2  # the first try and at most one retry
-# Pooled connections found dead in a row before a request gives up; each is dropped from the
-# pool as it fails, so this only bounds a pathological case (a replica killing every reuse).
-MAX_STALE = 16
-# Raised before a single byte of the request left.
-CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# What a connection the replica had already closed gives; a sure sign only on a reused one.
-DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                          aiohttp.ClientConnectionResetError)
-RETRYABLE = frozenset({"connect", "stale_connection"})
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
 # After the only ready replica refused the connection: how long to wait for the EndpointSlice
 # to catch up (a replica gone, or a new one at the same address) before trying again.
@@ -82,41 +73,6 @@ class _Exchange:
     last_chunk: float | None = None  # when the previous chunk of a stream came
 
 
-class _Retryable(Exception):
-    """The replica cannot have acted on the request: another one may take it."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.stale = reason == "stale_connection"
-
-
-class _NotServedHere(Exception):
-    """The replica's revision does not serve the model the request names (a LoRA adapter that
-    one revision of a rollout adds or still has): another revision may."""
-
-    def __init__(self, answer: web.Response) -> None:
-        super().__init__("model_not_found")
-        self.answer = answer  # the 404, for when no other revision can take it
-
-
-def _failure_reason(exc: Exception, reused: bool) -> str:
-    """Why a replica gave no response: the errors label, and in RETRYABLE if safe to retry."""
-    if isinstance(exc, CONNECT_ERRORS):
-        return "connect"
-    if reused and isinstance(exc, DEAD_CONNECTION_ERRORS):
-        return "stale_connection"
-    if isinstance(exc, TimeoutError):
-        return "first_byte_timeout"
-    return "upstream_error"
-
-
-async def _mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
-                       params: aiohttp.TraceConnectionReuseconnParams) -> None:
-    # Only client requests carry an attempt to mark (see _relay); the mirror's shadows do not.
-    if context.trace_request_ctx is not None:
-        context.trace_request_ctx.reused = True
-
-
 class Router:
     def __init__(self, source: EndpointSource, limits: Limits, traffic: TrafficSource) -> None:
         self.source = source
@@ -137,7 +93,7 @@ class Router:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup context: follow the endpoints and hold one pooled session."""
         tracing = aiohttp.TraceConfig()
-        tracing.on_connection_reuseconn.append(_mark_reused)
+        tracing.on_connection_reuseconn.append(mark_reused)
         self._session = aiohttp.ClientSession(
             # No total/read timeout: a long generation is not a failure.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout),
@@ -256,10 +212,10 @@ class Router:
             try:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange)
-            except _NotServedHere as e:
+            except NotServedHere as e:
                 not_served = e.answer
                 failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
-            except _Retryable as retry:
+            except Retryable as retry:
                 if retry.stale and stale < MAX_STALE:
                     # A dead pooled connection says nothing of the replica (e.g. one that left
                     # pooled connections to an address a new pod now has): not a try. The same
@@ -320,7 +276,7 @@ class Router:
                      exchange: _Exchange) -> web.StreamResponse:
         assert self._session is not None, "router used outside its lifecycle"
         exchange.revision = endpoint.revision
-        attempt = SimpleNamespace(reused=False)  # _mark_reused sets it
+        attempt = SimpleNamespace(reused=False)  # mark_reused sets it
         try:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
                 upstream = await self._session.request(
@@ -328,11 +284,11 @@ class Router:
                     headers=request_headers(request.headers), data=body,
                     trace_request_ctx=attempt)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = _failure_reason(exc, attempt.reused)
+            reason = failure_reason(exc, attempt.reused)
             log.warning("%s gave no response (%s): %r", endpoint, reason, exc)
             self.metrics.errors.labels(endpoint.revision, reason).inc()
             if reason in RETRYABLE:
-                raise _Retryable(reason) from exc
+                raise Retryable(reason) from exc
             if reason == "first_byte_timeout":
                 return error_response(504, f"replica {endpoint} sent no response within "
                                       f"{self.limits.first_byte_timeout:g} s", "timeout_error",
@@ -344,8 +300,8 @@ class Router:
         if upstream.status == 404 and upstream.content_type == "application/json":
             async with upstream:  # an error body: small, and needed whole to tell which 404
                 answer = web.Response(status=404, body=await upstream.read(), content_type="application/json")
-            if _error_code(answer.body) == "model_not_found":
-                raise _NotServedHere(answer)
+            if error_code(answer.body) == "model_not_found":
+                raise NotServedHere(answer)
             return answer
         async with upstream:
             response = web.StreamResponse(
@@ -409,13 +365,6 @@ class Router:
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _error_code(body: bytes) -> str | None:
-    try:
-        return json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 async def adapters_are_in_the_spec(request: web.Request) -> web.Response:

@@ -1,0 +1,64 @@
+"""When a request may go to another replica: the first cannot have acted on it (no connection,
+or a pooled connection found closed), or its revision does not serve the model asked for."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import aiohttp
+from aiohttp import web
+
+ATTEMPTS = 2  # the first try and at most one retry
+# Pooled connections found dead in a row before a request gives up; each is dropped from the
+# pool as it fails, so this only bounds a pathological case (a replica killing every reuse).
+MAX_STALE = 16
+# Raised before a single byte of the request left.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# What a connection the replica had already closed gives; a sure sign only on a reused one.
+DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                          aiohttp.ClientConnectionResetError)
+RETRYABLE = frozenset({"connect", "stale_connection"})
+
+
+class Retryable(Exception):
+    """The replica cannot have acted on the request: another one may take it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.stale = reason == "stale_connection"
+
+
+class NotServedHere(Exception):
+    """The replica's revision does not serve the model the request names (a LoRA adapter that
+    one revision of a rollout adds or still has): another revision may."""
+
+    def __init__(self, answer: web.Response) -> None:
+        super().__init__("model_not_found")
+        self.answer = answer  # the 404, for when no other revision can take it
+
+
+def failure_reason(exc: Exception, reused: bool) -> str:
+    """Why a replica gave no response: the errors label, and in RETRYABLE if safe to retry."""
+    if isinstance(exc, CONNECT_ERRORS):
+        return "connect"
+    if reused and isinstance(exc, DEAD_CONNECTION_ERRORS):
+        return "stale_connection"
+    if isinstance(exc, TimeoutError):
+        return "first_byte_timeout"
+    return "upstream_error"
+
+
+async def mark_reused(session: aiohttp.ClientSession, context: SimpleNamespace,
+                      params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    """A trace hook: the attempt used a pooled connection. Only client requests carry an attempt
+    to mark (proxy.Router._relay); the mirror's shadows do not."""
+    if context.trace_request_ctx is not None:
+        context.trace_request_ctx.reused = True
+
+
+def error_code(body: bytes) -> str | None:
+    """The code of an OpenAI-shaped error body, if it is one."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
