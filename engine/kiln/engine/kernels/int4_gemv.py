@@ -36,7 +36,8 @@ def _int4_words_gemv_kernel(
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
     # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
-    # memory once, not once a tile (Triton does not pipeline loads that feed no tl.dot).
+    # memory once, not once a tile (compiled for sm_90, the plain loop has no cp.async: Triton
+    # does not pipeline these loads itself).
     row = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
