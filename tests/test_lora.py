@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kiln.engine.config import Config
 from kiln.engine.lora import LoRAError, load_adapter
@@ -154,10 +154,15 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     (lambda d, c: write_adapter(d, c, 3, rank=32, alpha=32), "rank 32, more than --max-lora-rank 16"),
     (lambda d, c: write_adapter(d, c, 3, use_dora=True), "DoRA"),
     (lambda d, c: write_adapter(d, c, 3, bias="all"), "bias='all'"),
+    (lambda d, c: write_adapter(d, c, 3, lora_bias=True), "LoRA biases"),
     (lambda d, c: write_adapter(d, c, 3, modules_to_save=["lm_head"]), "modules_to_save"),
     (lambda d, c: write_adapter(d, c, 3, r=0), "positive integer r"),
     (lambda d, c: write_adapter(d, c, 3, r=4), "has rank 8, adapter_config.json says r=4"),
     (lambda d, c: write_adapter(d, c, 3, layers=range(40, 41)), "layer 40; the model has 30"),
+    (lambda d, c: (d / "adapter_config.json").write_text("[]"), "is not a JSON object"),
+    (lambda d, c: (d / "adapter_config.json").write_bytes(b'{"r": 8, "lora_alpha": "\xff"}'), "is not JSON"),
+    (lambda d, c: write_adapter(d, c, 3, alpha=float("nan")), "finite lora_alpha"),  # json writes NaN
+    (lambda d, c: _poison(d / "adapter_model.safetensors"), "layer 2 o_proj has weights that are not finite"),
 ])
 def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_path, hf_smollm2, llm) -> None:
     folder = tmp_path / "bad"
@@ -166,6 +171,13 @@ def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_
     with pytest.raises(LoRAError, match=error):
         load_adapter("bad", str(folder), llm.engine.runner.model, 16)
     assert "bad" not in llm.engine.loras
+
+
+def _poison(tensors_file: Path) -> None:
+    """One inf in an adapter's weights: served, its requests would sample from clamped garbage."""
+    tensors = load_file(str(tensors_file))
+    tensors["base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"][0, 0] = float("inf")
+    save_file(tensors, str(tensors_file))
 
 
 def test_an_adapter_of_another_model_or_module_is_refused(tmp_path, hf_smollm2, llm) -> None:

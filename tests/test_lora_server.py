@@ -3,10 +3,12 @@ HTTP: each adapter answers under its name as the in-process engine does with it,
 loaded and unloaded while the server runs, with every bad request refused by name."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kiln.engine.llm import LLM
+from kiln.engine.lora_serving import add_lora_arguments, lora_module
 from kiln.engine.sampling_params import SamplingParams
 from kiln_process import REPO
 from lora_support import SMOLLM2, write_adapter
@@ -107,6 +110,37 @@ def test_load_and_unload_while_serving(server, folders, reference):
     assert post(url + "/v1/completions", {"model": "poet", "prompt": PROMPT, "max_tokens": 2})[0] == 404
 
 
+def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
+    """The server checks a request's model, then the engine thread admits it: an unload queued
+    between the two (the engine busy with a long step) must answer as for any model not served,
+    not with a 400. Should the request reach the engine first instead, it holds the adapter and
+    the unload is refused as busy: either order ends consistently."""
+    url = server.url
+    assert adapter_call(url + "/v1/load_lora_adapter", {"lora_name": "racer", "lora_path": str(folders["poet"])})[0] \
+        == 200
+    busy = [threading.Thread(target=post, args=(url + "/v1/completions", {
+        "prompt": f"Story {i}: " + "the quick brown fox jumps over the lazy dog " * 20, "max_tokens": 1}))
+        for i in range(4)]  # distinct prompts: no prefix-cache hits, one long prefill step
+    for thread in busy:
+        thread.start()
+    time.sleep(0.3)  # admitted: the engine is in their step
+    unloaded: list = []
+    unload = threading.Thread(target=lambda: unloaded.append(
+        adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "racer"})))
+    unload.start()
+    time.sleep(0.05)  # queued behind the step, not run yet
+    status, body = post(url + "/v1/completions", {"model": "racer", "prompt": PROMPT, "max_tokens": 2})
+    unload.join(60)
+    for thread in busy:
+        thread.join(60)
+    if unloaded[0][0] == 200:  # the unload ran first (the case this test is for on a 2-core machine)
+        assert status == 404 and body["error"]["code"] == "model_not_found", body
+    else:  # the request was admitted first
+        assert unloaded[0][0] == 409 and status == 200, (unloaded, status, body)
+        assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "racer"})[0] == 200
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
+
+
 @pytest.mark.parametrize("path, body, status, message", [
     ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded"),
     ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json"),
@@ -145,15 +179,19 @@ def test_an_adapter_that_cannot_load_fails_the_start(tmp_path):
     assert done.returncode == 1 and "DoRA are not supported" in done.stderr, done.stderr[-2000:]
 
 
-
-
 def test_lora_modules_take_name_path_and_vllm_json():
-    import argparse
-
-    from kiln.engine.lora_serving import lora_module
     assert lora_module("sql=/loras/sql") == ("sql", "/loras/sql")
     assert lora_module("a=/p=q") == ("a", "/p=q")  # the first '=' splits
     assert lora_module('{"name": "sql", "path": "/loras/sql", "base_model_name": "x"}') == ("sql", "/loras/sql")
     for bad in ("=/x", "sql=", '{"name": "sql"}', '{"name": 1, "path": "/x"}', "{not json"):
         with pytest.raises(argparse.ArgumentTypeError):
             lora_module(bad)
+
+
+def test_lora_modules_given_twice_add_up():
+    """Each --lora-modules adds its adapters: a second flag must not drop the first one's."""
+    parser = argparse.ArgumentParser()
+    add_lora_arguments(parser)
+    args = parser.parse_args(["--lora-modules", "a=/x", "--lora-modules", "b=/y", "c=/z"])
+    assert args.lora_modules == [("a", "/x"), ("b", "/y"), ("c", "/z")]
+    assert parser.parse_args([]).lora_modules == []

@@ -15,7 +15,7 @@ from kiln.engine.block_manager import BlockManager
 from kiln.engine.config import Config, resolve_max_model_len
 from kiln.engine.draft_model import DraftModel
 from kiln.engine.loader import load_model
-from kiln.engine.lora import LoRAAdapter, load_adapter
+from kiln.engine.lora import LoRAAdapter, LoRANotLoadedError, load_adapter
 from kiln.engine.model_runner import ModelRunner, RunnerOutput
 from kiln.engine.prompt_logprobs import PromptLogprob, entry
 from kiln.engine.sampling_params import SamplingParams
@@ -160,7 +160,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora is not None and lora not in self.loras:
-            raise ValueError(f"no LoRA adapter named {lora!r} is loaded")
+            raise LoRANotLoadedError(f"no LoRA adapter named {lora!r} is loaded")
         token_ids = self._tokenize(prompt)
         vocab = self.model_config.vocab_size
         if params.logit_bias and not all(t < vocab for t in params.logit_bias):

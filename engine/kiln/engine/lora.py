@@ -39,6 +39,10 @@ class LoRAError(ValueError):
     """An adapter that cannot be served: missing files, unsupported PEFT options, wrong shapes."""
 
 
+class LoRANotLoadedError(ValueError):
+    """A request names no loaded adapter (it may have been unloaded since the server checked it)."""
+
+
 @dataclass(eq=False)
 class LoRAAdapter:
     name: str
@@ -63,8 +67,10 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
         raise LoRAError(f"LoRA adapter {name!r}: {path} must hold adapter_config.json and adapter_model.safetensors")
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not JSON: {e}") from None
+    if not isinstance(config, dict):  # the options are read by name: a list or null has none
+        raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
     scale = _scale(name, config, max_rank)
     try:
         tensors = load_file(str(tensors_file))
@@ -90,15 +96,18 @@ def _scale(name: str, config: dict, max_rank: int) -> float:
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
     refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
-               "alpha_pattern": "per-module alphas", "modules_to_save": "fully trained modules (modules_to_save)"}
+               "alpha_pattern": "per-module alphas", "modules_to_save": "fully trained modules (modules_to_save)",
+               "lora_bias": "LoRA biases (lora_B.bias)"}  # PEFT >= 0.14; its tensors would be refused unnamed
     for option, what in refused.items():
         if config.get(option):
             raise LoRAError(f"LoRA adapter {name!r}: {what} are not supported ({option} is set)")
     if config.get("bias", "none") != "none":
         raise LoRAError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not isinstance(alpha, (int, float)):
-        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json needs a positive integer r and a lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not isinstance(alpha, (int, float)) \
+            or isinstance(alpha, bool) or not math.isfinite(alpha):  # Python's JSON reads NaN and Infinity
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json needs a positive integer r and a finite "
+                        "lora_alpha")
     if rank > max_rank:
         raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -137,8 +146,13 @@ def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, di
     big_b = torch.zeros(sum(out_sizes), cols, dtype=torch.float32)
     for row, col, b in b_blocks:
         big_b[row:row + b.shape[0], col:col + b.shape[1]] = b.float() * scale
-    return (torch.cat(a_rows).to(weight.dtype).to(weight.device).contiguous(),
-            big_b.to(weight.dtype).to(weight.device).contiguous())
+    a, b = torch.cat(a_rows).to(weight.dtype), big_b.to(weight.dtype)
+    # Checked in the model's dtype (a scaled B may overflow float16): a NaN or inf would only give
+    # its requests garbage text, sampled from logits the sampler had to clamp.
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {fused} has weights that are not finite "
+                        f"(NaN or inf) in {weight.dtype}")
+    return a.to(weight.device).contiguous(), b.to(weight.device).contiguous()
 
 
 def install_hooks(model: nn.Module) -> None:

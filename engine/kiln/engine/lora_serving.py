@@ -36,8 +36,9 @@ def lora_module(text: str) -> tuple[str, str]:
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters beside the model: requests name one as their model")
-    parser.add_argument("--lora-modules", type=lora_module, nargs="+", default=[], metavar="NAME=PATH",
-                        help="adapters (PEFT folders) loaded at start, each served under its name")
+    # extend: a second --lora-modules adds to the first (store would drop its adapters without a word)
+    parser.add_argument("--lora-modules", type=lora_module, nargs="+", action="extend", default=[],
+                        metavar="NAME=PATH", help="adapters (PEFT folders) loaded at start, each served under its name")
     parser.add_argument("--max-loras", type=int, default=1,
                         help="distinct adapters one batch may mix; requests of others wait for a seat")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank an adapter may have")
@@ -55,9 +56,10 @@ def check_names(lora_modules: list[tuple[str, str]], model_name: str) -> None:
 
 def model_cards(engine: AsyncEngine | None, model_name: str, base: dict[str, Any]) -> list[dict[str, Any]]:
     """/v1/models: the base model's card, then one per adapter naming its parent (as vLLM does)."""
-    loras = engine.engine.loras if engine is not None else {}
+    # A copy taken at once: the engine thread may load or unload one while this loop runs.
+    loras = list(engine.engine.loras.items()) if engine is not None else []
     return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "kiln", "root": adapter.path,
-                      "parent": model_name} for name, adapter in loras.items()]
+                      "parent": model_name} for name, adapter in loras]
 
 
 async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from kiln.engine import RequestOutput, SamplingParams
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kiln.engine.lora import LoRANotLoadedError
 from kiln.engine.openai_protocol import (
     INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
     template_messages)
@@ -229,9 +230,12 @@ class OpenAIServing:
             return None
         if model in loras:
             return model
-        served = ", ".join(repr(m) for m in [self.model_name, *loras])
-        raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
-                       param="model", code="model_not_found")
+        raise self._model_not_found(model)
+
+    def _model_not_found(self, model: str) -> APIError:
+        served = ", ".join(repr(m) for m in [self.model_name, *self.engine.engine.loras])
+        return APIError(404, f"model {model!r} does not exist; this server serves {served}",
+                        param="model", code="model_not_found")
 
     def _max_tokens(self, prompt_len: int, prompt_param: str, requested: int | None, param: str,
                     default: int | None) -> int:
@@ -286,6 +290,8 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         except EngineDeadError as e:
             raise APIError(503, str(e), type_="server_error", code="engine_dead") from None
+        except LoRANotLoadedError:  # unloaded between _check_model and the engine's turn: as if never loaded
+            raise self._model_not_found(lora) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
