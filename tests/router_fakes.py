@@ -71,8 +71,7 @@ class FakeEngine:
         except (ValueError, RecursionError, AttributeError):
             script, model = "answer", None
         if self.serves is not None and model not in self.serves:
-            return web.json_response({"error": {"message": f"model {model!r} does not exist", "type": "x",
-                                                "param": "model", "code": "model_not_found"}}, status=404)
+            return self._not_found(f"model {model!r} does not exist", "model_not_found")
         try:
             return await getattr(self, f"_{script}")(request)
         except asyncio.CancelledError:  # the client hung up; a real engine aborts the request
@@ -82,6 +81,14 @@ class FakeEngine:
     async def sleep(self, request: web.Request) -> web.StreamResponse:
         self.slept += 1
         return web.json_response({"is_sleeping": True})
+
+    def _not_found(self, message: str, code: str) -> web.Response:
+        """The engine's JSON 404, with a header of its own (which the router must pass on)."""
+        return web.json_response({"error": {"message": message, "type": "x", "param": "model", "code": code}},
+                                 status=404, headers={"X-Engine": self.name})
+
+    async def _missing(self, request: web.Request) -> web.StreamResponse:
+        return self._not_found("no such thing", "not_found")
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"engine": self.name})

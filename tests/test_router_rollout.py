@@ -94,11 +94,15 @@ async def test_a_model_only_one_revision_serves_is_answered_there() -> None:
         # A model no revision serves: the engine's 404, after asking each revision once.
         answer = await svc.client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
         assert answer.status == 404 and (await answer.json())["error"]["code"] == "model_not_found"
+        assert answer.headers["X-Engine"].startswith("engine-")  # the replica's own headers come too
         assert sum(svc.hits()) == stable_hits + 20 + 2
-        # Another 404 (no such route on the engine) is passed on, not retried.
+        # Another 404 (no such route on the engine; another code) is passed on, not retried.
         before = sum(svc.hits())
         answer = await svc.client.post("/v1/embeddings", json={"model": "base"})
         assert answer.status == 404 and sum(svc.hits()) == before
+        answer = await svc.client.post("/v1/completions", json={"model": "base", "fake": "missing"})
+        assert answer.status == 404 and (await answer.json())["error"]["code"] == "not_found"
+        assert answer.headers["X-Engine"].startswith("engine-") and sum(svc.hits()) == before + 1
 
 
 @on_event_loop

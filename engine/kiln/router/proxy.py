@@ -299,7 +299,8 @@ class Router:
             self.metrics.cold_started(time.monotonic() - exchange.held)
         if upstream.status == 404 and upstream.content_type == "application/json":
             async with upstream:  # an error body: small, and needed whole to tell which 404
-                answer = web.Response(status=404, body=await upstream.read(), content_type="application/json")
+                answer = web.Response(status=404, body=await upstream.read(),
+                                      headers=response_headers(upstream.headers))
             if error_code(answer.body) == "model_not_found":
                 raise NotServedHere(answer)
             return answer
