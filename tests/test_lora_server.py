@@ -141,18 +141,19 @@ def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
 
 
-@pytest.mark.parametrize("path, body, status, message", [
-    ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded"),
-    ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json"),
-    ("load", {"lora_name": MODEL, "lora_path": "/nonexistent"}, 400, "the served model's name"),
-    ("load", {"lora_name": "new"}, 400, "lora_path"),
-    ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name"),
-    ("unload", {"lora_name": "nobody"}, 404, "no LoRA adapter named 'nobody'"),
-    ("unload", {"lora_name": "sql", "extra": 1}, 400, "extra"),
+@pytest.mark.parametrize("path, body, status, message, param", [
+    ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded", "lora_name"),
+    ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json", "lora_path"),
+    ("load", {"lora_name": MODEL, "lora_path": "/nonexistent"}, 400, "the served model's name", "lora_name"),
+    ("load", {"lora_name": "new"}, 400, "lora_path", None),
+    ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name", None),
+    ("unload", {"lora_name": "nobody"}, 404, "no LoRA adapter named 'nobody'", "lora_name"),
+    ("unload", {"lora_name": "sql", "extra": 1}, 400, "extra", None),
 ])
-def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, message):
+def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, message, param):
     got, answer = adapter_call(f"{server.url}/v1/{path}_lora_adapter", body)
     assert got == status and message in answer["error"]["message"], answer
+    assert param is None or answer["error"]["param"] == param
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]  # nothing changed
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from kiln.engine.lora import LoRAError
 from kiln.engine.openai_protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
 
 if TYPE_CHECKING:
@@ -69,8 +70,10 @@ async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.R
         raise APIError(400, f"{req.lora_name!r} is the served model's name", param="lora_name")
     try:
         adapter = await engine.call(lambda: engine.engine.add_lora(req.lora_name, req.lora_path))
-    except ValueError as e:  # a bad folder (LoRAError), or the name is taken
-        raise APIError(400, str(e), param="lora_path" if "already loaded" not in str(e) else "lora_name") from None
+    except LoRAError as e:  # a folder that cannot be served
+        raise APIError(400, str(e), param="lora_path") from None
+    except ValueError as e:  # the name: empty, or taken
+        raise APIError(400, str(e), param="lora_name") from None
     log.info("LoRA adapter %r loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
