@@ -14,7 +14,7 @@ from kiln.engine.config import Config
 from kiln.engine.dtype_choice import BF16_CPU_FLAGS, auto_dtype, describe_dtype, host_cpu_flags
 from kiln.engine.server import add_arguments
 from kiln.operator.models import InferenceServiceSpec
-from kiln.operator.render import engine_args
+from kiln.operator.engine_command import engine_args
 from test_server import ServerProcess, get
 
 # /proc/cpuinfo flags of the 2-core AMD EPYC (AVX2 and FMA, no AVX-512), shortened.

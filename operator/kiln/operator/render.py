@@ -6,17 +6,14 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from . import images
-from .models import GROUP, KIND, VERSION, Adapter, InferenceServiceSpec, ModelSpec
+from .engine_command import PORT, engine_args, model_volumes
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
-PORT = 8000
 ROUTER_PORT = 8080
 LABEL_ISVC = "kiln.dev/inferenceservice"
 LABEL_REVISION = "kiln.dev/revision"
@@ -27,9 +24,6 @@ ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
 LABEL_SERVING = "kiln.dev/serving"
 ROUTER_CLUSTER_ROLE = "kiln-router"
 API_KEYS_ENV = "KILN_API_KEYS"  # what `kiln router` reads its keys from (kiln.router.auth)  # shipped in manifests/base/rbac.yaml
-MODEL_MOUNT = "/models"
-DRAFT_MOUNT = "/draft-model"
-ADAPTER_MOUNT = "/adapters"  # the i-th adapter's claim at /adapters/<i>
 # Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
 # covers that pause plus finishing in-flight generations.
 PRESTOP_SLEEP_S = 10
@@ -88,89 +82,6 @@ def metadata(owner: Owner, name: str, extra_labels: dict[str, str] | None = None
         "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name,
                              "uid": owner.uid, "controller": True, "blockOwnerDeletion": True}],
     }
-
-
-def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path: str = MODEL_MOUNT
-                   ) -> tuple[str, list[dict], list[dict]]:
-    """(--model argument, volumes, volume mounts) for a model source; a pvc:// claim is mounted at mount_path."""
-    scheme, rest = model.source.split("://", 1)
-    if scheme == "builtin":
-        return rest, [], []
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        source = {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        mount = {"name": volume, "mountPath": mount_path, "readOnly": True}
-        return str(PurePosixPath(mount_path, path)), [source], [mount]
-    # hostpath:///abs/path: shown inside the pod where it lies on the node.
-    path = "/" + rest.lstrip("/")
-    source = {"name": volume, "hostPath": {"path": path}}
-    return path, [source], [{"name": volume, "mountPath": path, "readOnly": True}]
-
-
-def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[str], list[dict], list[dict]]:
-    """(--model argument, the draft model's or None, --lora-modules entries, volumes, volume mounts)
-    of the target model, the draft model the engines speculate with and the LoRA adapters; a path
-    two of them share is mounted once."""
-    model_arg, volumes, mounts = model_location(spec.model)
-    draft = spec.engine.draft_model
-    draft_arg = None
-    if draft is not None:
-        draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT)
-        _add_volumes(volumes, mounts, draft_volumes, draft_mounts)
-    lora_modules = []
-    for i, adapter in enumerate(spec.engine.adapters):
-        path, adapter_volumes, adapter_mounts = model_location(adapter, f"adapter-{i}", f"{ADAPTER_MOUNT}/{i}")
-        _add_volumes(volumes, mounts, adapter_volumes, adapter_mounts)
-        lora_modules.append(f"{adapter.name}={path}")
-    return model_arg, draft_arg, lora_modules, volumes, mounts
-
-
-def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict], new_mounts: list[dict]) -> None:
-    """Add a source's volumes and mounts, but none at a path already mounted."""
-    taken = {m["mountPath"] for m in mounts}
-    kept = [m for m in new_mounts if m["mountPath"] not in taken]
-    names = {m["name"] for m in kept}
-    volumes += [v for v in new_volumes if v["name"] in names]
-    mounts += kept
-
-
-TP_KV_CACHE_MEMORY = "1Gi"
-
-
-def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None,
-                lora_modules: list[str] | None = None) -> list[str]:
-    engine = spec.engine
-    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", spec.model.served_name,
-            "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
-            "--max-num-seqs", str(engine.maxNumSeqs)]
-    # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
-    # whose ranks cannot profile a step alone: they keep 1Gi each.
-    memory = engine.kvCache.memory or (TP_KV_CACHE_MEMORY if engine.tensorParallelSize > 1 else None)
-    if memory is not None:
-        args += ["--kv-cache-memory", str(int(parse_quantity(memory)))]
-    if engine.maxModelLen is not None:
-        args += ["--max-model-len", str(engine.maxModelLen)]
-    if not engine.kvCache.prefixCaching:
-        args.append("--no-prefix-caching")
-    if engine.quantization != "none":
-        args += ["--quantization", engine.quantization]
-    if engine.kvCache.dtype != "auto":
-        args += ["--kv-cache-dtype", engine.kvCache.dtype]
-    if engine.tensorParallelSize > 1:
-        args += ["--tensor-parallel-size", str(engine.tensorParallelSize)]
-    speculative = engine.speculative
-    if speculative is not None and (speculative.method == "ngram" or draft_arg is not None):
-        config = {"method": "ngram"} if speculative.method == "ngram" else {"method": "draft_model", "model": draft_arg}
-        config["num_speculative_tokens"] = speculative.numTokens
-        if speculative.disableByBatchSize is not None:
-            config["disable_by_batch_size"] = speculative.disableByBatchSize
-        args += ["--speculative-config", json.dumps(config)]
-    if engine.toolCallParser != "none":
-        args += ["--tool-call-parser", engine.toolCallParser]
-    if lora_modules:
-        args += ["--enable-lora", "--max-loras", str(engine.maxLoras), "--max-lora-rank", str(engine.maxLoraRank),
-                 "--lora-modules", *lora_modules]
-    return args
 
 
 # A tensor-parallel pod's ranks: NCCL's intra-node transport keeps its buffers in /dev/shm
