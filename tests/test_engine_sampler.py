@@ -172,10 +172,28 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
         params = [SamplingParams(temperature=1.0, seed=seed)] + [SamplingParams(temperature=1.0)] * neighbours
         seqs = make_seqs(params)
         batch = logits.repeat(1 + neighbours, 1)
-        return [sampler(batch, seqs)[0][0] for _ in range(20)]
+        tokens = []
+        for _ in range(20):  # 20 output positions
+            tokens.append(sampler(batch, seqs)[0][0])
+            seqs[0].append_token(tokens[-1])
+        return tokens
 
     assert draw(7, 0) == draw(7, 3)
     assert draw(7, 0) != draw(8, 0)
+
+
+def test_a_seeded_draw_depends_on_its_output_position_alone() -> None:
+    """The row deciding output position 2 draws the same token whether the sequence decodes it
+    plainly or checks it as the second of its rows (behind a draft for position 1)."""
+    torch.manual_seed(3)
+    logits = torch.randn(1, VOCAB)
+    params = SamplingParams(temperature=1.0, seed=11)
+    plainly = make_seqs([params], output=[5, 6])
+    drafting = make_seqs([params], output=[5])
+    drafting[0].add_drafts([6])
+    for seed in range(8):  # the engine's own generator is never what a seeded row draws from
+        got, _ = Sampler(seed)(logits.repeat(2, 1), drafting * 2, [6, -1])
+        assert got[1] == Sampler(seed + 100)(logits.clone(), plainly)[0][0]
 
 
 def test_sampling_follows_the_distribution() -> None:

@@ -14,6 +14,7 @@ from kiln.engine.lora import LoRAError, load_adapter
 from kiln.engine.llm import LLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.speculative import SpeculativeConfig
 
 from lora_support import merged_into, write_adapter
 from test_model import forward_prefill, rel_err
@@ -230,7 +231,6 @@ def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, a
 
 def test_speculative_decoding_checks_drafts_with_the_adapter(llm, adapters, smollm2_path) -> None:
     """N-gram drafts are checked in a step whose rows carry the adapter: greedy text is the same."""
-    from kiln.engine.speculative import SpeculativeConfig
     speculating = LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_model_len=256,
                       kv_cache_memory=64 << 20, lora_modules=(("sql", str(adapters["sql"][0])),),
                       speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
@@ -239,3 +239,24 @@ def test_speculative_decoding_checks_drafts_with_the_adapter(llm, adapters, smol
     got = speculating.generate(prompt, params, lora="sql")[0].token_ids
     assert got == llm.generate(prompt, params, lora="sql")[0].token_ids
     assert speculating.engine.num_accepted_tokens > 0  # drafts were checked, and some kept
+
+
+def test_a_draft_model_guesses_for_adapter_requests_and_the_adapter_checks(llm, adapters, smollm2_path) -> None:
+    """A draft model beside adapters loaded at start (it once refused them: the draft's copy of the config
+    kept lora_modules without enable_lora): the draft guesses with its own weights, the target checks with
+    each request's adapter, so greedy text is what the adapter gives alone."""
+    drafted = LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_model_len=256,
+                  kv_cache_memory=64 << 20, lora_modules=(("sql", str(adapters["sql"][0])),),
+                  speculative=SpeculativeConfig(method="draft_model", model=str(smollm2_path),
+                                                num_speculative_tokens=3))
+    prompt = "List: red, green, blue, red, green, blue, red, green,"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = drafted.engine
+    for lora in ("sql", None):
+        engine.add_request(f"drafted-{lora}", prompt, params, lora)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    for lora in ("sql", None):
+        assert done[f"drafted-{lora}"] == llm.generate(prompt, params, lora=lora)[0].token_ids, lora
+    assert engine.num_draft_tokens > 0 and engine.num_accepted_tokens > 0

@@ -162,6 +162,24 @@ def test_sampled_requests_check_drafts_through_the_sampler(plain: LLM, spec: LLM
     assert [len(h.token_ids) for h in hot] == [48] * 3 and spec.engine.num_accepted_tokens > before
 
 
+def test_seeded_sampling_speculates_to_the_same_text_as_plain_decoding(plain: LLM):
+    """A seeded request's draw at each output position depends on the seed and the position alone,
+    and a draft is kept when that draw is the draft: so its text is plain decoding's, however many
+    drafts it checked, whatever ran beside it (here drafting stops and starts with the batch size,
+    disable_by_batch_size=2) and through preemption."""
+    # The first ends early: drafting starts once two are left.
+    params = [SamplingParams(temperature=0.8, seed=seed, max_tokens=n, ignore_eos=True) for seed, n in
+              ((1, 10), (2, 40), (3, 40))]
+    alone = [plain.generate([prompt], p)[0].token_ids for prompt, p in zip(REPEATING, params)]
+    spec = LLM(dtype="float32", speculative=SpeculativeConfig(disable_by_batch_size=2))
+    assert [g.token_ids for g in spec.generate(REPEATING, params)] == alone
+    assert spec.engine.num_accepted_tokens > 0
+    block_bytes = 2 * 30 * 3 * 64 * 16 * 4  # a float32 block of SmolLM2, K and V
+    tight = LLM(dtype="float32", kv_cache_memory=6 * block_bytes, max_model_len=96, speculative=SpeculativeConfig())
+    assert [g.token_ids for g in tight.generate(REPEATING, params)] == alone
+    assert tight.engine.stats().num_preemptions > 0 and tight.engine.num_accepted_tokens > 0
+
+
 def test_preemption_drops_drafts_and_keeps_outputs(plain: LLM):
     block_bytes = 2 * 30 * 3 * 64 * 16 * 4  # a float32 block of SmolLM2, K and V
     tight = LLM(dtype="float32", kv_cache_memory=12 * block_bytes, max_model_len=192,

@@ -28,8 +28,10 @@ class DraftModel:
         spec = config.speculative
         # The target's settings, its dtype and device above all; eager (its steps are small and varied);
         # whole on rank 0 of a tensor-parallel target (a draft is small), every rank's pool paying its blocks.
+        # No adapters: the draft guesses with its own weights for every request, an adapter's too (the target
+        # checks the guesses with the adapter), and the target's adapters are not its to load.
         self.config = replace(config, model=spec.model, quantization=spec.quantization, speculative=None,
-                              enforce_eager=True, tensor_parallel_size=1, enable_lora=False)
+                              enforce_eager=True, tensor_parallel_size=1, enable_lora=False, lora_modules=())
         try:
             self.loaded = load_model(self.config)
         except ValueError as e:  # its own words (a context too short, a name not found) name no draft

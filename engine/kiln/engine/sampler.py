@@ -4,7 +4,9 @@ Order of work: penalties, then logit_bias, then min_tokens (no stop token yet), 
 outputs (what the request's grammar allows) change the logits; greedy rows take the argmax; the
 others are scaled by temperature, cut by top-k / top-p / min-p, and drawn. Drawing uses the exponential race
 (argmax of p / E with E ~ Exp(1) is a draw from p), which lets a request with a seed draw its
-noise from its own torch.Generator while the rest of the batch shares the engine's.
+noise from its own torch.Generator while the rest of the batch shares the engine's. A seeded
+request's noise for output position t is seeded by (seed, t) alone, so its text does not depend
+on what else runs, on preemption, or on how many speculative drafts it checked.
 Logprobs are those of the model's raw distribution, before any of this.
 Non-finite logits are made finite first (finite_logits), so a broken row still yields a valid
 token and finite logprobs, never NaN probabilities.
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # Real logits stay within a few hundred; these bounds only ever bite on overflowed or NaN rows.
 LOGIT_LIMIT = 1e4
+MASK64 = (1 << 64) - 1
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -83,6 +86,22 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for output position `position`: a function of the two
+    alone (a multiplicative hash keeps seed + j, choice j of `n`, apart from seed's positions)."""
+    return ((seed & MASK64) * 0x9E3779B97F4A7C15 + position) & (MASK64 >> 1)
+
+
+def _output_positions(seqs: list[Sequence]) -> list[tuple[int, Sequence, int]]:
+    """(row, sequence, the output position its token takes) for each row: a sequence checking
+    drafts has its rows in a run, the first deciding the token after its checked ones."""
+    rows, seen = [], {}
+    for i, seq in enumerate(seqs):
+        offset = seen[id(seq)] = seen.get(id(seq), -1) + 1
+        rows.append((i, seq, seq.num_output_tokens - seq.num_draft_tokens + offset))
+    return rows
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
                  argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax):
@@ -97,11 +116,11 @@ class Sampler:
                  drafts: list[int] | None = None) -> tuple[list[int], list[dict[str, Any] | None]]:
         """logits: [M, vocab] float32, one row per sequence (a sequence checking speculative drafts
         has a row per draft and one more). drafts: per row, the draft token it checks, or -1.
-        Returns the tokens and, per row, its logprob entry (None when it asked for none). A row
-        that checks a draft returns the draft where it is accepted (greedy: it is the argmax;
-        sampled: with probability p(draft)), else a token drawn from p without the draft: the
-        engine keeps drafts up to the first row that returned another token, and the output is
-        distributed as plain sampling's (speculative sampling with a one-token proposal)."""
+        Returns the tokens and, per row, its logprob entry (None when it asked for none). Every
+        row draws its token as plain decoding would; the engine keeps drafts up to the first row
+        that returned another token. For a proposal that is one token with certainty this is
+        speculative sampling exactly: a draft is kept with probability p(draft), and where it is
+        not, the token is a draw from p without it."""
         params = [seq.params for seq in seqs]
         low, high = torch.stack(torch.aminmax(logits)).tolist()  # one pass, one host copy
         if not (-LOGIT_LIMIT <= low and high <= LOGIT_LIMIT):  # NaN fails both comparisons
@@ -132,7 +151,7 @@ class Sampler:
         if all(greedy):  # fast path: no filtering, no noise
             tokens = self.argmax(logits)
         else:
-            tokens = self._draw(logits, seqs, params, greedy, drafts)
+            tokens = self._draw(logits, seqs, params, greedy)
         token_list = tokens.tolist()
         return token_list, self._logprob_entries(logprobs, token_list, params)
 
@@ -159,8 +178,8 @@ class Sampler:
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], greedy: list[bool],
-              drafts: list[int] | None) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+              greedy: list[bool]) -> torch.Tensor:
         greedy_mask = torch.tensor(greedy, device=self.device)
         temperature = self._column(params, "temperature").masked_fill(greedy_mask, 1.0)
         scaled = filter_logits(
@@ -171,32 +190,11 @@ class Sampler:
         )
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
+        for i, seq, position in _output_positions(seqs):
             if seq.generator is not None:
+                seq.generator.manual_seed(position_seed(seq.params.seed, position))
                 noise[i].exponential_(generator=seq.generator)
-        if drafts is not None:
-            probs, accepted, draft = self._check_drafts(probs, seqs, drafts)
-        sampled = self.argmax(probs / noise)
-        if drafts is not None:
-            sampled = torch.where(accepted, draft, sampled)
-        return torch.where(greedy_mask, self.argmax(logits), sampled)
-
-    def _check_drafts(self, probs: torch.Tensor, seqs: list[Sequence],
-                      drafts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Accept each row's draft with probability p(draft); the probabilities to draw from
-        where it is not: p with the draft's share taken out (the residual max(0, p - q) for a
-        proposal q that is the draft with certainty)."""
-        draft = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
-        checks = draft >= 0
-        column = draft.clamp(min=0).unsqueeze(1)  # -1 (no draft) reads column 0, unused
-        uniform = torch.rand(len(seqs), generator=self.generator, device=probs.device)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None and drafts[i] >= 0:
-                uniform[i] = torch.rand(1, generator=seq.generator, device=probs.device)
-        accepted = checks & (uniform < probs.gather(1, column).squeeze(1))
-        rows = checks.nonzero().squeeze(1)
-        residual = probs.index_put((rows, draft[rows]), torch.zeros((), dtype=probs.dtype, device=probs.device))
-        return residual, accepted, draft
+        return torch.where(greedy_mask, self.argmax(logits), self.argmax(probs / noise))
 
     @staticmethod
     def _logprob_entries(
