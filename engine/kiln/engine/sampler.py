@@ -14,7 +14,7 @@ token and finite logprobs, never NaN probabilities.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -92,14 +92,14 @@ def position_seed(seed: int, position: int) -> int:
     return ((seed & MASK64) * 0x9E3779B97F4A7C15 + position) & (MASK64 >> 1)
 
 
-def _output_positions(seqs: list[Sequence]) -> list[tuple[int, Sequence, int]]:
-    """(row, sequence, the output position its token takes) for each row: a sequence checking
-    drafts has its rows in a run, the first deciding the token after its checked ones."""
-    rows, seen = [], {}
+def _seeded_rows(seqs: list[Sequence]) -> Iterator[tuple[int, Sequence, int]]:
+    """(row, sequence, the output position its token takes) for each row of a seeded request: a
+    sequence checking drafts has its rows in a run, the first deciding the token after its checked ones."""
+    seen: dict[int, int] = {}
     for i, seq in enumerate(seqs):
-        offset = seen[id(seq)] = seen.get(id(seq), -1) + 1
-        rows.append((i, seq, seq.num_output_tokens - seq.num_draft_tokens + offset))
-    return rows
+        if seq.generator is not None:
+            offset = seen[id(seq)] = seen.get(id(seq), -1) + 1
+            yield i, seq, seq.num_output_tokens - seq.num_draft_tokens + offset
 
 
 class Sampler:
@@ -190,10 +190,9 @@ class Sampler:
         )
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq, position in _output_positions(seqs):
-            if seq.generator is not None:
-                seq.generator.manual_seed(position_seed(seq.params.seed, position))
-                noise[i].exponential_(generator=seq.generator)
+        for i, seq, position in _seeded_rows(seqs):
+            seq.generator.manual_seed(position_seed(seq.params.seed, position))
+            noise[i].exponential_(generator=seq.generator)
         return torch.where(greedy_mask, self.argmax(logits), self.argmax(probs / noise))
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""W4A16 at one row of x (batch-1 decode) on the CUDA cores, reading the packed weight as int32 words.
+"""W4A16 at one row of x (batch-1 decode) on the CUDA cores, reading the packed weight as int32 words;
+and `group_dot`, the per-group dequantization arithmetic both int4 GEMV kernels share.
 
 The byte-wise kernels (quant_gemm) spend several integer instructions a code: widen the byte,
 shift, mask, offset, convert. On an H100 every W4A16 config of theirs stopped near W8A16's time on
@@ -25,6 +26,21 @@ def _nibble(word, shift: tl.constexpr):
     exponent: tl.constexpr = (150 - shift) << 23
     bias = tl.full([], exponent, tl.int32).to(tl.float32, bitcast=True)
     return ((word & (0xF << shift)) | exponent).to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def group_dot(dot, x_sum, scales, offsets, n_ok, HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr):
+    # One quantization group's sum of codes times x per row -> the sum of its dequantized weights
+    # times x: less the zero point (8 when symmetric) times x's sum, times the scale, plus the min
+    # (GGUF Q4_1) times x's sum. scales, offsets: pointers to each row's scale and zero (or min).
+    if HAS_ZEROS:
+        dot -= x_sum * tl.load(offsets, mask=n_ok, other=0).to(tl.float32)
+    elif not HAS_MINS:
+        dot -= 8.0 * x_sum
+    dot *= tl.load(scales, mask=n_ok, other=0.0).to(tl.float32)
+    if HAS_MINS:
+        dot += x_sum * tl.load(offsets, mask=n_ok, other=0.0).to(tl.float32)
+    return dot
 
 
 @triton.jit
@@ -66,16 +82,8 @@ def _int4_words_gemv_kernel(
             x = tl.load(x_row + i).to(tl.float32)
             part += _nibble(this if i < 4 else high, 4 * (i % 4)) * x[None, :]
             x_sum += x
-        dot = tl.sum(part, axis=1)
-        total = tl.sum(x_sum, axis=0)
-        if HAS_ZEROS:
-            dot -= total * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
-        elif not HAS_MINS:  # symmetric: codes centred on 8
-            dot -= 8.0 * total
-        dot *= tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_MINS:  # q * s + m: the mins multiply the group's sum of x
-            dot += total * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        acc += dot
+        acc += group_dot(tl.sum(part, axis=1), tl.sum(x_sum, axis=0), s_ptr + rows_w * stride_sn + k0 // GROUP,
+                         z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
     y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 

@@ -209,11 +209,8 @@ def _dequant_gemv_kernel(
             part = tl.sum(_codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
                           + _codes(packed, 4, 0, MAGIC, tl.float32).to(tl.float32) * x_hi[None, :], axis=1)
             x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
-                part -= zero * x_sum
-            elif not HAS_MINS:
-                part -= 8.0 * x_sum
+            acc += int4_gemv.group_dot(part, x_sum, s_ptr + rows_w * stride_sn + k0 // GROUP,
+                                       z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
@@ -222,15 +219,10 @@ def _dequant_gemv_kernel(
             w = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0, eviction_policy="evict_first").to(tl.float32)
             if GROUP:
-                part = tl.sum(w * x, axis=1)
+                acc += tl.sum(w * x, axis=1) * tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok,
+                                                       other=0.0).to(tl.float32)
             else:
                 acc_2d += w * x
-        if GROUP:
-            part *= tl.load(s_ptr + rows_w * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        if HAS_MINS:
-            part += x_sum * tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        if INT4 or GROUP:
-            acc += part
     if not (INT4 or GROUP):
         acc = tl.sum(acc_2d, axis=1)
     if SCALED and not GROUP:
