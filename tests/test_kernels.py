@@ -313,6 +313,26 @@ def test_quant_gemv(dtype: torch.dtype, kind: str, m: int) -> None:
     assert_close(out, ref(x, *args, **kw))
 
 
+@pytest.mark.parametrize("script,args,expected", [
+    ("tune_kernels.py", ["--keys", "w4-g128-m1", "w4-g999-m1"], "unknown --keys ['w4-g999-m1']; the keys are ["),
+    ("kernels.py", ["--kernels", "w4a16_gemm", "flash"], "invalid choice: 'flash'")])
+def test_gpu_benchmarks_refuse_unknown_selections(script: str, args: list[str], expected: str) -> None:
+    """A mistyped --keys/--kernels exits 2 naming it (before looking for a GPU), not a run of nothing."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    done = subprocess.run([sys.executable, str(bench / script), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and expected in done.stderr, done.stderr
+
+
+def test_kernel_benchmark_names_its_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/kernels.py --kernels picks cases by KERNELS: every case has a listed name and every name cases
+    (the cases are only listed: their tensors are made on first use)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import kernels as bench_kernels
+
+    assert {case.kernel for case in bench_kernels.cases(torch.float32, quick=False, device="cpu")} == set(
+        bench_kernels.KERNELS)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
 @pytest.mark.parametrize("magic,gemv", [(1, False), (2, False), (1, True)])
