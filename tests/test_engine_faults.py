@@ -7,11 +7,18 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 
 import pytest
+from aiohttp import web
 
 from kiln.cli import main as cli_main
+from kiln.engine import startup
+from kiln.engine.async_engine import InjectedFault
+from kiln.engine.config import Config
+from kiln.engine.server import Server
 from load_support import is_openai_error, session, sse_data
+from lora_support import SMOLLM2, write_adapter
 from test_server import MODEL, ServerProcess, get, post
 from test_sleep import rss_mib
 
@@ -103,3 +110,58 @@ def test_a_malformed_fault_spec_stops_the_server_at_start(monkeypatch, caplog):
     monkeypatch.setenv("KILN_FAULT_INJECT", "step:soon")
     assert cli_main(["serve", "--host", "127.0.0.1", "--port", "0"]) == 2
     assert "KILN_FAULT_INJECT='step:soon': expected step:N" in caplog.text
+
+
+async def _dead_while_queued(smollm2_path, adapters) -> tuple[list, dict]:
+    """A real server in this process (so the test can line commands up behind the fatal one) on
+    a real port: sleep, wake_up, an adapter load and unload and a completion are queued for the
+    engine thread, behind a failure (as a tensor-parallel rank's death reports itself); then the
+    same endpoints once the server knows it is dead. Every wait is bounded."""
+    config = Config(model=str(smollm2_path), dtype="float32", device="cpu", max_model_len=128,
+                    kv_cache_memory=16 << 20, enable_lora=True, lora_modules=(("sql", str(adapters / "sql")),))
+    server = Server(config, MODEL, max_queue=8, timer=startup.StartupTimer())
+    await server.load()
+    runner = web.AppRunner(server.app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    calls = [("POST", "/sleep", {}), ("POST", "/wake_up", {}),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters / "poet")}),
+             ("POST", "/v1/unload_lora_adapter", {"lora_name": "sql"}),
+             ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})]
+    try:
+        async with session(timeout=60) as client:
+            async def answer(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+                async with client.request(method, url + path, json=body) as r:
+                    return r.status, await r.json(content_type=None)
+
+            entered, gate = threading.Event(), threading.Event()
+            # Hold the engine thread, so what follows is queued behind it in this order.
+            held = asyncio.ensure_future(server.engine.call(lambda: (entered.set(), gate.wait(60))))
+            assert await asyncio.to_thread(entered.wait, 60)
+            server.engine.fail(InjectedFault("rank 1 exited"))
+            racing = [asyncio.ensure_future(answer(*call)) for call in calls]
+            async with asyncio.timeout(60):
+                while server.engine._commands.qsize() < 1 + len(calls):  # each handler's command is in
+                    await asyncio.sleep(0.01)
+            gate.set()
+            await asyncio.wait_for(held, 60)
+            _, lost = await asyncio.wait(racing, timeout=30)
+            assert not lost, f"{len(lost)} of {len(racing)} requests queued behind the failure were never answered"
+            raced = [task.result() for task in racing]
+            after = {path: await asyncio.wait_for(answer(method, path, body), 60)
+                     for method, path, body in [*calls, ("GET", "/is_sleeping", None)]}
+            return raced, after
+    finally:
+        await runner.cleanup()
+        await server.engine.stop()
+
+
+def test_every_endpoint_reaching_a_dead_engine_answers_503_engine_dead(smollm2_path, tmp_path):
+    write_adapter(tmp_path / "sql", SMOLLM2, seed=1, rank=4, targets=("q_proj",), layers=range(2))
+    write_adapter(tmp_path / "poet", SMOLLM2, seed=2, rank=4, targets=("v_proj",), layers=range(2))
+    raced, after = asyncio.run(_dead_while_queued(smollm2_path, tmp_path))
+    for status, body in [*raced, *after.values()]:  # the generation endpoints' 503, everywhere
+        assert status == 503 and is_openai_error(body), (raced, after)
+        assert body["error"]["code"] == "engine_dead" and body["error"]["type"] == "server_error", body
+        assert "InjectedFault: rank 1 exited" in body["error"]["message"], body

@@ -119,8 +119,13 @@ class AsyncEngine:
         # A tensor-parallel worker rank that dies is fatal even while the engine idles (tp_ranks).
         group = getattr(getattr(self.engine, "runner", None), "group", None)
         if group is not None:
-            group.on_failure = lambda error: self._commands.put(("fail", error))
+            group.on_failure = self.fail
         self._running = self._thread.submit(self._run)
+
+    def fail(self, error: BaseException) -> None:
+        """Kill the engine (any thread): its loop raises `error` at its next command, as when a
+        tensor-parallel rank died. What was queued before it still runs; what came after fails."""
+        self._commands.put(("fail", error))
 
     async def stop(self) -> None:
         self._commands.put(None)
@@ -211,10 +216,18 @@ class AsyncEngine:
         last_step_end = None  # while requests remain: where the engine's time between steps goes
         while True:
             # Sleep on the command queue only when there is nothing to step.
-            for cmd in self._drain_commands(block=not self.engine.has_unfinished_requests()):
+            cmds = self._drain_commands(block=not self.engine.has_unfinished_requests())
+            for i, cmd in enumerate(cmds):
                 if cmd is None:
                     return
-                self._execute(cmd)
+                try:
+                    self._execute(cmd)
+                except BaseException:
+                    # Fatal (a "fail" command): the ones drained behind it go back on the queue, where
+                    # _fail_everything answers them; dropped here, their callers would wait for ever.
+                    for later in cmds[i + 1:]:
+                        self._commands.put(later)
+                    raise
             if self.engine.has_unfinished_requests():
                 started = time.perf_counter()
                 if last_step_end is not None:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from kiln.engine import RequestOutput, SamplingParams
-from kiln.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
 from kiln.engine.openai_protocol import (
     INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
@@ -284,12 +284,10 @@ class OpenAIServing:
 
     async def _submit(self, requests: list[tuple[str, list[int], SamplingParams]],
                       lora: str | None) -> list[RequestStream]:
-        try:
+        try:  # EngineDeadError is left to the server's middleware, which answers it alike on every route
             return await self.engine.submit_all(requests, lora)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type_="server_error", code="engine_dead") from None
         except LoRANotLoadedError:  # unloaded between _check_model and the engine's turn: as if never loaded
             raise self._model_not_found(lora) from None
         except ValueError as e:

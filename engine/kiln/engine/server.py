@@ -23,7 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.engine import Config, LLMEngine, SamplingParams, lora_serving, openapi, tool_parsers
-from kiln.engine.async_engine import AsyncEngine, TorchThread, fault_step_from_env
+from kiln.engine.async_engine import AsyncEngine, EngineDeadError, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
@@ -129,6 +129,9 @@ class Server:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
+        except EngineDeadError as e:  # on every route that reaches the engine, whenever it died
+            return web.json_response(APIError(503, str(e), type_="server_error", code="engine_dead").body(),
+                                     status=503)
         except APIError as e:
             retry = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
             return web.json_response(e.body(), status=e.status, headers=retry)
@@ -152,7 +155,7 @@ class Server:
         if request.method != "POST":
             return await handler(request)
         if self.dead is not None:
-            raise APIError(503, self.dead, type_="server_error", code="engine_dead")
+            raise EngineDeadError(self.dead)
         if not self.is_ready:
             why = "the server is draining" if self.draining else "the model is still loading"
             raise APIError(503, f"{why}; not accepting requests", type_="server_error", code="not_ready")
@@ -207,6 +210,8 @@ class Server:
     async def is_sleeping(self, request: web.Request) -> web.Response:
         if self.engine is None:
             raise APIError(503, "the model is still loading", type_="server_error", code="not_ready")
+        if self.dead is not None:  # neither asleep nor awake: gone
+            raise EngineDeadError(self.dead)
         return web.json_response({"is_sleeping": self.engine.engine.is_sleeping})
 
     async def _timed(self, fn) -> float:
