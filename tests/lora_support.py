@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -54,3 +54,13 @@ def merged_into(hf_model, tensors: dict[str, torch.Tensor], scale: float) -> Non
                 name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                 b = tensors[key.replace("lora_A", "lora_B")]
                 modules[name].weight += scale * (b @ a)
+
+
+def make_one_tensor_integer(folder: Path) -> str:
+    """Rewrite one tensor of the folder's adapter as int8 (PEFT never writes one); its name."""
+    tensors_file = folder / "adapter_model.safetensors"
+    tensors = load_file(str(tensors_file))
+    key = "base_model.model.model.layers.2.self_attn.o_proj.lora_B.weight"
+    tensors[key] = (tensors[key] * 100).round().to(torch.int8)
+    save_file(tensors, str(tensors_file))
+    return key

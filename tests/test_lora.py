@@ -16,7 +16,7 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
 
-from lora_support import merged_into, write_adapter
+from lora_support import make_one_tensor_integer, merged_into, write_adapter
 from test_model import forward_prefill, rel_err
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -164,6 +164,8 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     (lambda d, c: (d / "adapter_config.json").write_bytes(b'{"r": 8, "lora_alpha": "\xff"}'), "is not JSON"),
     (lambda d, c: write_adapter(d, c, 3, alpha=float("nan")), "finite lora_alpha"),  # json writes NaN
     (lambda d, c: _poison(d / "adapter_model.safetensors"), "layer 2 o_proj has weights that are not finite"),
+    (lambda d, c: make_one_tensor_integer(d), r"tensor 'base_model\.model\.model\.layers\.2\.self_attn\.o_proj\.lora_B"
+     r"\.weight' in \S+/bad/adapter_model\.safetensors is torch\.int8, not a floating-point type"),
 ])
 def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_path, hf_smollm2, llm) -> None:
     folder = tmp_path / "bad"

@@ -19,7 +19,7 @@ from kiln.engine.llm import LLM
 from kiln.engine.lora_serving import add_lora_arguments, lora_module
 from kiln.engine.sampling_params import SamplingParams
 from kiln_process import REPO
-from lora_support import SMOLLM2, write_adapter
+from lora_support import SMOLLM2, make_one_tensor_integer, write_adapter
 from test_server import MODEL, ServerProcess, post
 
 PROMPT = "The capital of France is"
@@ -178,6 +178,24 @@ def test_an_adapter_that_cannot_load_fails_the_start(tmp_path):
                            f"d={tmp_path}", "--max-model-len", "64", "--kv-cache-memory", "16Mi", "--port", "0"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "DoRA are not supported" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_adapter_with_integer_weights_is_refused_by_name(server, tmp_path):
+    """PEFT writes float weights; integers cast to the model's dtype would serve an adapter nobody trained."""
+    write_adapter(tmp_path / "ints", SMOLLM2, seed=13, rank=4)
+    key = make_one_tensor_integer(tmp_path / "ints")
+    got, answer = adapter_call(f"{server.url}/v1/load_lora_adapter",
+                               {"lora_name": "ints", "lora_path": str(tmp_path / "ints")})
+    assert got == 400 and answer["error"]["param"] == "lora_path", answer
+    assert f"tensor {key!r} in {tmp_path / 'ints' / 'adapter_model.safetensors'} is torch.int8, not a floating-point " \
+        "type" in answer["error"]["message"], answer
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]  # nothing changed
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--enable-lora", "--lora-modules",
+                           f"ints={tmp_path / 'ints'}", "--max-model-len", "64", "--kv-cache-memory", "16Mi",
+                           "--port", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and f"tensor {key!r}" in done.stderr and "not a floating-point type" in done.stderr, \
+        done.stderr[-2000:]
 
 
 def test_lora_modules_take_name_path_and_vllm_json():

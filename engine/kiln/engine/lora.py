@@ -82,6 +82,9 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
         if match is None or match.group(2) not in _TARGETS:
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of an attention or MLP "
                             f"projection ({', '.join(_TARGETS)}): only those take adapters here")
+        if not tensor.is_floating_point():  # PEFT writes float weights: integers cast to floats are not an adapter
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} in {tensors_file} is {tensor.dtype}, not a "
+                            "floating-point type")
         layer, (fused, shard) = int(match.group(1)), _TARGETS[match.group(2)]
         shards.setdefault((layer, fused), {}).setdefault(shard, {})[match.group(3)] = tensor
     if not shards:
