@@ -516,11 +516,14 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
 @pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int, prefetch: int) -> None:
+@pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1}],
+                         ids=["plain", "prefetch", "late-bias", "both"])
+def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int,
+                         variants: dict[str, int]) -> None:
     """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
-    float where it stands, for every int4 format and group, split over K (3 splits: the sum's
-    padded rows masked), N not a tile multiple, with and without the next tile prefetched."""
+    float where it stands (or moved to bits 12/16 first, its bias taken off a tile at once: LATE_BIAS),
+    for every int4 format and group, split over K (3 splits: the sum's padded rows masked), N not a
+    tile multiple, with and without the next tile prefetched."""
     gen = torch.Generator().manual_seed(group + m)
     x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,
@@ -530,7 +533,7 @@ def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, spli
         zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).to(dtype).to(DEVICE)}
     args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [group]
     assert int4_gemv.as_words(args[0]) is not None
-    config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits, "PREFETCH": prefetch}
+    config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits, **variants}
     out = poisoned((m, 40), dtype)
     with tuned.override("quant_gemm", f"w4-g{group}-m{1 if m == 1 else 16}", config):
         w4a16_gemm(x, *args, **kw, out=out)

@@ -104,12 +104,13 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                dict(INT4=w == "u8", HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
                     BLOCK_K=min(128, group or 256), MAGIC=magic, SCALED=w != t), 4)
     # int4 read as int32 words (int4_gemv): zeros, symmetric, GGUF Q4_1's mins.
-    for offsets, group, s, prefetch in (("zeros", 128, t, 0), (None, 128, t, 1), ("mins", 32, "fp16", 1)):
+    for offsets, group, s, prefetch, late in (("zeros", 128, t, 0, 0), ("zeros", 128, t, 0, 1), (None, 128, t, 1, 1),
+                                              ("mins", 32, "fp16", 1, 0)):
         yield (int4_gemv._int4_words_gemv_kernel,
                dict(x_ptr=f"*{t}", w_ptr="*i32", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
                     y_ptr="*fp32"),
                dict(HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=64,
-                    BLOCK_K=group, PREFETCH=prefetch), 4)
+                    BLOCK_K=group, PREFETCH=prefetch, LATE_BIAS=late), 4)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
 

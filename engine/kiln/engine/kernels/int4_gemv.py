@@ -13,6 +13,13 @@ of 2**(23 - 4i) the nibble is worth exactly its value, so `float - 2**(23 - 4i)`
 (nibbles 0-3 from the word, 4-7 from the word shifted right by 16: one shift for eight codes).
 Then one FMA with x. Each program sums BLOCK_N rows over one quantization group a tile (BLOCK_K
 divides the group); split-K partitions are summed by quant_gemm's second kernel.
+
+LATE_BIAS 1 drops the subtract: each nibble is first shifted to bits 12..15 or 16..19 (four shifts a
+word: << 16, << 8, >> 8, >> 16; nibbles 1-2, 3-4 and 5-6 share one), where its float is worth 2**11
+or 2**7 plus the code, and the biases times x are taken off once a tile. Biases that small keep
+fp32's error near 1e-5 of the sum; at bit 0 (2**23) the products would lose the codes. Counted in
+the sm_90 cubins (Triton's nvdisasm) for a 128x128 tile, 128 codes a thread: 717 instructions in
+the loop before NIBBLE, 585 after, 544 with LATE_BIAS (FADD 172 -> 56, shifts 44 -> 66); not yet timed.
 """
 import torch
 import triton
@@ -20,12 +27,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _nibble(word, shift: tl.constexpr):
+def _nibble(word, shift: tl.constexpr, nibble):
     # The code at bits shift..shift+3 (shift <= 12) as an exact float: the bits OR-ed under the
     # exponent of 2**(23 - shift) are worth 2**(23 - shift) + code.
     exponent: tl.constexpr = (150 - shift) << 23
     bias = tl.full([], exponent, tl.int32).to(tl.float32, bitcast=True)
-    return ((word & (0xF << shift)) | exponent).to(tl.float32, bitcast=True) - bias
+    return ((word & (nibble << shift)) | exponent).to(tl.float32, bitcast=True) - bias
+
+
+@triton.jit
+def _placed(word, i: tl.constexpr, nibble):
+    # Code i (bits 4i..4i+3) moved to bits `at` = 16 (even i) or 12 (odd i), as the float 2**(23 - at) + code.
+    at: tl.constexpr = 16 - 4 * (i % 2)
+    shift: tl.constexpr = at - 4 * i
+    moved = word << shift if shift >= 0 else word >> -shift  # bits above `at + 3` are masked off
+    return ((moved & (nibble << at)) | ((150 - at) << 23)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -45,10 +61,10 @@ def group_dot(dot, x_sum, scales, offsets, n_ok, HAS_ZEROS: tl.constexpr, HAS_MI
 
 @triton.jit
 def _int4_words_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split,
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split, nibble,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
     HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LATE_BIAS: tl.constexpr,
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
     # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
@@ -73,16 +89,25 @@ def _int4_words_gemv_kernel(
                             eviction_policy="evict_first")
         else:
             this = tl.load(tiles + k0 // 8, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
-        high = this >> 16
         part = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)
         x_sum = tl.zeros([BLOCK_K // 8], tl.float32)
+        x_bias = tl.zeros([BLOCK_K // 8], tl.float32)  # LATE_BIAS: the codes' biases times x
         x_row = x_ptr + row * stride_xm + k0 + offs_w * 8
+        if not LATE_BIAS:
+            high = this >> 16
         for i in tl.static_range(8):
             # x's column 8w + i for each word w (x is a few KB, read from cache)
             x = tl.load(x_row + i).to(tl.float32)
-            part += _nibble(this if i < 4 else high, 4 * (i % 4)) * x[None, :]
+            if LATE_BIAS:
+                part += _placed(this, i, nibble) * x[None, :]
+                x_bias += x * (128.0 if i % 2 == 0 else 2048.0)
+            else:
+                part += _nibble(this if i < 4 else high, 4 * (i % 4), nibble) * x[None, :]
             x_sum += x
-        acc += group_dot(tl.sum(part, axis=1), tl.sum(x_sum, axis=0), s_ptr + rows_w * stride_sn + k0 // GROUP,
+        dot = tl.sum(part, axis=1)
+        if LATE_BIAS:
+            dot -= tl.sum(x_bias, axis=0)
+        acc += group_dot(dot, tl.sum(x_sum, axis=0), s_ptr + rows_w * stride_sn + k0 // GROUP,
                          z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
     y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -96,12 +121,19 @@ def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
     return qweight.view(torch.int32)
 
 
+# The kernel's `nibble` mask, passed at run time: as a constant, ptxas put it in a fresh register before
+# every AND-OR (one AND-OR takes one immediate; the exponent is the other), about 100 moves a 128x128
+# tile a thread in the sm_90 cubin; as an argument it stays in a register and those moves are gone.
+NIBBLE = 0xF
+VARIANTS = ("PREFETCH", "LATE_BIAS")  # this kernel's own switches in a tuned config (0 when absent)
+
+
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor, target: torch.Tensor,
            n: int, k: int, k_per_split: int, splits: int, strides: tuple[int, ...], has_zeros: bool,
-           has_mins: bool, prefetch: int, tiles: dict[str, int]) -> None:
+           has_mins: bool, variants: dict[str, int], tiles: dict[str, int]) -> None:
     """strides and tiles (GROUP, BLOCK_N, BLOCK_K, num_warps ...) as quant_gemm._launch has them;
-    the weight's stride is in bytes there, in words here."""
+    the weight's stride is in bytes there, in words here. variants: VARIANTS' values."""
     stride_xm, stride_wn, *rest = strides
     _int4_words_gemv_kernel[(x2.shape[0], triton.cdiv(n, tiles["BLOCK_N"]), splits)](
-        x2, words, scales, z, target, n, k, k_per_split, stride_xm, stride_wn // 4, *rest,
-        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, PREFETCH=prefetch, **tiles)
+        x2, words, scales, z, target, n, k, k_per_split, NIBBLE, stride_xm, stride_wn // 4, *rest,
+        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, **variants, **tiles)

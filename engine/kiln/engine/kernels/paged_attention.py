@@ -244,7 +244,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                         num_heads // num_kv_heads, head_dim)
     split = num_splits > 1
     tiles = tile_config(max_seqlen_q, num_heads // num_kv_heads, head_dim, q.device, split)
-    block_q, block_n = tiles["BLOCK_Q"], tiles["BLOCK_N"]
+    block_q = tiles["BLOCK_Q"]
     if split:
         target = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)

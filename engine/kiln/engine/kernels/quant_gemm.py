@@ -262,7 +262,7 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
     may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
     GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel; with WORDS 1 and int4 weights,
-    int4_gemv's kernel, which reads them as int32 words, and PREFETCH), MAGIC (_codes) and DEQUANT.
+    int4_gemv's kernel, which reads them as int32 words, and its VARIANTS), MAGIC (_codes) and DEQUANT.
     DEQUANT (the default above 16 rows): dequantize the whole weight, then cuBLAS (kernels.dequant)."""
     tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
                  BLOCK_K=min(64, group_size) if group_size else 64, DEQUANT=int(m > 16))
@@ -299,12 +299,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                target.stride(0) if splits > 1 else 0)
     kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, MAGIC=tiles.pop("MAGIC", 0))
     words = int4_gemv.as_words(qweight) if tiles.pop("WORDS", 0) and int4 else None
-    prefetch = tiles.pop("PREFETCH", 0)
+    variants = {name: tiles.pop(name, 0) for name in int4_gemv.VARIANTS}
     if tiles.pop("GEMV", 0):
         del tiles["BLOCK_M"]
         if words is not None:
             int4_gemv.launch(x2, words, scales, z, target, n, k, k_per_split, splits, strides, kinds["HAS_ZEROS"],
-                             kinds["HAS_MINS"], prefetch, tiles)
+                             kinds["HAS_MINS"], variants, tiles)
         else:
             _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
                 x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
