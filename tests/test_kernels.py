@@ -8,6 +8,7 @@ unused cache slots and padded block-table entries hold NaN too, so a kernel that
 past a sequence's length fails as well.
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -501,6 +502,20 @@ def test_kernels_compile_for_h100() -> None:
                                                       "_silu_mul_kernel:", "_dequant_kernel:",
                                                       "_int4_words_gemv_kernel:"}
     assert all(int(line.split()[2]) > 0 for line in compiled)
+
+
+def test_int4_word_gemv_loop_as_compiled_for_sm90() -> None:
+    """bench/sass.py reads the K loop from the sm_90 cubin: with LATE_BIAS no float subtract a code is
+    left (FADDs well under one a code), and the nibble mask, a kernel argument, is not re-made into a
+    register before each AND-OR (no MOVs in the loop)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    done = subprocess.run([sys.executable, str(bench / "sass.py"), "--late-bias", "1"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    census = dict(op.split(":") for op in done.stdout.splitlines()[-1].split())
+    codes = int(re.search(r"a tile of (\d+) codes", done.stdout).group(1))
+    assert int(census["FFMA"]) >= codes and int(census["FADD"]) < codes / 2 and "MOV" not in census, done.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

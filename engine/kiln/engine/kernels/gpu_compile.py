@@ -129,13 +129,20 @@ def jobs(everything: bool) -> Iterator[Job]:
             yield from attention_jobs(torch.bfloat16, group, head_dim)
 
 
-def compile_job(job: Job, arch: int) -> int:
-    """Compile one kernel; returns its cubin size. Scalar args not named in types are i32."""
+def compile_kernel(job: Job, arch: int, aligned: tuple[str, ...] = ()):
+    """Compile one kernel (a triton CompiledKernel, its cubin in .asm). Scalar args not named in
+    types are i32; those in `aligned` are taken to be multiples of 16, as Triton's launcher
+    specializes pointers and sizes that are (so the loads vectorize as on a GPU)."""
     kernel, types, consts, warps = job
     signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": warps})
-    return len(compiled.asm["cubin"])
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    return triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
+
+
+def compile_job(job: Job, arch: int) -> int:
+    """Compile one kernel; returns its cubin size."""
+    return len(compile_kernel(job, arch).asm["cubin"])
 
 
 def main(argv: list[str] | None = None) -> int:
