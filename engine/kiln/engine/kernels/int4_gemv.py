@@ -14,12 +14,13 @@ of 2**(23 - 4i) the nibble is worth exactly its value, so `float - 2**(23 - 4i)`
 Then one FMA with x. Each program sums BLOCK_N rows over one quantization group a tile (BLOCK_K
 divides the group); split-K partitions are summed by quant_gemm's second kernel.
 
-LATE_BIAS 1 drops the subtract: each nibble is first shifted to bits 12..15 or 16..19 (four shifts a
-word: << 16, << 8, >> 8, >> 16; nibbles 1-2, 3-4 and 5-6 share one), where its float is worth 2**11
-or 2**7 plus the code, and the biases times x are taken off once a tile. Biases that small keep
-fp32's error near 1e-5 of the sum; at bit 0 (2**23) the products would lose the codes. Counted in
-the sm_90 cubins (Triton's nvdisasm) for a 128x128 tile, 128 codes a thread: 717 instructions in
-the loop before NIBBLE, 585 after, 544 with LATE_BIAS (FADD 172 -> 56, shifts 44 -> 66); not yet timed.
+LATE_BIAS 1 drops the subtract: each nibble is first shifted to bits 12..15 or 16..19 (three shifts
+a word: << 8 for codes 1-2, >> 8 for 5-6, a rotation by 16 for 0 and 7; 3-4 are in place), where its
+float is worth 2**11 or 2**7 plus the code, and the biases times x are taken off once a tile. Biases
+that small keep fp32's error near 1e-5 of the sum; at bit 0 (2**23) the products would lose the
+codes. Counted in the sm_90 cubins by bench/sass.py for a 128x128 tile, 128 codes a thread: 717
+instructions in the loop before NIBBLE, 585 after, 512 with LATE_BIAS (FADD 172 -> 56), at 101
+registers instead of 87 (4 programs an SM instead of 5); not yet timed.
 """
 import torch
 import triton
@@ -40,7 +41,10 @@ def _placed(word, i: tl.constexpr, nibble):
     # Code i (bits 4i..4i+3) moved to bits `at` = 16 (even i) or 12 (odd i), as the float 2**(23 - at) + code.
     at: tl.constexpr = 16 - 4 * (i % 2)
     shift: tl.constexpr = at - 4 * i
-    moved = word << shift if shift >= 0 else word >> -shift  # bits above `at + 3` are masked off
+    if shift == 16 or shift == -16:  # codes 0 and 7: the word rotated by 16 holds both, one funnel shift
+        moved = (word << 16) | (word.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+    else:
+        moved = word << shift if shift >= 0 else word >> -shift  # bits above `at + 3` are masked off
     return ((moved & (nibble << at)) | ((150 - at) << 23)).to(tl.float32, bitcast=True)
 
 
