@@ -248,3 +248,43 @@ def test_probabilities_are_never_nan() -> None:
         probs = out.softmax(dim=-1)
         assert not probs.isnan().any(), probs
         torch.testing.assert_close(probs.sum(dim=-1), torch.ones(n))
+
+
+def count_host_copies(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts conversions of tensors to host values (on a GPU, each waits for the device)."""
+    seen = {"copies": 0}
+    for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+        def counting(self, *args, _original=getattr(torch.Tensor, name), **kwargs):
+            seen["copies"] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return seen
+
+
+def test_one_host_copy_per_greedy_step_and_logprobs_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(0))
+    want = logits.argmax(dim=-1).tolist()
+    seen = count_host_copies(monkeypatch)
+    tokens, _ = Sampler()(logits, make_seqs([SamplingParams(temperature=0)] * 8))
+    assert tokens == want and seen["copies"] == 1  # the logits' range and the tokens, together
+    copies = []
+    for rows in (2, 8):  # logprob entries cost the same host copies for any number of rows
+        seen["copies"] = 0
+        _, entries = Sampler()(logits[:rows], make_seqs([SamplingParams(temperature=0, logprobs=3)] * rows))
+        assert [len(e["top"]) for e in entries] == [3] * rows
+        copies.append(seen["copies"])
+    assert copies[0] == copies[1], copies
+
+
+def test_clamped_logits_draw_as_finite_ones_would() -> None:
+    """A step whose logits need clamping samples again from the clamped ones with the same noise:
+    the tokens, and the engine generator's next draws, are those of finite logits from the start."""
+    broken = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    broken[1, 3], broken[2, 5] = NAN, INF
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=4)]
+    for seed in range(5):
+        clamped, clean = Sampler(seed), Sampler(seed)
+        assert clamped(broken.clone(), make_seqs(params))[0] == clean(finite_logits(broken), make_seqs(params))[0]
+        nxt = finite_logits(broken)
+        assert clamped(nxt.clone(), make_seqs(params))[0] == clean(nxt.clone(), make_seqs(params))[0]

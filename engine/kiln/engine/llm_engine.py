@@ -281,7 +281,8 @@ class LLMEngine:
             seq.prompt_logprobs += [entry(position, self.tokenizer.decode_token) for position in scored]
         outputs = []
         for seq, tokens in emitted:
-            seq.drop_drafts()  # the accepted ones come back as tokens, each checked for a stop
+            if seq.num_draft_tokens:
+                seq.drop_drafts()  # the accepted ones come back as tokens, each checked for a stop
             for token, logprob in tokens:
                 seq.append_token(token)
                 if logprob is not None:
@@ -322,6 +323,8 @@ class LLMEngine:
         """Per sampled sequence its new (token, logprob)s: the drafts the model agreed with, in
         order, then the model's own token. The rejected drafts leave the sequence and the batch's
         count, so the step records K/V only for tokens that stay (their blocks may be shared)."""
+        if self.config.speculative is None:  # no drafts, nothing to check: a token per sequence
+            return [(seq, [entry]) for seq, entry in zip(ran.sampled, zip(ran.tokens, ran.logprobs))]
         index = {id(seq): i for i, seq in enumerate(batch.seqs)}
         emitted, row = [], 0
         while row < len(ran.sampled):

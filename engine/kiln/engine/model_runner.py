@@ -67,6 +67,8 @@ class PreparedBatch:
     # The last row of each sequence whose tokens will all be computed (the last 1 + drafts rows
     # of one with drafts).
     sample_rows: list[int]
+    sampled: list[Sequence]  # per sample row, its sequence
+    drafts: list[int] | None  # per sample row, the draft token it checks, or -1; None: no row checks one
     # (sequence, its first flat row, positions): rows whose logits score prompt tokens (prompt logprobs)
     prompt_rows: list[tuple[Sequence, int, range]]
 
@@ -211,15 +213,25 @@ class ModelRunner:
         spans = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
                  for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         input_ids, positions, context = self.flatten(spans)
-        sample_rows, prompt_rows, row = [], [], 0
+        sample_rows, sampled, drafts, prompt_rows, row, checks_drafts = [], [], [], [], 0, False
         for seq, start, end in spans:
             row += end - start  # one past the sequence's last flat row; position p is row - end + p
             if end == len(seq):  # and with drafts, the rows that check them too
-                sample_rows += range(row - 1 - seq.num_draft_tokens, row)
-            scored = prompt_rows_in_step(seq, start, end)
-            if scored:
-                prompt_rows.append((seq, row - end + scored.start, scored))
-        return PreparedBatch(input_ids, positions, context, sample_rows, prompt_rows)
+                if seq.num_draft_tokens:
+                    checks_drafts = True
+                    sample_rows += range(row - 1 - seq.num_draft_tokens, row)
+                    sampled += [seq] * (seq.num_draft_tokens + 1)
+                    drafts += seq.draft_token_ids + [-1]
+                else:  # the common case, kept cheap: it runs per sequence per step
+                    sample_rows.append(row - 1)
+                    sampled.append(seq)
+                    drafts.append(-1)
+            if seq.prompt_logprobs is not None:
+                scored = prompt_rows_in_step(seq, start, end)
+                if scored:
+                    prompt_rows.append((seq, row - end + scored.start, scored))
+        return PreparedBatch(input_ids, positions, context, sample_rows, sampled, drafts if checks_drafts else None,
+                             prompt_rows)
 
     def flatten(self, spans: list[tuple[Sequence, int, int]]) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """The tokens at positions [start, end) of each sequence as one flat batch: input_ids,
@@ -230,10 +242,15 @@ class ModelRunner:
         slots: list[int] = []
         cu_seqlens, seq_lens = [0], []
         for seq, start, end in spans:
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if end - start == 1:  # a decode: appends, a quarter of the general case's time per sequence
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:end]
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             cu_seqlens.append(cu_seqlens[-1] + end - start)
             seq_lens.append(end)
         width = max(len(seq.block_table) for seq, _, _ in spans)
@@ -269,16 +286,12 @@ class ModelRunner:
             hidden = self._forward(prepared.input_ids, prepared.positions, prepared.context)
         prompt_logprobs = [(seq, self._score_prompt(seq, hidden[row:row + len(positions)], positions))
                            for seq, row, positions in prepared.prompt_rows]
-        sampled, drafts = [], []  # a row per sequence that samples, and one per draft it checks
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.num_computed_tokens + n == len(seq):
-                checked = seq.draft_token_ids
-                sampled += [seq] * (len(checked) + 1)
-                drafts += checked + [-1]
+        sampled, rows = prepared.sampled, prepared.sample_rows
         if not sampled:
             return RunnerOutput([], [], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[prepared.sample_rows])
-        tokens, logprobs = self.sampler(logits, sampled, drafts if any(d >= 0 for d in drafts) else None)
+        # Every row samples (decodes only): no gather, which from a list of rows is a host-to-device copy.
+        logits = self.model.compute_logits(hidden if len(rows) == hidden.shape[0] else hidden[rows])
+        tokens, logprobs = self.sampler(logits, sampled, prepared.drafts)
         return RunnerOutput(sampled, tokens, logprobs, prompt_logprobs)
 
     @torch.inference_mode()

@@ -68,11 +68,13 @@ def apply_penalties(
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf what top-k (0 = off), top-p and min-p rule out; per-row values of shape [M]."""
     vocab_size = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    any_top_k = bool((top_k > 0).any())
+    if any_top_k or bool((top_p < 1.0).any()):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-        k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        if any_top_k:  # else the mask is all False: a pass over [M, vocab] for nothing
+            ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+            k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = probs.cumsum(dim=-1) - probs
@@ -122,15 +124,34 @@ class Sampler:
         speculative sampling exactly: a draft is kept with probability p(draft), and where it is
         not, the token is a draw from p without it."""
         params = [seq.params for seq in seqs]
-        low, high = torch.stack(torch.aminmax(logits)).tolist()  # one pass, one host copy
-        if not (-LOGIT_LIMIT <= low and high <= LOGIT_LIMIT):  # NaN fails both comparisons
-            if not self.warned_non_finite:
-                broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
-                if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
-                    self.warned_non_finite = True
-                    log.warning("the model produced NaN or infinite logits (request %s); sampling clamps them, "
-                                "but the output is unlikely to mean anything", seqs[broken[0]].request_id)
-            logits = finite_logits(logits)  # rows within the limits are left as they are
+        greedy = [p.greedy for p in params]
+        # Drawn before the logits are looked at, so that a second pass over clamped logits (below)
+        # uses the same noise: the engine's generator advances once per step either way.
+        noise = None if all(greedy) else self._noise(logits, seqs)
+        bounds = torch.stack(torch.aminmax(logits)).double()  # one pass over the logits
+        tokens, logprobs = self._sample(logits, seqs, params, greedy, noise, drafts)
+        # One host copy, the step's one sync on a GPU: the logits' range and the tokens together.
+        low, high, *drawn = torch.cat([bounds, tokens.double()]).tolist()
+        if -LOGIT_LIMIT <= low and high <= LOGIT_LIMIT:  # NaN fails both comparisons
+            token_list = [int(token) for token in drawn]
+        else:  # a broken model: the tokens come from its logits made finite
+            self._warn_non_finite(logits, seqs)
+            tokens, logprobs = self._sample(finite_logits(logits), seqs, params, greedy, noise, drafts)
+            token_list = tokens.tolist()
+        return token_list, self._logprob_entries(logprobs, token_list, params)
+
+    def _warn_non_finite(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        if not self.warned_non_finite:
+            broken = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+            if broken:  # warned once: it is the model (or its dtype) that is broken, not a request
+                self.warned_non_finite = True
+                log.warning("the model produced NaN or infinite logits (request %s); sampling clamps them, "
+                            "but the output is unlikely to mean anything", seqs[broken[0]].request_id)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], greedy: list[bool],
+                noise: torch.Tensor | None, drafts: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens (on the device) and, if any row asked for logprobs, the raw log-probabilities.
+        Nothing here changes state that a second call would see (constrain gives drafts back)."""
         logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         if any(p.penalized for p in params):
             logits = finite_logits(apply_penalties(
@@ -147,13 +168,9 @@ class Sampler:
             logits = self._without_stops(logits, seqs)
         if any(seq.matcher is not None for seq in seqs):
             logits = constrain(logits, seqs, drafts)
-        greedy = [p.greedy for p in params]
-        if all(greedy):  # fast path: no filtering, no noise
-            tokens = self.argmax(logits)
-        else:
-            tokens = self._draw(logits, seqs, params, greedy)
-        token_list = tokens.tolist()
-        return token_list, self._logprob_entries(logprobs, token_list, params)
+        if noise is None:  # all greedy: no filtering, no noise
+            return self.argmax(logits), logprobs
+        return self._draw(logits, params, greedy, noise), logprobs
 
     def _biased(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """logits + each row's logit_bias (a new tensor: the model's logits stay as they were)."""
@@ -178,8 +195,16 @@ class Sampler:
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-              greedy: list[bool]) -> torch.Tensor:
+    def _noise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Exp(1) noise per logit: from the engine's generator, a seeded row's from its own."""
+        noise = torch.empty_like(logits).exponential_(generator=self.generator)
+        for i, seq, position in _seeded_rows(seqs):
+            seq.generator.manual_seed(position_seed(seq.params.seed, position))
+            noise[i].exponential_(generator=seq.generator)
+        return noise
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool],
+              noise: torch.Tensor) -> torch.Tensor:
         greedy_mask = torch.tensor(greedy, device=self.device)
         temperature = self._column(params, "temperature").masked_fill(greedy_mask, 1.0)
         scaled = filter_logits(
@@ -188,12 +213,8 @@ class Sampler:
             self._column(params, "top_p"),
             self._column(params, "min_p"),
         )
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, seq, position in _seeded_rows(seqs):
-            seq.generator.manual_seed(position_seed(seq.params.seed, position))
-            noise[i].exponential_(generator=seq.generator)
-        return torch.where(greedy_mask, self.argmax(logits), self.argmax(probs / noise))
+        drawn = self.argmax(scaled.softmax(dim=-1) / noise)
+        return torch.where(greedy_mask, self.argmax(logits), drawn) if any(greedy) else drawn
 
     @staticmethod
     def _logprob_entries(
@@ -204,12 +225,14 @@ class Sampler:
         top_n = max(p.logprobs or 0 for p in params)
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+        # One host copy each for the whole batch, not two per row (on a GPU each is a sync).
+        top_ids, top_values = (top_ids.tolist(), top_values.tolist()) if top_n else ([], [])
         entries: list[dict[str, Any] | None] = []
         for i, (token, p) in enumerate(zip(tokens, params)):
             if p.logprobs is None:
                 entries.append(None)
                 continue
             n = p.logprobs
-            top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist())) if n else []
+            top = list(zip(top_ids[i][:n], top_values[i][:n])) if n else []
             entries.append({"token_id": token, "logprob": chosen[i], "top": top})
         return entries
