@@ -8,8 +8,9 @@ noise from its own torch.Generator while the rest of the batch shares the engine
 request's noise for output position t is seeded by (seed, t) alone, so its text does not depend
 on what else runs, on preemption, or on how many speculative drafts it checked.
 Logprobs are those of the model's raw distribution, before any of this.
-Non-finite logits are made finite first (finite_logits), so a broken row still yields a valid
-token and finite logprobs, never NaN probabilities.
+A step whose logits are not all finite is sampled from them made finite (finite_logits), so a broken
+row still yields a valid token and finite logprobs, never NaN probabilities; the check's host copy
+travels with the tokens' (one sync per step on a GPU).
 """
 from __future__ import annotations
 
