@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kiln.engine import sampler as sampler_module
 from kiln.engine.sampler import Sampler, apply_penalties, filter_logits, finite_logits
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.sequence import Sequence
@@ -77,6 +78,40 @@ def test_filters_keep_the_right_tokens() -> None:
     assert kept[1] == [True, True, False, False]  # top_p=0.8: 0.5+0.3 reaches it
     assert kept[2] == [True, True, True, False]  # min_p=0.2: floor 0.1
     torch.testing.assert_close(out[0, :2], logits[0, :2])  # survivors keep their values
+
+
+def sorted_filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p by sorting the whole row: the reference for the candidates' shortcut."""
+    order = row.argsort(descending=True)
+    kept = order[:top_k] if top_k > 0 else order
+    probs = row[kept].softmax(dim=-1)
+    if top_p < 1.0:
+        kept = kept[probs.cumsum(dim=0) - probs < top_p]
+    return torch.full_like(row, -INF).index_put_((kept,), row[kept])
+
+
+@pytest.mark.parametrize("candidates", [(16,), (16, 256), sampler_module.CANDIDATES])
+def test_top_k_top_p_over_candidates_match_a_whole_sort(candidates: tuple[int, ...],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-k/top-p look at each row's best logits, widening (CANDIDATES) for the rows whose top-p mass
+    lies past them, a flat row's, to a whole sort. Either way the kept tokens and values are a whole
+    sort's, for peaked and flat rows, rows with -inf, top-k beyond the candidates, and rows nothing cuts."""
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3000
+    peaked = torch.randn(4, vocab, generator=gen) * 4
+    flat = torch.randn(4, vocab, generator=gen) * 0.1
+    logits = torch.cat([peaked, flat])
+    logits[1, ::3] = -INF  # e.g. a grammar's mask
+    top_k = torch.tensor([0, 0, 5, 40, 0, 0, 2000, 0])
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.9, 1.0, 0.99, 0.3])
+    out = filter_logits(logits, top_k, top_p, torch.zeros(8))
+    for i in range(8):
+        expected = sorted_filter(logits[i], int(top_k[i]), float(top_p[i]))
+        assert torch.equal(out[i], expected), f"row {i}: {torch.isfinite(out[i]).sum()} kept, " \
+                                              f"{torch.isfinite(expected).sum()} expected"
+    assert torch.equal(out[5], logits[5])  # neither cut: the row as it was
+    assert torch.isfinite(out[4]).sum() > 256  # a flat row: its top-p prefix is longer than 256 candidates
 
 
 def test_greedy_top_k_one_and_logprobs() -> None:

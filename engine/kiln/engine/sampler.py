@@ -66,22 +66,18 @@ def apply_penalties(
     return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * (output_counts > 0)
 
 
+# Top-k and top-p look at each row's best few tokens first (topk: on a CPU a full sort of SmolLM2's
+# 49k vocabulary took 3.6 ms a row, topk(256) 0.2 ms); the rows whose top-p mass reaches past them
+# take the next width, and the last is a whole sort.
+CANDIDATES = (256, 4096)
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf what top-k (0 = off), top-p and min-p rule out; per-row values of shape [M]."""
-    vocab_size = logits.shape[-1]
-    any_top_k = bool((top_k > 0).any())
-    if any_top_k or bool((top_p < 1.0).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if any_top_k:  # else the mask is all False: a pass over [M, vocab] for nothing
-            ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-            k = torch.where(top_k > 0, top_k, vocab_size).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    """Set to -inf what top-k (0 = off), top-p and min-p rule out; per-row values of shape [M].
+    Top-p keeps the smallest prefix, best first, whose mass reaches top_p, of the distribution
+    renormalized over the row's top k (vLLM's order)."""
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):
+        logits = _top_k_top_p(logits, top_k, top_p)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
@@ -89,10 +85,52 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    log_norm = logits.logsumexp(dim=-1)
+    out = logits.clone()  # rows no cut touches stay as they are
+    pending = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
+    for width in (*CANDIDATES, vocab_size):
+        k, p = top_k[pending], top_p[pending]
+        width = min(vocab_size, max(width, int(k.max())))
+        rows = logits[pending]
+        ranked, order = rows.topk(width, dim=-1) if width < vocab_size else rows.sort(dim=-1, descending=True)
+        kept, mass = _cut_ranked(ranked, k, p, log_norm[pending])
+        # Settled: top-k bounds the row within the width, or top-p's prefix ends inside it.
+        done = (k > 0) | (mass >= p) | (width == vocab_size)
+        out[pending[done]] = torch.full_like(rows[done], float("-inf")).scatter_(1, order[done], kept[done])
+        pending = pending[~done]
+        if not len(pending):
+            break
+    return out
+
+
+def _cut_ranked(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                log_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ranked: rows' best logits, best first (all of a row's, or its first few); log_norm: the log of
+    each whole row's softmax denominator. Returns ranked with -inf where top-k or top-p cuts, and
+    each row's probability mass within `ranked` (over its top k where top-k is on)."""
+    width = ranked.shape[-1]
+    ranks = torch.arange(width, device=ranked.device).unsqueeze(0)
+    ranked = ranked.masked_fill(ranks >= torch.where(top_k > 0, top_k, width).unsqueeze(1), float("-inf"))
+    log_norm = torch.where(top_k > 0, ranked.logsumexp(dim=-1), log_norm)
+    probs = (ranked - log_norm.unsqueeze(1)).exp()
+    mass = probs.cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    cut = (mass - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    return ranked.masked_fill(cut, float("-inf")), mass[:, -1]
+
+
 def position_seed(seed: int, position: int) -> int:
     """The seed of a seeded request's draw for output position `position`: a function of the two
     alone (a multiplicative hash keeps seed + j, choice j of `n`, apart from seed's positions)."""
     return ((seed & MASK64) * 0x9E3779B97F4A7C15 + position) & (MASK64 >> 1)
+
+
+def _exponential_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill t with Exp(1) noise as -log(U), U ~ Uniform[0, 1): on a CPU 6x faster than torch's
+    exponential_ (68 -> 12 ms for 64 rows of 49k). U = 0 gives +inf: that token is never drawn."""
+    return t.uniform_(generator=generator).log_().neg_()
 
 
 def _seeded_rows(seqs: list[Sequence]) -> Iterator[tuple[int, Sequence, int]]:
@@ -198,10 +236,10 @@ class Sampler:
 
     def _noise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Exp(1) noise per logit: from the engine's generator, a seeded row's from its own."""
-        noise = torch.empty_like(logits).exponential_(generator=self.generator)
+        noise = _exponential_(torch.empty_like(logits), self.generator)
         for i, seq, position in _seeded_rows(seqs):
             seq.generator.manual_seed(position_seed(seq.params.seed, position))
-            noise[i].exponential_(generator=seq.generator)
+            _exponential_(noise[i], seq.generator)
         return noise
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], greedy: list[bool],
