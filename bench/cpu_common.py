@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parent.parent
+# The shared mixed workload (BENCHMARKS.md), beside the repository.
+WORKLOAD = REPO.parent / "shared" / "bench" / "mixed_workload_seed0.json"
 
 
 def machine() -> dict:

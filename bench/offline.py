@@ -18,15 +18,12 @@ import os
 import platform
 import subprocess
 import time
-from pathlib import Path
 
 import torch
 
-from cpu_common import ceilings, machine, write_result
+from cpu_common import REPO, WORKLOAD, ceilings, machine, write_result
 from online import served_dtype
 
-REPO = Path(__file__).resolve().parent.parent
-WORKLOAD = REPO.parent / "shared" / "bench" / "mixed_workload_seed0.json"
 
 
 def machine_info() -> dict:

@@ -29,10 +29,8 @@ from typing import Callable
 
 import torch
 
-from cpu_common import RESULTS, machine
+from cpu_common import REPO, RESULTS, WORKLOAD, machine
 
-REPO = Path(__file__).resolve().parents[1]
-WORKLOAD = REPO.parent / "shared" / "bench" / "mixed_workload_seed0.json"
 HOST_CONCURRENCY = (1, 16, 64)
 HOST_NEW_TOKENS = 64
 HOST_SUFFIXES = tuple(f"_c{c}" for c in HOST_CONCURRENCY)

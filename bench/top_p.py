@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
-from cpu_common import machine, write_result
+from cpu_common import WORKLOAD, machine, write_result
 
-WORKLOAD = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "mixed_workload_seed0.json"
 SETTINGS = [(0.8, 0.95), (1.0, 0.9), (1.0, 0.95), (1.0, 0.99)]  # (temperature, top_p)
 
 
