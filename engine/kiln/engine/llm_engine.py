@@ -281,8 +281,7 @@ class LLMEngine:
             seq.prompt_logprobs += [entry(position, self.tokenizer.decode_token) for position in scored]
         outputs = []
         for seq, tokens in emitted:
-            if seq.num_draft_tokens:
-                seq.drop_drafts()  # the accepted ones come back as tokens, each checked for a stop
+            seq.drop_drafts()  # the accepted ones come back as tokens, each checked for a stop
             for token, logprob in tokens:
                 seq.append_token(token)
                 if logprob is not None:

@@ -66,8 +66,7 @@ class Scheduler:
                 self._preempt(seq)  # alone and still no room: step aside for the others
                 preempted = True
                 break
-            if seq.num_draft_tokens:  # drafts that do not fit wait for no step
-                seq.drop_drafts(seq.num_pending_tokens - num_tokens)
+            seq.drop_drafts(seq.num_pending_tokens - num_tokens)  # drafts that do not fit wait for no step
             self.block_manager.append_slots(seq, num_tokens)
             batch.add(seq, num_tokens)
             kept.append(seq)

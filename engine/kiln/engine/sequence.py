@@ -112,6 +112,8 @@ class Sequence:
 
     def drop_drafts(self, count: int | None = None) -> None:
         """Take the last `count` drafts (all by default) off the sequence."""
+        if not self.num_draft_tokens:  # the common case, per sequence per step: nothing to take
+            return
         count = self.num_draft_tokens if count is None else min(count, self.num_draft_tokens)
         del self.token_ids[len(self.token_ids) - count:]
         self.num_draft_tokens -= count
