@@ -28,12 +28,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _as_float(word, at: tl.constexpr, nibble):
+    # The code at bits at..at+3 (at <= 19) with the exponent of 2**(23 - at) OR-ed above it: the
+    # float 2**(23 - at) + code, exactly.
+    return ((word & (nibble << at)) | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _nibble(word, shift: tl.constexpr, nibble):
-    # The code at bits shift..shift+3 (shift <= 12) as an exact float: the bits OR-ed under the
-    # exponent of 2**(23 - shift) are worth 2**(23 - shift) + code.
-    exponent: tl.constexpr = (150 - shift) << 23
-    bias = tl.full([], exponent, tl.int32).to(tl.float32, bitcast=True)
-    return ((word & (nibble << shift)) | exponent).to(tl.float32, bitcast=True) - bias
+    # The code at bits shift..shift+3 (shift <= 12), less its bias: the code as a float.
+    bias = tl.full([], (150 - shift) << 23, tl.int32).to(tl.float32, bitcast=True)
+    return _as_float(word, shift, nibble) - bias
 
 
 @triton.jit
@@ -45,7 +50,7 @@ def _placed(word, i: tl.constexpr, nibble):
         moved = (word << 16) | (word.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
     else:
         moved = word << shift if shift >= 0 else word >> -shift  # bits above `at + 3` are masked off
-    return ((moved & (nibble << at)) | ((150 - at) << 23)).to(tl.float32, bitcast=True)
+    return _as_float(moved, at, nibble)
 
 
 @triton.jit
