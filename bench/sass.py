@@ -20,7 +20,7 @@ from pathlib import Path
 
 import triton
 
-from kiln.engine.kernels import gpu_compile, int4_gemv
+from kiln.engine.kernels import gpu_compile
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 REGISTERS_AN_SM, MAX_WARPS_AN_SM = 65536, 64  # sm_80 and sm_90
@@ -49,12 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    kernel = int4_gemv._int4_words_gemv_kernel
-    consts = dict(HAS_ZEROS=True, HAS_MINS=False, GROUP=args.block_k, BLOCK_N=args.block_n, BLOCK_K=args.block_k,
-                  PREFETCH=args.prefetch, LATE_BIAS=args.late_bias)
-    types = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8", y_ptr="*fp32")
+    job = gpu_compile.words_gemv_job("bf16", "bf16", "zeros", args.block_k, args.block_n, args.num_warps,
+                                     PREFETCH=args.prefetch, LATE_BIAS=args.late_bias)
+    kernel, _, consts, _ = job
     aligned = tuple(n for n in kernel.arg_names if n not in consts and n != "nibble")  # nibble is 0xF
-    compiled = gpu_compile.compile_kernel((kernel, types, consts, args.num_warps), args.arch, aligned)
+    compiled = gpu_compile.compile_kernel(job, args.arch, aligned)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, CompiledKernel
 
 from kiln.engine.kernels import activation, dequant, int4_gemv, kv_store, norm_rope, paged_attention, quant_gemm
 
@@ -106,12 +106,18 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
     # int4 read as int32 words (int4_gemv): zeros, symmetric, GGUF Q4_1's mins.
     for offsets, group, s, prefetch, late in (("zeros", 128, t, 0, 0), ("zeros", 128, t, 0, 1), (None, 128, t, 1, 1),
                                               ("mins", 32, "fp16", 1, 0)):
-        yield (int4_gemv._int4_words_gemv_kernel,
-               dict(x_ptr=f"*{t}", w_ptr="*i32", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
-                    y_ptr="*fp32"),
-               dict(HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=64,
-                    BLOCK_K=group, PREFETCH=prefetch, LATE_BIAS=late), 4)
+        yield words_gemv_job(t, s, offsets, group, 64, 4, PREFETCH=prefetch, LATE_BIAS=late)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
+
+
+def words_gemv_job(t: str, s: str, offsets: str | None, group: int, block_n: int, warps: int, **variants: int) -> Job:
+    """int4_gemv's kernel for x in type t, scales (and mins) in s, offsets "zeros", "mins" or None
+    (symmetric), one group a tile; variants: int4_gemv.VARIANTS' values."""
+    return (int4_gemv._int4_words_gemv_kernel,
+            dict(x_ptr=f"*{t}", w_ptr="*i32", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
+                 y_ptr="*fp32"),
+            dict(HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=block_n,
+                 BLOCK_K=group, **variants), warps)
 
 
 def jobs(everything: bool) -> Iterator[Job]:
@@ -129,7 +135,7 @@ def jobs(everything: bool) -> Iterator[Job]:
             yield from attention_jobs(torch.bfloat16, group, head_dim)
 
 
-def compile_kernel(job: Job, arch: int, aligned: tuple[str, ...] = ()):
+def compile_kernel(job: Job, arch: int, aligned: tuple[str, ...] = ()) -> CompiledKernel:
     """Compile one kernel (a triton CompiledKernel, its cubin in .asm). Scalar args not named in
     types are i32; those in `aligned` are taken to be multiples of 16, as Triton's launcher
     specializes pointers and sizes that are (so the loads vectorize as on a GPU)."""
