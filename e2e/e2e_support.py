@@ -51,11 +51,9 @@ def local_operator(target: Target, namespace: str, log: Path, *extra: str) -> It
 
 
 def ready_with_its_engine_pod(target: Target, namespace: str, name: str) -> dict:
-    """Wait until the InferenceService is Ready with every field acted on; its one engine pod."""
+    """Wait until the InferenceService is Ready; its one engine pod."""
     target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
                    f"inferenceservice/{name}", timeout=LOAD_TIMEOUT + 30)
-    status = json.loads(target.kubectl("get", "isvc", name, "-n", namespace, "-o", "json"))["status"]
-    assert {c["type"]: c["status"] for c in status["conditions"]}["SpecImplemented"] == "True"
     (pod,) = live_pods(target, namespace, name, "engine")
     return pod
 

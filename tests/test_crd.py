@@ -134,9 +134,6 @@ INVALID = [
      "speculative.method draft needs speculative.model"),
     ("adapter-builtin", "bad", with_spec(engine__adapters=[{"name": "a", "source": "builtin://smollm2-135m"}]),
      "must be pvc://<claim>/<path> or hostpath:///<absolute path>"),
-    ("adapter-with-tp", "bad", with_spec(engine__tensorParallelSize=2, resources__gpus=2,
-                                         engine__adapters=[{"name": "a", "source": "pvc://loras/a"}]),
-     "engine.adapters cannot be served with tensor parallelism"),
     ("adapter-named-as-model", "bad", with_spec(model__name="chat", engine__adapters=[
         {"name": "chat", "source": "pvc://loras/a"}]), "requests could not tell them apart"),
     ("adapter-twice", "bad", with_spec(engine__adapters=[{"name": "a", "source": "pvc://x"},
@@ -191,3 +188,10 @@ def test_api_server_fills_defaults_and_keeps_the_full_example(custom_api, kiln_i
     stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace,
                                                         "inferenceservices", dotted, dry_run="All")
     assert stored["spec"]["model"]["source"] == "pvc://weights.v2/llama/model.gguf"
+    # Adapters and a draft model with tensor parallelism: the engine serves both.
+    both = with_spec(engine__tensorParallelSize=2, resources__gpus=2,
+                     engine__adapters=[{"name": "a", "source": "pvc://loras/a"}],
+                     engine__speculative={"method": "draft", "model": {"source": "pvc://drafts/d"}})
+    stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace, "inferenceservices",
+                                                        {**minimal, "spec": both}, dry_run="All")
+    assert stored["spec"]["engine"]["adapters"] == both["engine"]["adapters"]

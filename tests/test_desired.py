@@ -15,7 +15,7 @@ from kiln.operator.desired import Desired, desired, desired_replicas
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
 from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name
-from kiln.operator.status import summarize, transitions, unimplemented
+from kiln.operator.status import summarize, transitions
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_EXAMPLE = ROOT / "examples/full.yaml"
@@ -260,7 +260,6 @@ def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    assert unimplemented(spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})) == []
     single = pod_spec(want(spec_of(resources={"gpus": 2})).stable.deployment)
     assert "--tensor-parallel-size" not in single["containers"][0]["command"]
     assert "dshm" not in [v["name"] for v in single["volumes"]]
@@ -345,27 +344,13 @@ def test_a_draft_model_reaches_the_engine_with_its_volume():
     pod, c = engine_of("hostpath:///srv/models", source="hostpath:///srv/models")
     assert [m["mountPath"] for m in c["volumeMounts"]].count("/srv/models") == 1
     assert SpeculativeConfig.from_json(c["command"][-1]).model == "/srv/models"
-    # Tensor-parallel engines run without it, and the status says so.
-    pod, c = engine_of("builtin://smollm2-135m", tp=2)
-    assert "--speculative-config" not in c["command"]
-    assert "tensorParallelSize > 1" in " ".join(unimplemented(spec_of(engine={
-        "tensorParallelSize": 2, "speculative": {"method": "draft", "model": {"source": "builtin://d"}}},
-        resources={"gpus": 2})))
-
-
-def test_later_features_are_reported_not_ignored():
-    assert unimplemented(spec_of()) == []
-    for mode in ("none", "builtin", "hpa", "keda"):
-        assert unimplemented(spec_of(autoscaling={"mode": mode})) == []
-    (found,) = unimplemented(spec_of(
-        warmPool={"size": 1}, rollout={"steps": [{"weight": 10}]},
-        engine={"quantization": "fp8", "speculative": {"method": "draft", "model": {"name": "d", "source": "builtin://d"}},
-                "tensorParallelSize": 2},
-        resources={"gpus": 2}))
-    assert found.startswith("engine.speculative.method draft with tensorParallelSize > 1")
-    # quantization, rollout, warm pools, tensor parallelism, ngram and (without TP) a draft: all acted on
-    assert unimplemented(spec_of(engine={"speculative": {"method": "ngram"}})) == []
-    assert unimplemented(spec_of(engine={"speculative": {"method": "draft", "model": {"source": "builtin://d"}}})) == []
+    # A tensor-parallel target gets its draft too (the engine runs it whole on rank 0).
+    pod, c = engine_of("pvc://drafts/smol/model.gguf", tp=2)
+    command = c["command"]
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    config = SpeculativeConfig.from_json(command[command.index("--speculative-config") + 1])
+    assert (config.method, config.model) == ("draft_model", "/draft-model/smol/model.gguf")
+    assert {"name": "draft-model", "mountPath": "/draft-model", "readOnly": True} in c["volumeMounts"]
 
 
 def deployment(name: str, generation: int = 1, ready: int = 0, replicas: int = 1, updated: int | None = None,
@@ -385,7 +370,7 @@ def status_for(spec, deployments, previous=None, now="2026-01-01T00:00:00Z", rou
     routers = {"ready": [deployment("chat-router", ready=1, component="router")],
                "unready": [deployment("chat-router", component="router")], "none": []}
     observed = Observed.of(*deployments, *routers[router])
-    return summarize(spec=spec, generation=4, desired=want(spec, observed), observed=observed,
+    return summarize(generation=4, desired=want(spec, observed), observed=observed,
                      previous=previous or {}, url="http://chat.ml.svc:8000/v1", selector="s", now=now)
 
 
@@ -409,6 +394,7 @@ def test_status_reports_what_deployments_report():
     # At full strength the old revision is no longer desired (this pass deletes it).
     assert [r["role"] for r in ready["revisions"]] == ["stable"]
     assert all(c["observedGeneration"] == 4 for c in ready["conditions"])
+    assert list(conditions(ready)) == ["Ready", "WorkloadReady", "ModelLoaded", "RouteReady"]
 
 
 def test_ready_waits_for_the_router():
@@ -517,10 +503,10 @@ def test_router_replicas_come_from_the_spec_with_a_budget_and_a_graceful_stop():
 
 
 def test_lora_adapters_reach_the_engine_with_their_volumes():
-    spec = spec_of(model={"name": "m", "source": "hostpath:///srv/base"}, engine={
-        "maxLoras": 3, "maxLoraRank": 64,
-        "adapters": [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "poet", "source": "pvc://loras"},
-                     {"name": "same-dir", "source": "hostpath:///srv/base"}]})
+    engine = {"maxLoras": 3, "maxLoraRank": 64,
+              "adapters": [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "poet", "source": "pvc://loras"},
+                           {"name": "same-dir", "source": "hostpath:///srv/base"}]}
+    spec = spec_of(model={"name": "m", "source": "hostpath:///srv/base"}, engine=engine)
     pod = pod_spec(want(spec).stable.deployment)
     c = pod["containers"][0]
     command = c["command"]
@@ -540,13 +526,17 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
     args = parser.parse_args(command[2:])
     assert args.enable_lora and args.lora_modules == [("sql", "/adapters/0/sql"), ("poet", "/adapters/1"),
                                                       ("same-dir", "/srv/base")]
+    # With tensor parallelism the same adapters and flags, beside --tensor-parallel-size.
+    tp = spec_of(model={"name": "m", "source": "hostpath:///srv/base"}, engine={**engine, "tensorParallelSize": 2},
+                 resources={"gpus": 2})
+    tp_args = parser.parse_args(pod_spec(want(tp).stable.deployment)["containers"][0]["command"][2:])
+    assert (tp_args.tensor_parallel_size, tp_args.enable_lora, tp_args.lora_modules) == (2, True, args.lora_modules)
     # An adapter is part of the revision: adding one rolls out; none renders no LoRA flags.
     assert revision_name("x", spec) != revision_name("x", spec_of(model={"name": "m", "source": "hostpath:///srv/base"}))
     assert "--enable-lora" not in pod_spec(want(spec_of()).stable.deployment)["containers"][0]["command"]
 
 
 @pytest.mark.parametrize("engine, model, error", [
-    ({"tensorParallelSize": 2, "adapters": [{"name": "a", "source": "pvc://c"}]}, {}, "tensor parallelism"),
     ({"adapters": [{"name": "smollm2-135m", "source": "pvc://c"}]}, {}, "the model's own name"),
     ({"adapters": [{"name": "chat", "source": "pvc://c"}]}, {"name": "chat"}, "the model's own name"),
     ({"adapters": [{"name": "a", "source": "pvc://c"}, {"name": "a", "source": "pvc://d"}]}, {}, "more than once"),
@@ -555,5 +545,4 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
 ])
 def test_bad_adapters_are_refused_before_any_pod(engine, model, error):
     with pytest.raises(ValueError, match=error):
-        spec_of(model={"source": "builtin://smollm2-135m", **model}, engine=engine,
-                resources={"gpus": engine.get("tensorParallelSize", 0)})
+        spec_of(model={"source": "builtin://smollm2-135m", **model}, engine=engine)

@@ -72,7 +72,6 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     status = obj["status"]
     assert (status["replicas"], status["readyReplicas"]) == (1, 1)
     assert status["url"] == f"http://smollm2.{ns}.svc:8000/v1"
-    assert condition(obj, "SpecImplemented")["status"] == "True"
     assert all(c["observedGeneration"] == obj["metadata"]["generation"] for c in status["conditions"])
     assert not obj["metadata"].get("finalizers")  # deleting it never waits for the operator
     listing = kubectl("get", "isvc", "-n", ns).stdout
@@ -151,18 +150,20 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
           == [None, None], "imagePullSecrets removed from the Deployments")
 
 
-def test_later_features_are_reported_as_not_implemented(operator, apis, ns, kubectl):
-    body = smollm2("later", gpus=2)  # a draft model with tensor parallelism: not yet
-    body["spec"]["engine"]["tensorParallelSize"] = 2
-    body["spec"]["engine"]["speculative"] = {"method": "draft", "model": {"name": "smollm2-135m",
-                                                                        "source": "builtin://smollm2-135m"}}
+def test_tensor_parallelism_with_a_draft_model_and_adapters_is_rendered(operator, apis, ns, kubectl):
+    body = smollm2("split", gpus=2)
+    body["spec"]["engine"] |= {
+        "tensorParallelSize": 2, "adapters": [{"name": "sql", "source": "hostpath:///srv/loras/sql"}],
+        "speculative": {"method": "draft", "model": {"name": "draft", "source": "hostpath:///srv/draft"}}}
     apply(kubectl, ns, body)
-    obj = until(lambda: ready(apis, ns, "later"), "later Ready")
-    spec_cond = condition(obj, "SpecImplemented")
-    assert (spec_cond["status"], spec_cond["reason"]) == ("False", "NotImplemented")
-    assert "engine.speculative.method draft with tensorParallelSize > 1" in spec_cond["message"]
-    until(lambda: "NotImplemented" in event_reasons(apis, ns, "later", "Warning"), "a Warning Event")
-    assert "NotImplemented" in kubectl("describe", "isvc/later", "-n", ns).stdout
+    until(lambda: ready(apis, ns, "split"), "split Ready")
+    (dep,) = engine_deployments(apis, ns, "split")
+    (container,) = dep.spec.template.spec.containers
+    command = container.command
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"
+    assert json.loads(command[command.index("--speculative-config") + 1])["model"] == "/srv/draft"
+    assert "--enable-lora" in command and command[command.index("--lora-modules") + 1] == "sql=/srv/loras/sql"
+    assert {"/srv/draft", "/srv/loras/sql"} <= {m.mount_path for m in container.volume_mounts}
 
 
 def events_match_status(apis, ns: str, name: str) -> list[str] | None:
@@ -180,7 +181,7 @@ def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
     apply(kubectl, ns, smollm2("counted"))
     until(lambda: ready(apis, ns, "counted"), "counted Ready")
     seen = until(lambda: events_match_status(apis, ns, "counted"), "an Event for each stored condition")
-    for type_ in ("Ready", "WorkloadReady", "ModelLoaded", "RouteReady", "SpecImplemented"):
+    for type_ in ("Ready", "WorkloadReady", "ModelLoaded", "RouteReady"):
         mine = [h for h in seen if h.startswith(type_ + "=")]
         assert mine and all(a != b for a, b in zip(mine, mine[1:])), f"{type_} repeated itself: {mine}"
     # Resync ticks and a restart change nothing, so they post nothing.

@@ -116,8 +116,7 @@ class KVCache(Spec):
 
 class Speculative(Spec):
     """Speculative decoding, numTokens drafts a step: ngram (prompt lookup) or draft (a smaller
-    model with the target's vocabulary guesses them; not yet with tensor parallelism, which
-    SpecImplemented reports)."""
+    model with the target's vocabulary guesses them; with tensor parallelism it runs whole on rank 0)."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.method != 'draft' || has(self.model)",
         "speculative.method draft needs speculative.model (the draft model)")))
@@ -170,13 +169,8 @@ class EnvVar(Spec):
         return value or None  # as the API server stores it (it drops an empty value), or plans never end
 
 
-NO_TP_ADAPTERS = "engine.adapters cannot be served with tensor parallelism (engine.tensorParallelSize > 1)"
-
-
 class Engine(Spec):
     """Engine settings; any change here (or to the model) makes a new revision."""
-    model_config = ConfigDict(json_schema_extra=rules(cel(
-        "self.tensorParallelSize == 1 || !has(self.adapters) || size(self.adapters) == 0", NO_TP_ADAPTERS)))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     maxModelLen: int | None = Field(None, ge=16, le=1 << 20)
     maxNumSeqs: int = Field(128, ge=1, le=4096)
@@ -194,22 +188,16 @@ class Engine(Spec):
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))
     adapters: Annotated[list[Adapter], *BY_NAME] = Field(default_factory=list, max_length=32, description=(
-        "LoRA adapters served beside the model, each under its name; not with tensor parallelism."))
+        "LoRA adapters served beside the model, each under its name."))
     maxLoras: int = Field(1, ge=1, le=64, description=(
         "Distinct adapters one batch may mix; requests of other adapters wait for a seat."))
     maxLoraRank: int = Field(16, ge=1, le=512, description="The largest rank an adapter may have.")
 
-    @model_validator(mode="after")
-    def _adapters_without_tensor_parallelism(self) -> Engine:
-        if self.adapters and self.tensorParallelSize > 1:
-            raise ValueError(NO_TP_ADAPTERS)
-        return self
-
     @property
     def draft_model(self) -> ModelSpec | None:
-        """The draft model the engines speculate with: tensor-parallel engines run without one."""
+        """The draft model the engines speculate with, if any."""
         spec = self.speculative
-        return spec.model if spec is not None and spec.method == "draft" and self.tensorParallelSize == 1 else None
+        return spec.model if spec is not None and spec.method == "draft" else None
 
 
 class Toleration(Spec):

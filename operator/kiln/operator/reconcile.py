@@ -258,7 +258,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
                            spec.resources.gpus, time.time())
         idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
-    status = summarize(spec=spec, generation=generation, desired=want, observed=observed, previous=previous,
+    status = summarize(generation=generation, desired=want, observed=observed, previous=previous,
                        url=service_url(owner), selector=selector_string(name), now=now(),
                        scaling=scaling.condition, autoscaling=scaling.status,
                        rollout=dump(rollout.state, spec.rollout) if rollout else None, warm=warm)

@@ -5,27 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from .desired import Desired, fully_ready
-from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
-WARNING_REASONS = {"NotImplemented", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
+WARNING_REASONS = {"ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
                    "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
 # status.rollout.phase -> the CanaryReady condition (status, reason); its changes are the
 # rollout's Events (a rollback is a Warning, naming the failed check and its figures).
 CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Promoted": (True, "Promoted"),
           "RolledBack": (False, "RolledBack")}
-
-
-def unimplemented(spec: InferenceServiceSpec) -> list[str]:
-    """Fields this operator version accepts but does not act on yet, and what happens instead."""
-    found = []
-    engine = spec.engine
-    if engine.speculative is not None and engine.speculative.method == "draft" and engine.draft_model is None:
-        found.append("engine.speculative.method draft with tensorParallelSize > 1 (those engines decode without "
-                     "a draft model until one has run with tensor parallelism on GPUs; ngram works)")
-    return found
 
 
 def condition(type_: str, ok: bool | None, reason: str, message: str) -> dict[str, Any]:
@@ -79,14 +68,6 @@ def ready_condition(workload: dict[str, Any], model: dict[str, Any], route: dict
     return condition("Ready", False, blocker["reason"], blocker["message"])
 
 
-def spec_condition(spec: InferenceServiceSpec) -> dict[str, Any]:
-    missing = unimplemented(spec)
-    if not missing:
-        return condition("SpecImplemented", True, "AllImplemented", "every field in spec is acted on")
-    return condition("SpecImplemented", False, "NotImplemented",
-                     "accepted but not implemented yet: " + "; ".join(missing))
-
-
 def canary_condition(rollout: dict[str, Any]) -> dict[str, Any]:
     ok, reason = CANARY[rollout["phase"]]
     if rollout["phase"] == "RolledBack" and not rollout.get("rolledBack"):
@@ -107,22 +88,21 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
     return out
 
 
-def summarize(*, spec: InferenceServiceSpec, generation: int, desired: Desired, observed: Observed,
-              previous: dict[str, Any], url: str, selector: str, now: str,
-              scaling: dict[str, Any] | None = None, autoscaling: dict[str, Any] | None = None,
-              rollout: dict[str, Any] | None = None,
+def summarize(*, generation: int, desired: Desired, observed: Observed, previous: dict[str, Any], url: str,
+              selector: str, now: str, scaling: dict[str, Any] | None = None,
+              autoscaling: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None,
               warm: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The whole status of an InferenceService, from its spec, what this pass wants and what
-    it observed; `scaling` is the ScalingReady condition, `autoscaling` the builtin
-    autoscaler's block, `rollout` the rollout's state (status.rollout), `warm` the warm pool's
-    block and its WarmPoolReady condition."""
+    """The whole status of an InferenceService, from what this pass wants and what it observed;
+    `scaling` is the ScalingReady condition, `autoscaling` the builtin autoscaler's block,
+    `rollout` the rollout's state (status.rollout), `warm` the warm pool's block and its
+    WarmPoolReady condition."""
     stable = desired.stable
     current = observed.engine(stable.name)
     target = stable.replicas or 0
     workload = workload_condition(current, target)
     model = model_condition(current, target)
     route = route_condition(observed.router())
-    conditions = [ready_condition(workload, model, route), workload, model, route, spec_condition(spec)]
+    conditions = [ready_condition(workload, model, route), workload, model, route]
     if scaling is not None:
         conditions.append(scaling)
     if rollout is not None:
