@@ -192,3 +192,14 @@ def tiny_hf_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_hf_models: dict[str, Path]) -> Path:
     return tiny_hf_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread in this process and in the tensor-parallel ranks it spawns (they take its
+    count): the ranks share the machine's cores."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -163,7 +163,7 @@ def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, me
     (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "a given more than once"),
     (["--enable-lora", "--lora-modules", "noequals"], "expected name=path"),
     (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
-    (["--enable-lora", "--tensor-parallel-size", "2"], "with tensor parallelism are not supported"),
+    (["--enable-lora", "--max-lora-rank", "-1"], "max_lora_rank must be a positive integer"),
 ])
 def test_bad_lora_flags_stop_the_server_before_loading(args, message):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,

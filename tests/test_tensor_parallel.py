@@ -30,12 +30,7 @@ TINY = dict(dtype="float32", device="cpu", max_num_batched_tokens=32, kv_cache_m
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_per_rank():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # spawned ranks take rank 0's count
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rank_processes() -> list[psutil.Process]:

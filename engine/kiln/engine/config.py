@@ -86,9 +86,6 @@ class Config:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules (--lora-modules) need enable_lora (--enable-lora)")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters with tensor parallelism are not supported: the adapters' weights are "
-                             "not split across ranks; serve them with tensor_parallel_size 1")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.attention_backend not in BACKENDS:

@@ -94,11 +94,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
+        self.model = loaded.model  # whole (a tensor-parallel rank 0 runs its slice): adapters are read against it
         self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
         # These, and a draft model, are loaded before the pool is sized: on a GPU their weights
         # come off the free memory (adapters loaded later come out of what the pool leaves).
         for name, path in self.config.lora_modules:
-            self._add_lora(loaded.model, name, path)
+            self.loras[name] = self._read_lora(name, path)
         speculative = self.config.speculative
         self.drafter = DraftModel(self.config, loaded.model_config) \
             if speculative is not None and speculative.method == "draft_model" else None
@@ -108,6 +109,7 @@ class LLMEngine:
         else:  # rank 0 of N: spawns the other ranks, which run the forward only
             from kiln.engine.tp_ranks import start_tensor_parallel
             self.runner = start_tensor_parallel(self.config, loaded, draft_block_bytes)
+        self.loras = {name: self.runner.add_lora(adapter) for name, adapter in self.loras.items()}
         if self.drafter:  # whole, on rank 0
             self.drafter.allocate(self.runner.num_blocks)
         pool_tokens = self.runner.num_blocks * self.config.block_size
@@ -125,17 +127,17 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""
-        return self._add_lora(self.runner.model, name, path)
+        adapter = self.loras[name] = self.runner.add_lora(self._read_lora(name, path))
+        return adapter
 
-    def _add_lora(self, model: torch.nn.Module, name: str, path: str) -> LoRAAdapter:
+    def _read_lora(self, name: str, path: str) -> LoRAAdapter:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
         if name in self.loras:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        adapter = self.loras[name] = load_adapter(name, path, model, self.config.max_lora_rank)
-        return adapter
+        return load_adapter(name, path, self.model, self.config.max_lora_rank)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter; KeyError if none has that name, ValueError while requests use it."""
@@ -146,6 +148,7 @@ class LLMEngine:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they finish")
         del self.loras[name]
+        self.runner.remove_lora(adapter)
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)

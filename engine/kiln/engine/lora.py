@@ -16,7 +16,7 @@ import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -159,11 +159,13 @@ def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, di
 
 
 def install_hooks(model: nn.Module) -> None:
-    """Make every layer's projections add the step's adapters' updates (once per model)."""
-    for index, layer in enumerate(model.model.layers):
+    """Make every layer's projections add the step's adapters' updates (once per model). On a
+    tensor-parallel rank (a ShardedModel around the model) a row-parallel projection's update goes
+    on its `local` part, the rank's partial sum, before the all-reduce that adds the ranks' up."""
+    for index, layer in enumerate(getattr(model, "inner", model).model.layers):
         for module, fused in ((layer.self_attn.qkv_proj, "qkv_proj"), (layer.self_attn.o_proj, "o_proj"),
                               (layer.mlp.gate_up_proj, "gate_up_proj"), (layer.mlp.down_proj, "down_proj")):
-            module.register_forward_hook(_hook((index, fused), model.backend.linear))
+            getattr(module, "local", module).register_forward_hook(_hook((index, fused), model.backend.linear))
 
 
 def _hook(key: tuple[int, str], linear: Callable[..., torch.Tensor]):
@@ -185,6 +187,11 @@ def _hook(key: tuple[int, str], linear: Callable[..., torch.Tensor]):
                 out.index_add_(0, rows, linear(linear(x.index_select(0, rows), a), b))
         return out
     return add_updates
+
+
+def on_device(adapter: LoRAAdapter, device: torch.device | str) -> LoRAAdapter:
+    """The adapter with its weights on `device` (a copy where they are elsewhere)."""
+    return replace(adapter, weights={key: (a.to(device), b.to(device)) for key, (a, b) in adapter.weights.items()})
 
 
 def lora_mapping(adapters: list[tuple[LoRAAdapter | None, int]], device: torch.device) -> LoRAMapping | None:

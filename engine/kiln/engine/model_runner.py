@@ -16,7 +16,7 @@ from kiln.engine.context import Context, prefill_context, reset_context, set_con
 from kiln.engine.kernels.cuda_graphs import DecodeGraphs
 from kiln.engine.kv_quant import SCALE_DTYPE, is_quantized, kv_bytes_per_token_head
 from kiln.engine.llama import LlamaForCausalLM
-from kiln.engine.lora import install_hooks, lora_mapping
+from kiln.engine.lora import LoRAAdapter, install_hooks, lora_mapping
 from kiln.engine.prompt_logprobs import ScoredPosition, rows_per_chunk, score_rows
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import ScheduledBatch
@@ -207,6 +207,14 @@ class ModelRunner:
         self.kv_cache = self.kv_scales = self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def add_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """The adapter, read for the whole model, as this runner's model applies it (a
+        tensor-parallel leader cuts it and hands the workers theirs)."""
+        return adapter
+
+    def remove_lora(self, adapter: LoRAAdapter) -> None:
+        """No step names the adapter any more (a tensor-parallel leader tells the workers)."""
 
     def prepare(self, batch: ScheduledBatch) -> PreparedBatch:
         """Flat input_ids/positions of every new token, the Context, and which rows need logits."""

@@ -8,6 +8,7 @@ keeps its slice.
   are cut the same way, so every rank computes exactly its part of the TP=1 quantized model)
   embed_tokens, lm_head   vocabulary-parallel: each rank a contiguous slice of the vocabulary
                           (padded to equal slices); logits are all-gathered
+  LoRA adapters           cut like the projection they update (shard_adapter)
 
 With fewer KV heads than ranks, each KV head is replicated on tp / num_kv_heads ranks: a rank's
 query heads all read the one KV head their group shares.
@@ -26,6 +27,7 @@ from torch import nn
 
 from kiln.engine.config import ModelConfig
 from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from kiln.engine.lora import LoRAAdapter
 from kiln.engine.quantization import Fp8Linear, Int4Linear, Int8Linear, pack_int4, unpack_int4
 
 SHARDABLE = (Linear, Int8Linear, Int4Linear, Fp8Linear)
@@ -198,32 +200,57 @@ def vocab_slice(weight: torch.Tensor, shard: Shard) -> torch.Tensor:
     return out
 
 
-def _shard_attention(attn: LlamaAttention, cfg: ModelConfig, shard: Shard) -> None:
-    d = cfg.head_dim
-    hq = cfg.num_attention_heads // shard.size
+def _output_rows(fused: str, cfg: ModelConfig, shard: Shard) -> Callable[[torch.Tensor], torch.Tensor]:
+    """This rank's rows of a column-parallel projection's [N, ...] tensor: its q, k, v rows of
+    qkv_proj; its gate rows, then its up rows, of gate_up_proj."""
+    if fused == "gate_up_proj":
+        i = cfg.intermediate_size // shard.size
+        return lambda t: torch.cat([t.narrow(0, shard.rank * i, i),
+                                    t.narrow(0, cfg.intermediate_size + shard.rank * i, i)])
+    d, hq = cfg.head_dim, cfg.num_attention_heads // shard.size
     kv_start, hkv = _kv_heads(cfg, shard)
     q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's q, k, v rows of the fused weight/bias
+    def rows(t: torch.Tensor) -> torch.Tensor:
         q, k, v = t[:q_size], t[q_size:q_size + kv_size], t[q_size + kv_size:]
         return torch.cat([q.narrow(0, shard.rank * hq * d, hq * d),
                           k.narrow(0, kv_start * d, hkv * d), v.narrow(0, kv_start * d, hkv * d)])
+    return rows
 
-    attn.qkv_proj = _column_slice(attn.qkv_proj, rows)
-    attn.o_proj = RowParallelLinear(attn.o_proj, shard.rank * hq * d, hq * d)
+
+def _input_range(fused: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(start, size) of the input channels a row-parallel projection (o_proj, down_proj) keeps."""
+    size = (cfg.intermediate_size if fused == "down_proj" else cfg.num_attention_heads * cfg.head_dim) // shard.size
+    return shard.rank * size, size
+
+
+def _shard_attention(attn: LlamaAttention, cfg: ModelConfig, shard: Shard) -> None:
+    hq, (_, hkv) = cfg.num_attention_heads // shard.size, _kv_heads(cfg, shard)
+    attn.qkv_proj = _column_slice(attn.qkv_proj, _output_rows("qkv_proj", cfg, shard))
+    attn.o_proj = RowParallelLinear(attn.o_proj, *_input_range("o_proj", cfg, shard))
     attn.num_heads, attn.num_kv_heads = hq, hkv
-    attn.q_size, attn.kv_size = hq * d, hkv * d
+    attn.q_size, attn.kv_size = hq * cfg.head_dim, hkv * cfg.head_dim
     attn.attn.num_heads, attn.attn.num_kv_heads = hq, hkv
 
 
 def _shard_mlp(mlp: LlamaMLP, cfg: ModelConfig, shard: Shard) -> None:
-    i = cfg.intermediate_size // shard.size
+    mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, _output_rows("gate_up_proj", cfg, shard))
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, *_input_range("down_proj", cfg, shard))
 
-    def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's gate rows, then its up rows
-        return torch.cat([t.narrow(0, shard.rank * i, i), t.narrow(0, cfg.intermediate_size + shard.rank * i, i)])
 
-    mlp.gate_up_proj = _column_slice(mlp.gate_up_proj, rows)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.rank * i, i)
+def shard_adapter(adapter: LoRAAdapter, cfg: ModelConfig, shard: Shard) -> LoRAAdapter:
+    """This rank's part of a LoRA adapter read for the whole model (kiln.engine.lora's layout):
+    a column-parallel projection keeps A whole and its own rows of B; a row-parallel one its own
+    columns of A and B whole, so that its update (x_r A_r^T) B^T is a partial sum like its output
+    and the same all-reduce completes both."""
+    weights = {}
+    for (layer, fused), (a, b) in adapter.weights.items():
+        if fused in ROW_PARALLEL:
+            a = a.narrow(1, *_input_range(fused, cfg, shard))
+        else:
+            b = _output_rows(fused, cfg, shard)(b)
+        weights[layer, fused] = (a.contiguous().clone(), b.contiguous().clone())  # the whole adapter is freed
+    return replace(adapter, weights=weights)
 
 
 class ShardedModel(nn.Module):

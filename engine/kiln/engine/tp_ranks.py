@@ -31,8 +31,10 @@ import torch.multiprocessing as mp
 from kiln.engine.config import Config
 from kiln.engine.context import Context, get_context, reset_context, set_context
 from kiln.engine.loader import LoadedModel, load_model
+from kiln.engine.lora import LoRAAdapter, LoRAMapping, on_device
 from kiln.engine.model_runner import ModelRunner
-from kiln.engine.tensor_parallel import Shard, ShardedModel, check_model, local_model_config, shard_model
+from kiln.engine.tensor_parallel import (Shard, ShardedModel, check_model, local_model_config, shard_adapter,
+                                         shard_model)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,20 @@ def _seconds(env: str, default: float) -> float:
 
 
 def _context_fields(ctx: Context) -> tuple:
-    return (ctx.cu_seqlens_q, ctx.seq_lens, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.slot_mapping, ctx.block_tables)
+    """The step's Context as the workers get it: its tensors, then each LoRA adapter's id and
+    rows (host copies: pickled as is, a GPU tensor would come back on rank 0's device)."""
+    lora = None if ctx.lora is None else \
+        [(adapter.id, None if rows is None else rows.cpu()) for adapter, rows in ctx.lora.groups]
+    return (ctx.cu_seqlens_q, ctx.seq_lens, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.slot_mapping, ctx.block_tables,
+            lora)
+
+
+def _worker_context(fields: list, adapters: dict[int, LoRAAdapter], device: torch.device) -> Context:
+    """A worker's Context from _context_fields' (its tensors already on the device)."""
+    *tensors, lora = fields
+    mapping = None if lora is None else LoRAMapping(
+        [(adapters[id_], None if rows is None else rows.to(device)) for id_, rows in lora])
+    return Context(*tensors, lora=mapping)
 
 
 def _to_host(value: Any) -> Any:
@@ -245,6 +260,14 @@ class LeaderRunner(ModelRunner):
             self.group.send("release")
         super().release_kv_cache()
 
+    def add_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        # Read and checked here once; each worker cuts its own part from a host copy.
+        self.group.send("add_lora", on_device(adapter, "cpu"))
+        return shard_adapter(adapter, self.model.inner.config, self.model.shard)
+
+    def remove_lora(self, adapter: LoRAAdapter) -> None:
+        self.group.send("remove_lora", adapter.id)
+
     def close(self) -> None:
         self.group.close()
 
@@ -296,6 +319,7 @@ def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads
 
 @torch.inference_mode()
 def _serve(model: ShardedModel, runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+    adapters: dict[int, LoRAAdapter] = {}  # LoRA adapters by id, this rank's part of each
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -304,7 +328,7 @@ def _serve(model: ShardedModel, runner: ModelRunner, conn: Connection, device: t
         kind, args = message[0], [a.to(device) if isinstance(a, torch.Tensor) else a for a in message[1:]]
         if kind == "forward":
             input_ids, positions, *fields = args
-            set_context(Context(*fields))
+            set_context(_worker_context(fields, adapters, device))
             try:
                 model(input_ids, positions)  # rank 0 keeps the hidden states; the next "logits" sends them
             finally:
@@ -315,6 +339,10 @@ def _serve(model: ShardedModel, runner: ModelRunner, conn: Connection, device: t
             runner.allocate_kv_cache()
         elif kind == "release":
             runner.release_kv_cache()
+        elif kind == "add_lora":
+            adapters[args[0].id] = on_device(shard_adapter(args[0], model.inner.config, model.shard), device)
+        elif kind == "remove_lora":
+            del adapters[args[0]]
         elif kind == "stop":
             dist.destroy_process_group()
             os._exit(0)
