@@ -150,7 +150,7 @@ async def _dead_while_queued(smollm2_path, adapters) -> tuple[list, dict]:
             assert not lost, f"{len(lost)} of {len(racing)} requests queued behind the failure were never answered"
             raced = [task.result() for task in racing]
             after = {path: await asyncio.wait_for(answer(method, path, body), 60)
-                     for method, path, body in [*calls, ("GET", "/is_sleeping", None)]}
+                     for method, path, body in [*calls, ("GET", "/is_sleeping", None), ("GET", "/v1/models", None)]}
             return raced, after
     finally:
         await runner.cleanup()

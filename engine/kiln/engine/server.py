@@ -184,6 +184,8 @@ class Server:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
+        if self.dead is not None:  # a client or router listing models would pick a replica that answers nothing
+            raise EngineDeadError(self.dead)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}
         if self.serving is not None:
             card["max_model_len"] = self.serving.max_model_len
