@@ -17,6 +17,7 @@ from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.llm import LLM
 from kiln.engine.lora import LoRANotLoadedError, lora_mapping
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.speculative import SpeculativeConfig
 
 from lora_support import write_adapter
 from test_lora_server import adapter_call
@@ -42,11 +43,12 @@ def adapter_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("all", "attn", "mlp")}
 
 
-def start(model_dir: Path, adapter_dirs: dict[str, Path], tp: int, quantization: str, cache: Path) -> LLM:
+def start(model_dir: Path, adapter_dirs: dict[str, Path], tp: int, quantization: str = "none",
+          cache: Path | None = None, **settings: object) -> LLM:
     """An engine with "all" given at start and the other two loaded while it runs."""
     llm = LLM(str(model_dir), tensor_parallel_size=tp, enable_lora=True, max_loras=3,
               lora_modules=(("all", str(adapter_dirs["all"])),), quantization=quantization,
-              quantization_cache=str(cache), **TINY)
+              quantization_cache=str(cache) if cache else "off", **TINY, **settings)
     for name in ("attn", "mlp"):
         llm.add_lora(name, str(adapter_dirs[name]))
     return llm
@@ -99,6 +101,18 @@ def test_adapters_on_a_tensor_parallel_engine_give_tp1s_logits_and_tokens(tp, qu
         assert mixed(llm, [n if n != "attn" else None for n in NAMES])[2] == base[2]
         llm.add_lora("attn", str(adapter_dirs["attn"]))
         assert mixed(llm, NAMES) == want
+    finally:
+        assert_no_ranks_left(llm)
+
+
+def test_a_draft_model_guesses_for_a_tensor_parallel_target_with_adapters(tiny_llama_dir, adapter_dirs):
+    """The draft (whole, on rank 0, no adapter) guesses; every rank checks with each row's adapter."""
+    want = mixed(start(tiny_llama_dir, adapter_dirs, 1), NAMES)
+    llm = start(tiny_llama_dir, adapter_dirs, 2, speculative=SpeculativeConfig(
+        method="draft_model", model=str(tiny_llama_dir), num_speculative_tokens=3))
+    try:
+        assert mixed(llm, NAMES) == want
+        assert llm.engine.num_accepted_tokens > 0
     finally:
         assert_no_ranks_left(llm)
 
