@@ -13,7 +13,7 @@ import pytest
 from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, ReadyEndpoints, parse_endpoints
 from kiln.router.main import serving
-from kiln.router.proxy import Limits
+from kiln.router.proxy import Limits, build_app
 from router_fakes import (
     ChangingEndpoints,
     CrashesOnPoison,
@@ -517,6 +517,21 @@ async def test_client_hanging_up_while_held_is_never_forwarded() -> None:
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_requests_total", revision="none", code="499") == 1
         assert metric(samples, "kiln_router_cold_start_seconds_count") == 1
+
+
+@on_event_loop
+async def test_requests_held_when_the_router_shuts_down_get_a_503_to_retry_not_a_cut() -> None:
+    """SIGTERM while scaled to zero: the held requests are answered at once, for the client to
+    retry through another router, instead of waiting out the drain and losing the connection."""
+    router = serving(build_app(ChangingEndpoints([])), "127.0.0.1", 0)
+    port = await router.__aenter__()
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+        held = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "x"})) for _ in range(2)]
+        await until_held(client, 2)
+        await router.__aexit__(None, None, None)  # the router's shutdown, as SIGTERM starts it
+        for response in await asyncio.gather(*held):
+            assert response.status == 503 and response.headers["Retry-After"] == "1"
+            assert (await response.json())["error"]["code"] == "router_shutting_down"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,13 +6,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-RETRY_AFTER_S = 1  # every 429's Retry-After: slots free as requests finish, so soon is right
+RETRY_AFTER_S = 1  # every 429's and 503's Retry-After: slots free as requests finish, so soon is right
 
 
 def error_response(status: int, message: str, type_: str, code: str) -> web.Response:
-    """A 429 says when to come back (OpenAI's clients honour Retry-After)."""
+    """A 429 or 503 says when to come back (OpenAI's clients honour Retry-After)."""
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    retry = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     return web.json_response(body, status=status, headers=retry)
 
 

@@ -9,7 +9,7 @@ went out, or a failure after response bytes, could mean a generation ran, so the
 gets an error instead of a second run.
 
 With no replica ready at all (the service is scaled to zero), a request is held until one
-is: the operator counts held requests as load and starts a replica for them."""
+is (holding.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +34,7 @@ from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.errors import error_response, http_errors
 from kiln.router.forwarding import has_dot_segment, request_headers, response_headers
+from kiln.router.holding import Holding
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
@@ -44,9 +45,6 @@ from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 log = logging.getLogger("kiln.router")
 
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
-# After the only ready replica refused the connection: how long to wait for the EndpointSlice
-# to catch up (a replica gone, or a new one at the same address) before trying again.
-REFUSED_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class Router:
         self.limits = limits
         self.traffic = traffic
         self.balancer = LeastInFlight(source)
-        self.metrics = RouterMetrics(source, self.balancer, held=lambda: self._held)
+        self.metrics = RouterMetrics(source, self.balancer, held=lambda: self.holding.count)
         self.weighted = WeightedChoice()
         self.mirroring = Mirroring(self.balancer, self.metrics, lambda: self._session)
         Gauge("kiln_router_queued_requests", "Requests waiting in line for a place among "
@@ -87,7 +85,7 @@ class Router:
               ).set_function(lambda: len(self._line))
         self._active = 0  # /v1 requests being handled, against limits.max_in_flight
         self._line: deque[asyncio.Future[None]] = deque()  # waiting for one of them, first come first
-        self._held = 0  # of those, waiting for a replica, against limits.max_held
+        self.holding = Holding(source, limits.max_held, limits.activation_timeout)  # of those, none ready
         self._session: aiohttp.ClientSession | None = None
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -202,7 +200,7 @@ class Router:
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
-                if refused := await self._hold(exchange, after_change=bool(failed)):
+                if refused := await self.holding.wait(exchange, after_change=bool(failed)):
                     return refused
                 failed = []  # the replicas changed: an address that refused may be a new pod's now
                 continue
@@ -244,33 +242,6 @@ class Router:
         ready = self.source.ready().by_revision
         return self.weighted.choose({revision: weight for revision, weight in weights.items()
                                      if any(e not in failed for e in ready.get(revision, ()))})
-
-    async def _hold(self, exchange: _Exchange, after_change: bool) -> web.Response | None:
-        """Waits while no replica is ready (and, `after_change`, up to REFUSED_WAIT_S for the
-        ready replicas to change first); None once one is, else the error to answer. A client that hangs up
-        meanwhile cancels this wait, so it is never forwarded."""
-        if self._held >= self.limits.max_held:
-            return error_response(429, f"{self._held} requests are already waiting for a "
-                                  "replica to start; try again later", "rate_limit_error",
-                                  "too_many_held_requests")
-        self._held += 1
-        if exchange.held is None:  # else the replica it waited for left before it was picked
-            exchange.held = time.monotonic()
-        try:
-            async with asyncio.timeout(self.limits.activation_timeout):
-                if after_change:  # the change may have come already: wait a moment at most
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(REFUSED_WAIT_S):
-                            await self.source.changed()
-                while not self.source.ready().all:
-                    await self.source.changed()
-        except TimeoutError:
-            return error_response(503, f"no replica became ready within "
-                                  f"{self.limits.activation_timeout:g}s", "service_unavailable",
-                                  "activation_timeout")
-        finally:
-            self._held -= 1
-        return None
 
     async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,
                      exchange: _Exchange) -> web.StreamResponse:
@@ -383,6 +354,7 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     keys = [auth.middleware(api_keys)] if api_keys else []
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[http_errors, *keys])
     app.cleanup_ctx.append(router.lifecycle)
+    app.on_shutdown.append(router.holding.stop)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_page)
