@@ -168,6 +168,18 @@ class DropsReusedConnections:
         writer.close()
 
 
+class FirstRefuses(FakeEngine):
+    """engine-0 refuses every request as a dead, loading or draining engine does at admission:
+    a 503 with the code its request body names ("refuse_code"); the others answer."""
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        if self.name != "engine-0":
+            return await super()._answer(request)
+        code = json.loads(self.body).get("refuse_code", "engine_dead")
+        return web.json_response({"error": {"message": f"{self.name} says {code}", "type": "server_error",
+                                            "param": None, "code": code}}, status=503)
+
+
 class CrashesOnPoison:
     """A raw HTTP/1.1 engine that keeps connections open between requests and closes one,
     unanswered, on a request whose body holds b"poison": an engine crashing on what it read."""

@@ -19,6 +19,7 @@ from router_fakes import (
     CrashesOnPoison,
     DropsReusedConnections,
     FakeEngine,
+    FirstRefuses,
     has_series,
     metric,
     on_event_loop,
@@ -225,6 +226,33 @@ async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next() -
         for server in servers:
             server.close()
             await server.wait_closed()
+
+
+@pytest.mark.parametrize("code", ["engine_dead", "not_ready"])
+def test_a_replica_refusing_a_request_unread_passes_it_to_another(code: str) -> None:
+    """A dead or draining engine still in the EndpointSlice refuses at admission (503, its code):
+    the request never ran there, so another replica takes it; alone, its refusal is the answer."""
+    async def run() -> None:
+        async with service(2, fake=FirstRefuses) as svc:
+            answers = [await svc.client.post("/v1/completions", json={"refuse_code": code}) for _ in range(4)]
+            assert [(r.status, (await r.json())["engine"]) for r in answers] == [(200, "engine-1")] * 4
+            refusals = svc.engines[0].hits
+            assert refusals >= 1 and svc.hits() == [refusals, 4]
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_errors_total", revision="", reason="refused") == refusals
+        async with service(1, fake=FirstRefuses) as svc:
+            response = await svc.client.post("/v1/completions", json={"refuse_code": code})
+            assert response.status == 503 and (await response.json())["error"]["message"] == f"engine-0 says {code}"
+            assert svc.hits() == [1]
+    asyncio.run(run())
+
+
+@on_event_loop
+async def test_a_replicas_other_503s_are_its_answer_not_retried() -> None:
+    async with service(2, fake=FirstRefuses) as svc:
+        answers = [await svc.client.post("/v1/completions", json={"refuse_code": "overloaded"}) for _ in range(4)]
+        assert sorted(r.status for r in answers) == [200, 200, 503, 503]
+        assert svc.hits() == [2, 2]
 
 
 @on_event_loop

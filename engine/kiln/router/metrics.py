@@ -35,7 +35,7 @@ class RouterMetrics:
             "(499: the client went away)", ["revision", "code"], registry=self.registry)
         self.errors = Counter(
             "kiln_router_errors", "Failures talking to a replica, by reason (connect, "
-            "stale_connection, upstream_error, first_byte_timeout, upstream_broken, "
+            "stale_connection, refused, upstream_error, first_byte_timeout, upstream_broken, "
             "no_endpoint)", ["revision", "reason"], registry=self.registry)
         self.retries = Counter(
             "kiln_router_retries", "Requests sent again to another replica, by the revision "

@@ -39,7 +39,7 @@ from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
 from kiln.router.retries import (ATTEMPTS, MAX_STALE, RETRYABLE, NotServedHere, Retryable, error_code, failure_reason,
-                                 mark_reused)
+                                 is_refusal, mark_reused)
 from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 
 log = logging.getLogger("kiln.router")
@@ -186,7 +186,7 @@ class Router:
                     exchange: _Exchange) -> web.StreamResponse:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
-        not_served: web.Response | None = None  # a revision's 404 for the model named
+        not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
         stale = 0
         again: Endpoint | None = None  # the replica a dead pooled connection was to
         while len(tried) < ATTEMPTS:
@@ -226,6 +226,7 @@ class Router:
                     self.metrics.retries.labels(endpoint.revision).inc()
                     continue
                 failed.append(endpoint)
+                not_served = retry.answer or not_served
         if not_served is not None:
             return not_served
         exchange.revision = NO_REVISION
@@ -268,12 +269,16 @@ class Router:
                                   "bad_gateway", "upstream_error")
         if exchange.held is not None:  # its status line: the first byte after the wait
             self.metrics.cold_started(time.monotonic() - exchange.held)
-        if upstream.status == 404 and upstream.content_type == "application/json":
-            async with upstream:  # an error body: small, and needed whole to tell which 404
-                answer = web.Response(status=404, body=await upstream.read(),
+        if upstream.status in (404, 503) and upstream.content_type == "application/json":
+            async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
+                answer = web.Response(status=upstream.status, body=await upstream.read(),
                                       headers=response_headers(upstream.headers))
-            if error_code(answer.body) == "model_not_found":
+            if upstream.status == 404 and error_code(answer.body) == "model_not_found":
                 raise NotServedHere(answer)
+            if is_refusal(upstream.status, answer.body):
+                log.warning("%s refused the request: %s", endpoint, error_code(answer.body))
+                self.metrics.errors.labels(endpoint.revision, "refused").inc()
+                raise Retryable("refused", answer)
             return answer
         async with upstream:
             response = web.StreamResponse(

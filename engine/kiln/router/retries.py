@@ -1,5 +1,6 @@
 """When a request may go to another replica: the first cannot have acted on it (no connection,
-or a pooled connection found closed), or its revision does not serve the model asked for."""
+a pooled connection found closed, or its engine refused it unread), or its revision does not
+serve the model asked for."""
 from __future__ import annotations
 
 import json
@@ -17,15 +18,20 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # What a connection the replica had already closed gives; a sure sign only on a reused one.
 DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                           aiohttp.ClientConnectionResetError)
-RETRYABLE = frozenset({"connect", "stale_connection"})
+RETRYABLE = frozenset({"connect", "stale_connection", "refused"})
+# The engine's 503 codes from its admission, before the request reached the model: it died
+# (engine_dead; a request running then gets a 500) or is loading or draining (not_ready). The
+# EndpointSlice may not know yet, another replica can take the request.
+REFUSED_CODES = frozenset({"engine_dead", "not_ready"})
 
 
 class Retryable(Exception):
     """The replica cannot have acted on the request: another one may take it."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, answer: web.Response | None = None) -> None:
         super().__init__(reason)
         self.stale = reason == "stale_connection"
+        self.answer = answer  # the replica's refusal, for when no other replica takes it
 
 
 class NotServedHere(Exception):
@@ -35,6 +41,11 @@ class NotServedHere(Exception):
     def __init__(self, answer: web.Response) -> None:
         super().__init__("model_not_found")
         self.answer = answer  # the 404, for when no other revision can take it
+
+
+def is_refusal(status: int, body: bytes) -> bool:
+    """The replica's answer says it did not take the request (REFUSED_CODES)."""
+    return status == 503 and error_code(body) in REFUSED_CODES
 
 
 def failure_reason(exc: Exception, reused: bool) -> str:
