@@ -63,6 +63,7 @@ class Config:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
+    chat_template: str | None = None  # a Jinja chat template replacing the model's (vLLM's --chat-template)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -84,6 +85,8 @@ class Config:
         for name in ("enforce_eager", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be the template's text, got {self.chat_template!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules (--lora-modules) need enable_lora (--enable-lora)")
         if self.load_format not in LOAD_FORMATS:

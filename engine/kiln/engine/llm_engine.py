@@ -91,7 +91,8 @@ class LLMEngine:
     def __init__(self, config: Config):
         loaded = load_model(config)
         self.model_config = loaded.model_config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = loaded.tokenizer if config.chat_template is None else \
+            loaded.tokenizer.with_chat_template(config.chat_template)
         self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
         self.model = loaded.model  # whole (a tensor-parallel rank 0 runs its slice): adapters are read against it

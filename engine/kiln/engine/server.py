@@ -30,6 +30,8 @@ from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
 from kiln.engine.speculative import SpeculativeConfig
+from kiln.engine.tokenizer import read_chat_template
+from kiln.router import auth
 
 log = logging.getLogger("kiln.serve")
 
@@ -55,7 +57,7 @@ def _port(text: str) -> int:
 class Server:
     def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
                  max_queued_tokens: int | None = None, fault_step: int | None = None,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, api_keys: auth.ApiKeys | None = None) -> None:
         self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
         self.max_queued_tokens, self.fault_step, self.tool_call_parser = max_queued_tokens, fault_step, tool_call_parser
         self.metrics = ServerMetrics(model_name)
@@ -66,7 +68,8 @@ class Server:
         self.in_flight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.app = web.Application(middlewares=[self._errors, self._admission], client_max_size=16 * 2**20)
+        keys = [auth.middleware(api_keys)] if api_keys else []  # first: a request without a key gets nothing else
+        self.app = web.Application(middlewares=[*keys, self._errors, self._admission], client_max_size=16 * 2**20)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
             web.get("/v1/models", self.models),
@@ -260,6 +263,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
         name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
         lora_serving.check_names(args.lora_modules, name)
+        api_keys = auth.api_keys(args.api_key)
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -272,6 +276,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         lora_modules=tuple(args.lora_modules),
+                        chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
                         speculative=SpeculativeConfig.from_json(args.speculative_config)
                         if args.speculative_config else None)
     except ValueError as e:
@@ -289,7 +294,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # which a waiting thread gets only after the switch interval (5 ms by default): a token's
     # streaming work could hold a decode step back by milliseconds. 0.5 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser)
+    server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser,
+                    api_keys)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -349,6 +355,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                              '"disable_by_batch_size": N}\' or a draft model \'{"model": "<name, folder or .gguf>", '
                              '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template itself) replacing the model's")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                        help=f"demand Authorization: Bearer KEY on every route but /health, /ready, /metrics and "
+                             f"/openapi.json (repeat for more; also ${auth.ENV})")
     parser.add_argument("--tool-call-parser", default=None, choices=list(tool_parsers.PARSERS),
                         help='how the model writes a tool call, which tool_choice "auto" (the default with tools) '
                              "needs: hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral, "

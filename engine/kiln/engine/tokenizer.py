@@ -48,6 +48,25 @@ def _render_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template, read as vLLM reads it: the text of the file it names, else the template
+    itself (a value with a brace or a line break); ValueError for a path to no file, or a
+    template that does not compile."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            value = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    try:
+        _render_env().from_string(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the template does not compile: {e}") from None
+    return value
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
                  chat_template: str | None, template_source: str | Path = "the model") -> None:
@@ -68,6 +87,10 @@ class Tokenizer:
         # responses decode the same few thousand tokens over and over.
         self.decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def with_chat_template(self, template: str, source: str = "--chat-template") -> Tokenizer:
+        """This tokenizer with another chat template (the model's may be missing or unwanted)."""
+        return Tokenizer(self.tokenizer, self.eos_token_ids, self.bos_token_id, template, source)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -1,7 +1,8 @@
 """API keys at the router: `Authorization: Bearer <key>` on every path but the probes,
 /metrics and /openapi.json (deny by default, so no route is a side door), and a prefix-cache
 salt per key, so one tenant's requests never reuse another's cached prefix blocks (whose hit
-or miss shows in the time to first token: PromptPeek, NDSS 2025).
+or miss shows in the time to first token: PromptPeek, NDSS 2025). `kiln serve --api-key`
+checks keys the same way (no salt: as vLLM's, its keys only authenticate).
 
 Keys come from `--api-key` (repeatable) or the KILN_API_KEYS environment variable (one per
 line or comma-separated; '#' starts a comment), which the operator fills from
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
@@ -31,6 +33,20 @@ def parse_keys(text: str) -> list[str]:
             if key:
                 keys.append(key)
     return keys
+
+
+def api_keys(flags: list[str]) -> ApiKeys | None:
+    """The keys of --api-key flags and $KILN_API_KEYS; None: none given (open). ValueError with a
+    message for the user: a key variable that is set but holds no key must not leave it open."""
+    keys = list(flags)
+    if ENV in os.environ:
+        from_env = parse_keys(os.environ[ENV])
+        if not from_env:
+            raise ValueError(f"${ENV} is set but holds no API key")
+        keys += from_env
+    if any(not key.strip() or any(c.isspace() for c in key) for key in flags):
+        raise ValueError("--api-key must not be empty or contain whitespace")
+    return ApiKeys(keys) if keys else None
 
 
 class ApiKeys:

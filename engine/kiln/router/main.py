@@ -101,20 +101,6 @@ def _limits(args: argparse.Namespace) -> Limits:
                   max_queue=args.max_queue, body_timeout=args.body_timeout)
 
 
-def _api_keys(args: argparse.Namespace) -> auth.ApiKeys | None:
-    """Raises ValueError with a message for the user: a key variable that is set but holds no
-    key must not leave the router open."""
-    keys = list(args.api_key)
-    if auth.ENV in os.environ:
-        from_env = auth.parse_keys(os.environ[auth.ENV])
-        if not from_env:
-            raise ValueError(f"${auth.ENV} is set but holds no API key")
-        keys += from_env
-    if any(not key.strip() or any(c.isspace() for c in key) for key in args.api_key):
-        raise ValueError("--api-key must not be empty or contain whitespace")
-    return auth.ApiKeys(keys) if keys else None
-
-
 def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | None]:
     """Where the replicas are, and the rollout's split if followed. Raises ValueError with a
     message for the user."""
@@ -181,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = _limits(args)
-        api_keys = _api_keys(args)
+        api_keys = auth.api_keys(args.api_key)
         source, traffic = _sources(args)
     except ValueError as exc:
         print(f"kiln router: {exc}", file=sys.stderr)

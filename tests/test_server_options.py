@@ -1,0 +1,80 @@
+"""`kiln serve` options a vLLM command line carries: --api-key (Authorization: Bearer on every route
+but the probes, /metrics and /openapi.json) and --chat-template (a file or the template itself,
+replacing the model's), over real HTTP with the openai client; bad values stop the server at start
+with exit code 2 and one line naming the problem."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import openai
+import pytest
+
+from kiln_process import REPO
+from test_server import MODEL, ServerProcess, get, post
+
+# A template no model ships: each message as "<<role>> content", then the assistant's opening.
+TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}" \
+           "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+KEYS = ("tenant-a-key", "tenant-b-key")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    server = ServerProcess("--api-key", KEYS[0], "--api-key", KEYS[1], "--chat-template", str(template),
+                           "--max-model-len", "256")
+    yield server
+    server.stop()
+
+
+def client(server: ServerProcess, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_every_route_but_the_probes_needs_a_key(server):
+    for path in ("/health", "/ready", "/metrics", "/openapi.json"):  # kubelet and Prometheus carry no key
+        assert get(server.url + path)[0] == 200, path
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
+                       ("/tokenize", {"prompt": "Hi"}), ("/sleep", {})):
+        code, reply = post(server.url + path, body)
+        assert code == 401 and reply["error"]["code"] == "invalid_api_key", (path, reply)
+    assert get(server.url + "/v1/models")[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "not-a-key").models.list()
+    for key in KEYS:  # either tenant's key
+        answer = client(server, key).completions.create(model=MODEL, prompt="The capital of France is",
+                                                          max_tokens=4, temperature=0)
+        assert answer.choices[0].text and answer.usage.completion_tokens == 4
+
+
+def with_key(server: ServerProcess, path: str, body: dict) -> dict:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEYS[0]}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_the_chat_template_flag_replaces_the_models(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    ids = with_key(server, "/tokenize", {"messages": messages})["tokens"]
+    rendered = with_key(server, "/detokenize", {"tokens": ids})["prompt"]
+    assert rendered == "<<system>> Be brief.\n<<user>> Hello there\n<<assistant>>"
+    chat = client(server, KEYS[1]).chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert chat.usage.prompt_tokens == len(ids)  # the chat ran on the same rendering
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--chat-template", "no/such/template.jinja"], {}, "is neither a file nor a Jinja template"),
+    (["--chat-template", "{% if %}"], {}, "the template does not compile"),
+    (["--api-key", ""], {}, "--api-key must not be empty"),
+    ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
+])
+def test_bad_values_stop_the_server_before_loading(args, env, message):
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})
+    assert done.returncode == 2 and message in done.stderr, done.stderr
