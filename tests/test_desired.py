@@ -242,6 +242,21 @@ def test_engine_env_is_a_new_revision_and_replaces_kilns_own_by_name():
             spec_of(engine={"env": bad})
 
 
+def test_a_chat_template_reaches_the_engine_whole_as_a_new_revision():
+    template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
+    spec = spec_of(engine={"chatTemplate": template})
+    (c,) = pod_spec(want(spec).stable.deployment)["containers"]
+    parser = argparse.ArgumentParser()
+    server = pytest.importorskip("kiln.engine.server")
+    server.add_arguments(parser)
+    given = parser.parse_args(c["command"][2:]).chat_template
+    assert given == template and server.read_chat_template(given) == template  # the engine takes it as a template
+    assert want(spec).stable.name != want(spec_of()).stable.name
+    for bad in ("", "x" * 65537):
+        with pytest.raises(ValueError):
+            spec_of(engine={"chatTemplate": bad})
+
+
 def test_cpu_only_service_asks_for_no_gpu():
     c = pod_spec(want(spec_of()).stable.deployment)["containers"][0]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]

@@ -93,6 +93,8 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
         args += ["--speculative-config", json.dumps(config)]
     if engine.toolCallParser != "none":
         args += ["--tool-call-parser", engine.toolCallParser]
+    if engine.chatTemplate is not None:
+        args += ["--chat-template", engine.chatTemplate]
     if lora_modules:
         args += ["--enable-lora", "--max-loras", str(engine.maxLoras), "--max-lora-rank", str(engine.maxLoraRank),
                  "--lora-modules", *lora_modules]

@@ -184,6 +184,9 @@ class Engine(Spec):
         'How the model writes a tool call, which tool_choice "auto" (the default with tools) needs: '
         "hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral or pythonic (Llama 3.2, 4). "
         "With none, requests with tools must name tool_choice."))  # kiln.engine.tool_parsers.PARSERS
+    chatTemplate: str | None = Field(None, min_length=1, max_length=65536, description=(
+        "A Jinja chat template replacing the model's (kiln serve --chat-template), for a model that has "
+        "none or a different one; an engine whose template does not compile exits at start."))
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
         "Environment variables of the engine container (e.g. NCCL or OpenMP settings); one named "
         "here replaces Kiln's own of that name."))
