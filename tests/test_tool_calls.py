@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Literal
 
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from kiln.cli import main as cli_main
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_serving import _ChatShape
 from kiln.engine.tool_calls import tool_calls
 from kiln.engine.tool_parsers import PARSERS
-from test_server import MODEL, WEATHER, ServerProcess
+from test_server import CLOCK, MODEL, WEATHER, ServerProcess
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "celsius"}}\n</tool_call>'
 TOOLS = [WEATHER]
@@ -141,3 +144,28 @@ def test_a_parser_must_be_known_and_auto_needs_one(caplog, capsys) -> None:
     with caplog.at_level(logging.ERROR):
         assert cli_main(["serve", "--enable-auto-tool-choice"]) == 2
     assert "--enable-auto-tool-choice needs --tool-call-parser" in caplog.text
+
+
+class _Place(BaseModel):
+    city: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+
+
+class _Forecast(BaseModel):
+    place: _Place
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_required_takes_tools_whose_schemas_use_defs(server) -> None:
+    # openai.pydantic_function_tool writes a nested model as "$defs" and "$ref": "#/$defs/_Place";
+    # under "required"'s array of calls that pointer missed (400 "Pointer '/$defs/_Place' does not exist").
+    tool = openai.pydantic_function_tool(_Forecast)
+    assert "$defs" in tool["function"]["parameters"]  # else this checks nothing
+    for parallel in (False, True):
+        choice = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is the forecast for Oslo, Norway?"}],
+            tools=[tool, CLOCK], tool_choice="required", parallel_tool_calls=parallel, max_tokens=120,
+            temperature=0).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        forecasts = [c.function.arguments for c in choice.message.tool_calls if c.function.name == "_Forecast"]
+        assert forecasts and all(_Forecast.model_validate_json(arguments) for arguments in forecasts)

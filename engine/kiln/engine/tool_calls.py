@@ -41,10 +41,14 @@ class ToolCalls:
             return None
         if self.named is not None:
             return StructuredOutputs(json=self.parameters[self.named])
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+        # Each tool's schema moves under the array's $defs, its local $refs ("#/$defs/Loc", as
+        # pydantic and openai.pydantic_function_tool write them) rebased there: left inside the
+        # array they pointed at its root, which has no such definitions (a 400).
+        defs = {f"tool{i}": _rebased(schema, f"#/$defs/tool{i}") for i, schema in enumerate(self.parameters.values())}
+        calls = {"type": "array", "minItems": 1, "$defs": defs, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool{i}"}},
              "required": ["name", "parameters"], "additionalProperties": False}
-            for name, schema in self.parameters.items()]}}
+            for i, name in enumerate(self.parameters)]}}
         return StructuredOutputs(json={**calls, "maxItems": 1} if not self.parallel else calls)
 
     def streamable(self, text: str) -> int:
@@ -78,6 +82,16 @@ class ToolCalls:
         if streamed:  # a stream's calls carry their place, as OpenAI's chunks do
             tool_calls = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         return {"content": content, "tool_calls": tool_calls}, finish_reason
+
+
+def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
+    """schema with its local $refs ("#" and "#/...") made to point into `base`, where it is put.
+    Through JSON and an object hook, not a recursive walk: a schema nested as deep as the request's
+    JSON may be would pass Python's recursion limit (a 500)."""
+    def rebase(node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref")
+        return {**node, "$ref": base + ref[1:]} if isinstance(ref, str) and ref.startswith("#") else node
+    return json.loads(json.dumps(schema), object_hook=rebase)
 
 
 def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCalls | None:
