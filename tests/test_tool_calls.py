@@ -169,3 +169,18 @@ def test_required_takes_tools_whose_schemas_use_defs(server) -> None:
         assert choice.finish_reason == "tool_calls", choice
         forecasts = [c.function.arguments for c in choice.message.tool_calls if c.function.name == "_Forecast"]
         assert forecasts and all(_Forecast.model_validate_json(arguments) for arguments in forecasts)
+
+
+def test_an_answer_goes_back_as_the_sdk_dumps_it(server) -> None:
+    # message.model_dump() has "refusal", "audio", "function_call" and "annotations" as null: was a
+    # 400 "unsupported parameter: messages.1.refusal" (OpenAI and vLLM take it).
+    ask = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    called = server.client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, tool_choice="required",
+                                                   parallel_tool_calls=False, max_tokens=80,
+                                                   temperature=0).choices[0].message
+    sent = called.model_dump()
+    assert sent["refusal"] is None and sent["content"] is None  # else this checks nothing
+    answer = server.client.chat.completions.create(model=MODEL, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                                   temperature=0, messages=ask + [sent, {
+        "role": "tool", "tool_call_id": called.tool_calls[0].id, "content": "12 C and rain"}]).choices[0]
+    assert answer.message.content

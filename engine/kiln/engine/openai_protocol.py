@@ -228,8 +228,9 @@ class CompletionRequest(_SamplingFields):
         return batch
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT_NUMBERS
+class ChatMessage(_Request):
+    # A _Request for null's sake: the openai SDK's message.model_dump() of an answer carries
+    # "refusal", "audio", "function_call" and "annotations" as null, sent back as the next turn.
     role: Literal["system", "user", "assistant", "developer", "tool"]
     # null only for an assistant's turn that called tools (OpenAI's shape)
     content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
