@@ -433,6 +433,46 @@ def test_unsettled_or_stuck_deployment_is_not_ready():
     assert conditions(status_for(spec, []))["Ready"] == ("False", "Creating")
 
 
+def engine_pod(name: str, revision: str, container: dict) -> dict:
+    """An engine pod as the API server reports it, with its container's status from the kubelet."""
+    return {"kind": "Pod", "metadata": {"name": name, "labels": {"kiln.dev/component": "engine",
+                                                                 LABEL_REVISION: revision}},
+            "status": {"containerStatuses": [{"name": "engine", **container}]}}
+
+
+def test_a_failing_engine_says_why_in_model_loaded_and_ready():
+    spec = spec_of(replicas=2)
+    rev = revision_name("chat", spec)
+    log = "INFO loading\n2026-11-27 17:20:55,549 ERROR kiln.serve: bad configuration: --chat-template: the " \
+          "template does not compile: unexpected end of template\n\n"
+    crashed = {"ready": False, "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": log}}}
+    starting = {"ready": False, "restartCount": 0, "state": {"running": {}}}
+    status = status_for(spec, [deployment(rev, replicas=2), engine_pod("chat-b", rev, starting),
+                               engine_pod("chat-c", rev, crashed)])
+    why = ("pod chat-c: the engine exited with code 2 (Error): ERROR kiln.serve: bad configuration: "
+           "--chat-template: the template does not compile: unexpected end of template")
+    model = next(c for c in status["conditions"] if c["type"] == "ModelLoaded")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (model["status"], model["reason"], model["message"]) == ("False", "EngineFailing", why)
+    assert (ready["reason"], ready["message"]) == ("EngineFailing", why)
+    # The next restart, logging the same error at another time, is no news: no second Warning Event.
+    relogged = {"exitCode": 2, "reason": "Error", "message": log.replace("17:20:55,549", "17:21:03,315")}
+    again = status_for(spec, [deployment(rev, replicas=2), engine_pod("chat-c", rev, {
+        **crashed, "restartCount": 4, "lastState": {"terminated": relogged}})], previous=status)
+    assert not transitions(status, again)
+    oom = {"ready": False, "state": {"running": {}}, "lastState": {"terminated": {"exitCode": 137,
+                                                                                    "reason": "OOMKilled"}}}
+    assert next(c for c in status_for(spec, [deployment(rev), engine_pod("chat-d", rev, oom)])["conditions"]
+                if c["type"] == "ModelLoaded")["message"] == "pod chat-d: the engine exited with code 137 (OOMKilled)"
+    # Another revision's crash, a clean exit, or a loaded replica say nothing of this one.
+    for quiet in ([engine_pod("old", "chat-old", crashed)],
+                  [engine_pod("chat-e", rev, {**crashed, "lastState": {"terminated": {"exitCode": 0}}})]):
+        assert conditions(status_for(spec, [deployment(rev), *quiet]))["ModelLoaded"] == ("False", "Loading")
+    assert conditions(status_for(spec, [deployment(rev, ready=1), engine_pod("chat-c", rev, crashed)]))[
+        "ModelLoaded"] == ("True", "Loaded")
+
+
 def test_transition_time_holds_while_status_holds():
     spec = spec_of()
     rev = revision_name("chat", spec)

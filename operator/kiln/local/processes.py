@@ -24,12 +24,18 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+# The processes this one launched: holding their Popen keeps their exit status for reap(), which
+# a bare waitpid could lose to subprocess's own clean-up of dropped Popen objects.
+_children: dict[int, subprocess.Popen] = {}
+
+
 def launch(argv: list[str], log: Path, env: dict[str, str] | None = None) -> dict:
     """Start argv in its own session with output to `log`; returns its record."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
+    _children[proc.pid] = proc
     return {"pid": proc.pid, "start": start_ticks(proc.pid), "argv": argv, "log": str(log)}
 
 
@@ -38,12 +44,20 @@ def alive(record: dict) -> bool:
     return ticks is not None and ticks == record["start"]
 
 
-def reap(pid: int) -> None:
-    # Only our own children can be reaped; for others init does it.
+def reap(pid: int) -> int | None:
+    """Collect an exited child: its exit code (-N: killed by signal N), or None while it runs or
+    where it is not this process's child (init reaps those)."""
+    proc = _children.get(pid)
+    if proc is not None:
+        code = proc.poll()
+        if code is not None:
+            del _children[pid]
+        return code
     try:
-        os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
-        pass
+        return None
+    return os.waitstatus_to_exitcode(status) if done else None
 
 
 def stop(record: dict, grace: float = 10.0) -> None:

@@ -130,6 +130,9 @@ class PodRun:
     restarts: int = 0
     restart_at: float | None = None
     stopping: bool = False
+    logs_on_error: bool = False  # terminationMessagePolicy FallbackToLogsOnError
+    last_exit: dict | None = None  # the container's lastState.terminated, as a kubelet reports it
+    reported: tuple | None = None  # (ready, restarts) as last written to the pod's status
 
     @property
     def key(self) -> str:
@@ -263,13 +266,15 @@ class Runtime:
         hook = container.lifecycle.pre_stop if container.lifecycle else None
         if hook is not None and getattr(hook, "sleep", None) is not None:
             prestop = float(hook.sleep.seconds)
-        return PodRun(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, container.name,
+        run = PodRun(pod.metadata.namespace, pod.metadata.name, pod.metadata.uid, container.name,
                       pod.status.pod_ip, argv, env,
                       self.cluster.dir / "logs" / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}.log",
                       Probe.of(container, pod.status.pod_ip),
                       float(pod.spec.termination_grace_period_seconds or 30), prestop,
                       *((Probe.of(container, pod.status.pod_ip, "liveness"), Probe.of(container, pod.status.pod_ip, "startup"))
                         if name else (None, None)), name)
+        run.logs_on_error = container.termination_message_policy == "FallbackToLogsOnError"
+        return run
 
     def container_argv(self, pod: Any, env: dict[str, str], kubeconfig: Path | None) -> list[str]:
         """`podman run` for the pod (container mode): its image as it is in local storage."""
@@ -312,9 +317,14 @@ class Runtime:
     def check(self, run: PodRun) -> None:
         now = time.monotonic()
         if run.record is not None and not processes.alive(run.record):
-            processes.reap(run.record["pid"])
-            log.warning("%s exited; restarting in %.0fs\n%s", run.key, RESTART_BACKOFF_S,
-                        processes.log_tail(run.record, 10))
+            code = processes.reap(run.record["pid"])
+            tail = processes.log_tail(run.record, 10)
+            log.warning("%s exited (%s); restarting in %.0fs\n%s", run.key, code, RESTART_BACKOFF_S, tail)
+            code = 128 - code if code is not None and code < 0 else code  # a kubelet's 137 for SIGKILL
+            # With FallbackToLogsOnError a kubelet makes the log's end the message of a failed exit.
+            run.last_exit = {"exitCode": -1 if code is None else code, "reason": "Completed" if code == 0 else "Error",
+                             "message": tail[-2048:] if run.logs_on_error and code != 0 else "",
+                             "finishedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             run.record, run.restart_at = None, now + RESTART_BACKOFF_S
             run.restarts += 1
             self.report(run, False)
@@ -367,23 +377,26 @@ class Runtime:
             images.podman("rm", "--force", "--time", "0", run.container_id, check=False)
 
     def report(self, run: PodRun, ready: bool) -> None:
-        if run.ready == ready:
+        if run.reported == (ready, run.restarts):  # an exit is news even to a pod never ready
             return
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         value = "True" if ready else "False"
         state = {"running": {"startedAt": now}} if run.record else {"waiting": {"reason": "CrashLoopBackOff"}}
+        last = {"lastState": {"terminated": run.last_exit}} if run.last_exit else {}
+        # Conditions only when readiness changes: their lastTransitionTime means that transition.
+        conditions = [{"type": t, "status": value, "lastTransitionTime": now}
+                      for t in ("Ready", "ContainersReady")] if run.ready != ready else []
         patch = {"status": {
-            "conditions": [{"type": t, "status": value, "lastTransitionTime": now}
-                           for t in ("Ready", "ContainersReady")],
+            **({"conditions": conditions} if conditions else {}),
             "containerStatuses": [{"name": run.container, "ready": ready, "restartCount": run.restarts,
-                                   "state": state}]}}
+                                   "state": state, **last}]}}
         try:
             self.core.patch_namespaced_pod_status(run.name, run.namespace, patch,
                                                   _content_type="application/strategic-merge-patch+json")
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        run.ready = ready
+        run.ready, run.reported = ready, (ready, run.restarts)
         log.info("%s ready=%s", run.key, ready)
 
     # -- stopping --

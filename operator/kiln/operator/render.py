@@ -156,6 +156,9 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "securityContext": HARDENED,
         "volumeMounts": mounts,
+        # A failed start's last log lines become the container's termination message, which the
+        # ModelLoaded condition quotes (the engine's one-line error names what is wrong).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
         "containers": [container],

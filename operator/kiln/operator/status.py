@@ -2,6 +2,7 @@
 status out. Pure functions; reconcile.py feeds them what it read from the API server."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .desired import Desired, fully_ready
@@ -9,7 +10,7 @@ from .observed import Observed, deployment_counts
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
-WARNING_REASONS = {"ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
+WARNING_REASONS = {"EngineFailing", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
                    "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
 # status.rollout.phase -> the CanaryReady condition (status, reason); its changes are the
 # rollout's Events (a rollback is a Warning, naming the failed check and its figures).
@@ -39,13 +40,39 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
     return condition("WorkloadReady", False, "ReplicasNotReady", message)
 
 
-def model_condition(current: dict[str, Any] | None, desired: int) -> dict[str, Any]:
+def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dict[str, Any]]) -> dict[str, Any]:
+    """pods: the revision's engine pods, whose failed exits say why none has loaded."""
     ready = deployment_counts(current)[1] if current else 0
     if ready > 0:  # /ready answers only after weights load and kernels warm up
         return condition("ModelLoaded", True, "Loaded", f"the model is loaded on {ready} replica(s)")
     if desired == 0:
         return condition("ModelLoaded", None, "ScaledToZero", "no replica is running")
+    failure = engine_failure(pods)
+    if failure is not None:
+        return condition("ModelLoaded", False, "EngineFailing", failure)
     return condition("ModelLoaded", False, "Loading", "no replica has loaded the model yet")
+
+
+# A log line's leading timestamp, which would make each restart's message new.
+LOG_TIME = re.compile(r"^\[?\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)?\]?\s+")
+
+
+def engine_failure(pods: list[dict[str, Any]]) -> str | None:
+    """The first failed exit of an unready engine container, as its pod's status tells it: the
+    code, the kubelet's reason (Error, OOMKilled) and the last line of its termination message
+    (the engine's log, FallbackToLogsOnError) without its time. No restart count either: a Warning
+    Event is posted per distinct message, so a crash loop posts one, not one per restart."""
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            state, last = container.get("state") or {}, container.get("lastState") or {}
+            exit_ = state.get("terminated") or last.get("terminated")
+            if container.get("ready") or not exit_ or exit_.get("exitCode") == 0:
+                continue
+            lines = [line.strip() for line in (exit_.get("message") or "").splitlines() if line.strip()]
+            said = f": {LOG_TIME.sub('', lines[-1])[:400]}" if lines else ""
+            return (f"pod {pod['metadata']['name']}: the engine exited with code {exit_.get('exitCode')} "
+                    f"({exit_.get('reason') or 'Error'}){said}")
+    return None
 
 
 def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
@@ -61,8 +88,9 @@ def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
 def ready_condition(workload: dict[str, Any], model: dict[str, Any], route: dict[str, Any]) -> dict[str, Any]:
     # At zero replicas the service still answers: the router holds requests while one starts.
     at_zero = model["reason"] == "ScaledToZero"
-    blocker = next((c for c in (workload, model, route) if c["status"] != "True" and not (at_zero and c is model)),
-                   None)
+    # A failing engine's exit says more than the replicas it leaves unready.
+    order = (model, workload, route) if model["reason"] == "EngineFailing" else (workload, model, route)
+    blocker = next((c for c in order if c["status"] != "True" and not (at_zero and c is model)), None)
     if blocker is None:
         return condition("Ready", True, "ScaledToZero" if at_zero else "Serving", workload["message"])
     return condition("Ready", False, blocker["reason"], blocker["message"])
@@ -100,7 +128,7 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     current = observed.engine(stable.name)
     target = stable.replicas or 0
     workload = workload_condition(current, target)
-    model = model_condition(current, target)
+    model = model_condition(current, target, observed.pods(stable.name))
     route = route_condition(observed.router())
     conditions = [ready_condition(workload, model, route), workload, model, route]
     if scaling is not None:
