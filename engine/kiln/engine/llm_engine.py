@@ -110,16 +110,24 @@ class LLMEngine:
         else:  # rank 0 of N: spawns the other ranks, which run the forward only
             from kiln.engine.tp_ranks import start_tensor_parallel
             self.runner = start_tensor_parallel(self.config, loaded, draft_block_bytes)
-        self.loras = {name: self.runner.add_lora(adapter) for name, adapter in self.loras.items()}
-        if self.drafter:  # whole, on rank 0
-            self.drafter.allocate(self.runner.num_blocks)
-        pool_tokens = self.runner.num_blocks * self.config.block_size
-        if pool_tokens < self.config.max_model_len:
-            # Otherwise one long request could never fit, even alone, and would wait forever.
-            raise ValueError(
-                f"the KV cache holds {pool_tokens} tokens (kv_cache_memory={self.config.kv_cache_memory}), "
-                f"less than max_model_len={self.config.max_model_len}; raise kv_cache_memory or lower max_model_len"
-            )
+        try:
+            self.loras = {name: self.runner.add_lora(adapter) for name, adapter in self.loras.items()}
+            if self.drafter:  # whole, on rank 0
+                self.drafter.allocate(self.runner.num_blocks)
+            pool_tokens = self.runner.num_blocks * self.config.block_size
+            if pool_tokens < self.config.max_model_len:
+                # Otherwise one long request could never fit, even alone, and would wait forever.
+                raise ValueError(
+                    f"the KV cache holds {pool_tokens} tokens (kv_cache_memory={self.config.kv_cache_memory}), "
+                    f"less than max_model_len={self.config.max_model_len}; raise kv_cache_memory or lower "
+                    "max_model_len"
+                )
+        except BaseException:
+            # A tensor-parallel engine that fails to start stops its ranks: left running, they would hold
+            # this process's torch.distributed group and refuse the next engine until the process exits.
+            if self.config.tensor_parallel_size > 1:
+                self.runner.close()
+            raise
         self._new_scheduler()
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
