@@ -1,7 +1,8 @@
 """An engine that cannot start says why in the InferenceService's status. A chat template that does
 not compile makes the engine exit at start (code 2, one error line); the pod's termination message
 (FallbackToLogsOnError: its log's end) reaches ModelLoaded and Ready as EngineFailing, with one
-Warning Event each however often the container restarts; fixing the spec makes it Ready."""
+Warning Event each however often the container restarts; fixing the spec makes it Ready. The same
+mistake as a canary is rolled back after 3 failed starts, not after the progress deadline."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,11 @@ pytestmark = pytest.mark.timeout(1800)
 def conditions(target: Target, namespace: str) -> dict[str, dict]:
     status = json.loads(target.kubectl("get", "isvc", NAME, "-n", namespace, "-o", "json")).get("status") or {}
     return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def rollout_of(target: Target, namespace: str) -> dict:
+    status = json.loads(target.kubectl("get", "isvc", NAME, "-n", namespace, "-o", "json")).get("status") or {}
+    return status.get("rollout") or {}
 
 
 def warnings(target: Target, namespace: str) -> list[tuple[str, str]]:
@@ -54,5 +60,15 @@ def test_an_engine_that_cannot_start_says_why_in_the_status(target: Target, name
                        "-p", '[{"op": "remove", "path": "/spec/engine/chatTemplate"}]')
         target.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"--timeout={LOAD_TIMEOUT}s",
                        f"inferenceservice/{NAME}", timeout=LOAD_TIMEOUT + 30)
+
+        # The same mistake as a canary: rolled back once its engine failed to start 3 times, long
+        # before the 10 minute progressDeadline; the stable revision serves throughout.
+        body["spec"]["rollout"] = {"steps": [{"weight": 50, "pause": "10s"}], "progressDeadline": "10m"}
+        target.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+        rollout = eventually(lambda: (r := rollout_of(target, namespace)) and r.get("phase") == "RolledBack" and r,
+                             "the canary rolled back", timeout=300, ignore=(KubectlError,))
+        assert "its engine failed to start 3 times" in rollout["message"], rollout
+        assert "the template does not compile" in rollout["message"], rollout
+        assert conditions(target, namespace)["Ready"]["status"] == "True"
     finally:
         target.kubectl("delete", "isvc", NAME, "-n", namespace, "--wait=false", check=False)

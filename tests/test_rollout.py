@@ -8,9 +8,10 @@ import pytest
 from kiln.operator.analysis import FAIL, INCONCLUSIVE, PASS, Check, Figures, check, figures, quantile
 from kiln.operator.desired import Split, desired
 from kiln.operator.models import Analysis, InferenceServiceSpec, Rollout
-from kiln.operator.observed import Observed
+from kiln.operator.observed import Observed, engine_failure
 from kiln.operator.render import Owner, revision_name
-from kiln.operator.rollout import (PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Facts, State, advance, dump, load)
+from kiln.operator.rollout import (FAILED_STARTS, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Facts, State, advance, dump,
+                                  load)
 
 ROLLOUT = Rollout.model_validate({
     "steps": [{"weight": 20, "pause": "30s"}, {"weight": 50, "pause": "30s"}], "progressDeadline": "2m",
@@ -126,6 +127,21 @@ def test_a_canary_that_never_gets_ready_is_rolled_back_after_the_deadline():
     d = run(None, "canary-b", Facts(0, False), None, 0)
     d = run(d.state, "canary-b", Facts(0, False), None, 121)
     assert d.state.phase == ROLLED_BACK and "progressDeadline" in d.state.message
+
+
+def test_a_canary_whose_engine_keeps_failing_to_start_is_rolled_back_at_once():
+    """Before the deadline, as soon as a canary engine failed FAILED_STARTS times, quoting why."""
+    crashed = {"ready": False, "restartCount": FAILED_STARTS - 1, "lastState": {"terminated": {
+        "exitCode": 2, "reason": "Error", "message": "2026-11-27 17:20:55 ERROR kiln.serve: bad configuration"}}}
+    pods = [{"metadata": {"name": "canary-b-1"}, "status": {"containerStatuses": [crashed]}}]
+    assert engine_failure(pods, FAILED_STARTS) is None  # two failed starts: may yet load
+    d = run(None, "canary-b", Facts(0, False, failing=engine_failure(pods, FAILED_STARTS)), None, 0)
+    assert d.state.phase == PROGRESSING
+    crashed["restartCount"] = FAILED_STARTS
+    d = run(d.state, "canary-b", Facts(0, False, failing=engine_failure(pods, FAILED_STARTS)), None, 30)
+    assert (d.state.phase, d.state.rolled_back) == (ROLLED_BACK, "canary-b")
+    assert ("its engine failed to start 3 times (pod canary-b-1: the engine exited with code 2 (Error): ERROR "
+            "kiln.serve: bad configuration)") in d.state.message
 
 
 def test_a_spec_change_mid_rollout_restarts_with_the_newest_and_a_revert_drops_the_canary():

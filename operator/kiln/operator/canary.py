@@ -11,9 +11,9 @@ from .analysis import Check, Figures, check, figures
 from .autoscaler import seconds
 from .desired import Split, fully_ready
 from .models import InferenceServiceSpec
-from .observed import Observed, is_ready, replicas_of
+from .observed import Observed, engine_failure, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name, template_pooled
-from .rollout import RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
+from .rollout import FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
 from .scaling import epoch
 from .scrape import read_all
 
@@ -103,7 +103,8 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
                   and replicas_of(canary_deployment) >= serving_replicas(spec, observed.engine(stable))
                   and fully_ready(canary_deployment, replicas_of(canary_deployment)),
                   retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION),
-                  unready_since=unready_since(observed.pods(canary)) if canary else None)
+                  unready_since=unready_since(observed.pods(canary)) if canary else None,
+                  failing=engine_failure(observed.pods(canary), FAILED_STARTS) if canary else None)
     result = None
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)

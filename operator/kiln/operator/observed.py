@@ -3,6 +3,7 @@ the API server stored it. A plain value, so plan() and the status functions are 
 tests can feed them recorded cluster states."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,3 +64,27 @@ def replicas_of(deployment: dict[str, Any] | None) -> int:
         return 0
     replicas = (deployment.get("spec") or {}).get("replicas")
     return 1 if replicas is None else replicas  # the API server's default
+
+
+# A log line's leading timestamp, which would make each restart's message new.
+LOG_TIME = re.compile(r"^\[?\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)?\]?\s+")
+
+
+def engine_failure(pods: list[dict[str, Any]], min_restarts: int = 0) -> str | None:
+    """The first failed exit of an unready engine container (restarted at least `min_restarts`
+    times), as its pod's status tells it: the code, the kubelet's reason (Error, OOMKilled) and the
+    last line of its termination message (the engine's log, FallbackToLogsOnError) without its
+    time. No restart count either: a Warning Event is posted per distinct message, so a crash loop
+    posts one, not one per restart."""
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            state, last = container.get("state") or {}, container.get("lastState") or {}
+            exit_ = state.get("terminated") or last.get("terminated")
+            if container.get("ready") or not exit_ or exit_.get("exitCode") == 0 \
+                    or container.get("restartCount", 0) < min_restarts:
+                continue
+            lines = [line.strip() for line in (exit_.get("message") or "").splitlines() if line.strip()]
+            said = f": {LOG_TIME.sub('', lines[-1])[:400]}" if lines else ""
+            return (f"pod {pod['metadata']['name']}: the engine exited with code {exit_.get('exitCode')} "
+                    f"({exit_.get('reason') or 'Error'}){said}")
+    return None

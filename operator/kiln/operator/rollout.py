@@ -23,6 +23,9 @@ from .scaling import epoch, iso
 PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK = "Progressing", "Paused", "Promoted", "RolledBack"
 RETRY_ANNOTATION = "kiln.dev/retry-rollout"
 RESUME_ANNOTATION = "kiln.dev/resume-rollout"
+# A canary engine that failed to start this many times (restarts with a failed exit, never ready)
+# is broken, not slow: rolled back at once instead of after progressDeadline.
+FAILED_STARTS = 3
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Facts:
     retry_token: str | None = None  # the kiln.dev/retry-rollout annotation
     resume_token: str | None = None  # the kiln.dev/resume-rollout annotation
     unready_since: float | None = None  # the latest change of the canary pods' Ready condition
+    failing: str | None = None  # a canary engine's failed exit, once it failed FAILED_STARTS times
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     if state.step == 0 or not facts.canary_ready:
         if facts.canary_ready:
             return next_step(rollout, state, now, events)
+        if facts.failing is not None:
+            return roll_back(state, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
         # From step 1 on, the deadline runs from when the canary lost its last ready replica,
         # not from the step's start: a step may last longer than the deadline.
         lost = state.since if state.step == 0 else max(state.since, facts.unready_since or state.since)

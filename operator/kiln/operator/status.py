@@ -2,11 +2,10 @@
 status out. Pure functions; reconcile.py feeds them what it read from the API server."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from .desired import Desired, fully_ready
-from .observed import Observed, deployment_counts
+from .observed import Observed, deployment_counts, engine_failure
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
@@ -51,28 +50,6 @@ def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dic
     if failure is not None:
         return condition("ModelLoaded", False, "EngineFailing", failure)
     return condition("ModelLoaded", False, "Loading", "no replica has loaded the model yet")
-
-
-# A log line's leading timestamp, which would make each restart's message new.
-LOG_TIME = re.compile(r"^\[?\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)?\]?\s+")
-
-
-def engine_failure(pods: list[dict[str, Any]]) -> str | None:
-    """The first failed exit of an unready engine container, as its pod's status tells it: the
-    code, the kubelet's reason (Error, OOMKilled) and the last line of its termination message
-    (the engine's log, FallbackToLogsOnError) without its time. No restart count either: a Warning
-    Event is posted per distinct message, so a crash loop posts one, not one per restart."""
-    for pod in pods:
-        for container in (pod.get("status") or {}).get("containerStatuses") or []:
-            state, last = container.get("state") or {}, container.get("lastState") or {}
-            exit_ = state.get("terminated") or last.get("terminated")
-            if container.get("ready") or not exit_ or exit_.get("exitCode") == 0:
-                continue
-            lines = [line.strip() for line in (exit_.get("message") or "").splitlines() if line.strip()]
-            said = f": {LOG_TIME.sub('', lines[-1])[:400]}" if lines else ""
-            return (f"pod {pod['metadata']['name']}: the engine exited with code {exit_.get('exitCode')} "
-                    f"({exit_.get('reason') or 'Error'}){said}")
-    return None
 
 
 def route_condition(router: dict[str, Any] | None) -> dict[str, Any]:
