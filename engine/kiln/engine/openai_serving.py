@@ -337,6 +337,13 @@ class OpenAIServing:
                     if text or entries or out.finished or out.new_token_ids:
                         choice = {**c.shape.delta(text, entries, out.finish_reason),
                                   **c.fields.prompt(c.prompt_ids, out), **c.fields.generated(out.new_token_ids)}
+                        if "tool_calls" in choice.get("delta", ()):  # the finish in a chunk of its own, as
+                            # OpenAI's: the openai SDK's stream helper fires tool_calls.function.arguments.done
+                            # for the last call only on a finish that comes after it
+                            finish = {"index": c.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": choice["finish_reason"]}
+                            await resp.write(chunk([{**choice, "finish_reason": None}]))
+                            choice = finish
                         await resp.write(chunk([choice]))
                     completion_tokens += len(out.token_ids) if out.finished else 0
             if req.include_usage:
