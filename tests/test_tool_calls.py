@@ -199,3 +199,15 @@ def test_the_sdk_stream_helper_reports_each_call_done(server, tool_choice) -> No
     (call,) = final.message.tool_calls
     assert [(e.index, e.name, e.arguments) for e in done] == [(0, "get_weather", call.function.arguments)]
     assert json.loads(call.function.arguments)["city"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "ping"}}])
+def test_a_function_without_parameters_is_called_with_none(server, tool_choice) -> None:
+    # OpenAI: left out, parameters are "an empty parameter list". Any object was allowed, and SmolLM2
+    # wrote keys until max_tokens cut the call short: content, no call.
+    choice = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the server up?"}], max_tokens=40, temperature=0,
+        tools=[{"type": "function", "function": {"name": "ping", "description": "Check the server"}}],
+        tool_choice=tool_choice).choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "ping" and json.loads(call.function.arguments) == {}

@@ -20,6 +20,9 @@ from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, NamedTo
 from kiln.engine.sampling_params import StructuredOutputs
 from kiln.engine.tool_parsers import PARSERS
 
+# A function that takes no arguments: its call's arguments are "{}".
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
 
 class ToolCalls:
     """What one request's calls must look like, and how its output becomes `tool_calls`."""
@@ -28,7 +31,10 @@ class ToolCalls:
         choice = req.tool_choice
         self.named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         self.parser = PARSERS[parser] if parser is not None and choice in (None, "auto") else None
-        self.parameters = {t.function.name: t.function.parameters or {"type": "object"} for t in req.tools}
+        # Left out, parameters mean none (OpenAI's "an empty parameter list"): any object let a model
+        # write keys until max_tokens cut the call short, so it was never made.
+        self.parameters = {t.function.name: NO_PARAMETERS if t.function.parameters is None else t.function.parameters
+                           for t in req.tools}
         self.parallel = req.parallel_tool_calls
         if self.named is not None and self.named not in self.parameters:
             raise APIError(400, f"tool_choice names the function {self.named!r}, which is not among the tools "
