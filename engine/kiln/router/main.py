@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULTS.activation_timeout,
                         help="seconds a held request waits for a replica to become ready, "
                              "then gets a 503 (default: %(default)s)")
+    parser.add_argument("--prefix-slack", type=int, default=DEFAULTS.prefix_slack,
+                        help="prefix affinity: a prompt goes to the replica that served its prefix last "
+                             "unless that one has more than this many requests in flight beyond the least "
+                             "busy replica; -1 balances on load alone (default: %(default)s)")
 
 
 def _limits(args: argparse.Namespace) -> Limits:
@@ -95,10 +99,12 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--activation-timeout must be positive seconds")
     if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
         raise ValueError("--body-timeout must be positive seconds")
+    if args.prefix_slack < -1:
+        raise ValueError("--prefix-slack must be 0 or more, or -1 for no prefix affinity")
     return Limits(connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
                   max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                   max_held=args.max_held, activation_timeout=args.activation_timeout,
-                  max_queue=args.max_queue, body_timeout=args.body_timeout)
+                  max_queue=args.max_queue, body_timeout=args.body_timeout, prefix_slack=args.prefix_slack)
 
 
 def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | None]:

@@ -75,6 +75,10 @@ class RouterMetrics:
         self.mirrored = Counter(
             "kiln_router_mirrored_requests", "Requests mirrored for the quality gate, by outcome "
             "(scored, skipped, failed)", ["outcome"], registry=self.registry)
+        self.prefix_routed = Counter(
+            "kiln_router_prefix_routed", "Requests with a prompt prefix, by prefix affinity's outcome: hit (sent "
+            "where it was served last), spill (that replica was too busy), none (no replica had it)", ["outcome"],
+            registry=self.registry)
         self.registry.register(_LiveGauges(source, balancer))
 
     def answered(self, revision: str, code: int, seconds: float) -> None:

@@ -30,6 +30,7 @@ from kiln.engine.openai_protocol import unreadable_body
 from kiln.engine.openapi import handler
 from kiln.router import auth
 from kiln.router.auth import ApiKeys
+from kiln.router.affinity import Affinity, prefix_keys
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.errors import error_response, http_errors
@@ -59,6 +60,9 @@ class Limits:
     activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
     max_queue: int = 0  # requests waiting in line for one of max_in_flight; 0: none wait
     body_timeout: float = 30.0  # seconds to receive a request's body once admitted, then a 408
+    # Prefix affinity (affinity.py): requests in flight a replica may have beyond the least busy
+    # one and still get the prompts whose prefix it served last; -1: balance on load alone.
+    prefix_slack: int = 8
 
 
 @dataclass
@@ -76,7 +80,9 @@ class Router:
         self.source = source
         self.limits = limits
         self.traffic = traffic
-        self.balancer = LeastInFlight(source)
+        affinity = Affinity(limits.prefix_slack) if limits.prefix_slack >= 0 else None
+        self.balancer = LeastInFlight(source, affinity,
+                                      lambda outcome: self.metrics.prefix_routed.labels(outcome).inc())
         self.metrics = RouterMetrics(source, self.balancer, held=lambda: self.holding.count)
         self.weighted = WeightedChoice()
         self.mirroring = Mirroring(self.balancer, self.metrics, lambda: self._session)
@@ -189,11 +195,12 @@ class Router:
         not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
         stale = 0
         again: Endpoint | None = None  # the replica a dead pooled connection was to
+        keys = prefix_keys(request.path, body) if self.limits.prefix_slack >= 0 else []
         while len(tried) < ATTEMPTS:
             if again is not None and again in self.source.ready().all:
                 endpoint = again
             else:
-                endpoint = self.balancer.pick(failed, self._revision(failed))
+                endpoint = self.balancer.pick(failed, self._revision(failed), keys)
             again = None
             if endpoint is None and not_served is not None:  # no other revision to ask
                 return not_served

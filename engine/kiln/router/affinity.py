@@ -1,0 +1,95 @@
+"""Prefix affinity: a request whose prompt begins as an earlier one did goes to the replica that
+served that beginning last, whose prefix cache holds its KV blocks (SGLang's cache-aware router
+and llm-d's prefix scorer do the same), unless that replica has more than `slack` requests in
+flight beyond the least busy one: then load wins, and the prefix is remembered at the replica
+that took it, so a prefix every request shares (a system prompt) ends up cached on each.
+
+The prompt text (a completion's prompt; a chat's messages, role and text, after its tools) is
+cut into CHUNK-character pieces, about one KV block of tokens each. Piece i's key is a digest
+of the model, the cache salt (a tenant's blocks are never shared) and pieces 0..i, so one key
+stands for a whole prefix; a prompt shorter than a piece has no key and is balanced on load
+alone. A bounded LRU map remembers each key's last replica."""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kiln.router.endpoints import Endpoint
+
+CHUNK = 64  # characters: ~16 tokens, one KV block of the engine's default size
+MAX_KEYS = 1 << 18  # remembered prefixes (a key and an endpoint each, ~100 bytes)
+PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def prefix_keys(path: str, body: bytes) -> list[bytes]:
+    """The keys of a request's prompt prefixes, shortest first; none for other paths and for
+    bodies that are not a request the engine would take (it answers those with a 400)."""
+    if path not in PATHS:
+        return []
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if not isinstance(request, dict):
+        return []
+    text = _prompt_text(request)
+    if not text:
+        return []
+    digest = hashlib.blake2b(repr((request.get("model"), request.get("cache_salt"))).encode(), digest_size=16)
+    keys = []
+    for start in range(0, len(text) - CHUNK + 1, CHUNK):
+        digest.update(text[start:start + CHUNK].encode(errors="surrogatepass"))
+        keys.append(digest.copy().digest())
+    return keys
+
+
+def _prompt_text(request: dict[str, Any]) -> str:
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt[0]  # a batch of prompts: the first decides, as they go to one replica
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    parts = [json.dumps(request["tools"], sort_keys=True)] if request.get("tools") else []
+    for message in messages:
+        if not isinstance(message, dict):
+            return ""
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: their text
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"{message.get('role')}\n{content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
+class Affinity:
+    def __init__(self, slack: int, max_keys: int = MAX_KEYS) -> None:
+        self.slack = slack
+        self.max_keys = max_keys
+        self._last: OrderedDict[bytes, Endpoint] = OrderedDict()
+
+    def choose(self, keys: Sequence[bytes], candidates: Sequence[Endpoint],
+               in_flight: Mapping[Endpoint, int]) -> tuple[Endpoint | None, str]:
+        """The candidate that served the longest of these prefixes last, if it is no more than
+        `slack` requests busier than the least busy candidate, else None (balance on load); and
+        the outcome: "hit", "spill" (too busy) or "none" (no prefix known among the candidates)."""
+        for key in reversed(keys):
+            endpoint = self._last.get(key)
+            if endpoint in candidates:
+                least = min(in_flight.get(e, 0) for e in candidates)
+                if in_flight.get(endpoint, 0) - least <= self.slack:
+                    return endpoint, "hit"
+                return None, "spill"
+        return None, "none"
+
+    def remember(self, keys: Sequence[bytes], endpoint: Endpoint) -> None:
+        """These prefixes are now in `endpoint`'s cache (it takes the request)."""
+        for key in keys:
+            self._last[key] = endpoint
+            self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
