@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kiln.router.affinity import CHUNK, prefix_keys
+from kiln.router.affinity import CHUNK, MAX_BODY, MAX_CHARS, prefix_keys
 from kiln.router.proxy import Limits
 from router_fakes import metric, on_event_loop, service, until
 
@@ -36,6 +36,10 @@ def test_prefix_keys_are_shared_exactly_as_far_as_prompts_agree():
         assert not set(prefix_keys("/v1/chat/completions", changed)) & set(first)
     completion = json.dumps({"model": "m", "prompt": "x" * (3 * CHUNK + 5)}).encode()
     assert len(prefix_keys("/v1/completions", completion)) == 3
+    # On the router's event loop: a prompt's first MAX_CHARS are hashed, a body over MAX_BODY not parsed.
+    assert len(prefix_keys("/v1/completions", json.dumps({"prompt": "x" * 10 * MAX_CHARS}).encode())) == \
+        MAX_CHARS // CHUNK
+    assert prefix_keys("/v1/completions", json.dumps({"prompt": "x" * MAX_BODY}).encode()) == []
     for path, body in (("/v1/completions", b'{"prompt": "short"}'), ("/v1/completions", b"not json"),
                        ("/v1/completions", b"[1, 2]"), ("/tokenize", completion),
                        ("/v1/chat/completions", b'{"messages": "no list"}')):

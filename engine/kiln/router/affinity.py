@@ -21,13 +21,17 @@ from kiln.router.endpoints import Endpoint
 
 CHUNK = 64  # characters: ~16 tokens, one KV block of the engine's default size
 MAX_KEYS = 1 << 18  # remembered prefixes (a key and an endpoint each, ~100 bytes)
+# The work is on the router's one event loop: a body over MAX_BODY is balanced on load without
+# being parsed, and only a prompt's first MAX_CHARS (~8k tokens) are hashed.
+MAX_BODY = 1 << 20
+MAX_CHARS = 32768
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def prefix_keys(path: str, body: bytes) -> list[bytes]:
     """The keys of a request's prompt prefixes, shortest first; none for other paths and for
     bodies that are not a request the engine would take (it answers those with a 400)."""
-    if path not in PATHS:
+    if path not in PATHS or len(body) > MAX_BODY:
         return []
     try:
         request = json.loads(body)
@@ -35,7 +39,7 @@ def prefix_keys(path: str, body: bytes) -> list[bytes]:
         return []
     if not isinstance(request, dict):
         return []
-    text = _prompt_text(request)
+    text = _prompt_text(request)[:MAX_CHARS]
     if not text:
         return []
     digest = hashlib.blake2b(repr((request.get("model"), request.get("cache_salt"))).encode(), digest_size=16)
