@@ -34,6 +34,10 @@ def test_prefix_keys_are_shared_exactly_as_far_as_prompts_agree():
     for changed in (json.dumps({"model": "sql", "messages": json.loads(chat("a" * 100))["messages"]}).encode(),
                     chat("a" * 100, cache_salt="tenant-b"), chat("a" * 100, tools=[{"type": "function"}])):
         assert not set(prefix_keys("/v1/chat/completions", changed)) & set(first)
+    # The Responses API's instructions and input, as the chat messages they stand for.
+    response = {"model": "m", "instructions": SYSTEM, "input": [{"role": "user", "content": "a" * 100}]}
+    assert prefix_keys("/v1/responses", json.dumps(response).encode()) == first
+    assert prefix_keys("/v1/responses", json.dumps({**response, "input": "a" * 100}).encode()) == first
     completion = json.dumps({"model": "m", "prompt": "x" * (3 * CHUNK + 5)}).encode()
     assert len(prefix_keys("/v1/completions", completion)) == 3
     # On the router's event loop: a prompt's first MAX_CHARS are hashed, a body over MAX_BODY not parsed.

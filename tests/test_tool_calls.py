@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from kiln.cli import main as cli_main
 from kiln.engine.openai_protocol import ChatCompletionRequest
-from kiln.engine.openai_serving import _ChatShape
+from kiln.engine.openai_serving import ChatShape
 from kiln.engine.tool_calls import tool_calls
 from kiln.engine.tool_parsers import PARSERS
 from test_server import CLOCK, MODEL, WEATHER, ServerProcess
@@ -78,11 +78,11 @@ def test_output_that_makes_no_whole_call_is_not_parsed(parser, text) -> None:
 def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(name, text, content, calls, size) -> None:
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
     tools = tool_calls(req, name)
-    whole = _ChatShape(None, False, 0, tools).full(text, [], "stop")
+    whole = ChatShape(None, False, 0, tools).full(text, [], "stop")
     assert whole["message"]["content"] == content
     assert [json.loads(c["function"]["arguments"])["city"] for c in whole["message"].get("tool_calls", [])] == calls
     assert whole["finish_reason"] == ("tool_calls" if calls else "stop")
-    shape, chunks = _ChatShape(None, False, 0, tools), [text[i:i + size] for i in range(0, len(text), size)]
+    shape, chunks = ChatShape(None, False, 0, tools), [text[i:i + size] for i in range(0, len(text), size)]
     deltas = [shape.delta(chunk, [], "stop" if i == len(chunks) - 1 else None) for i, chunk in enumerate(chunks)]
     streamed = "".join(d["delta"].get("content", "") for d in deltas)
     assert streamed == (content or "")

@@ -67,7 +67,7 @@ class _CompletionShape:
     full = delta
 
 
-class _ChatShape:
+class ChatShape:
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
@@ -111,7 +111,7 @@ class _Choice:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
-    shape: Any  # _CompletionShape | _ChatShape
+    shape: Any  # _CompletionShape | ChatShape
     fields: _TokenFields
     echo: str | None = None  # the prompt's text, to send before the first of the choice's own
     stream: RequestStream | None = None
@@ -154,19 +154,24 @@ class OpenAIServing:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
+        ids, params, tools, lora = self.chat_inputs(req)
+        return await self._generate(request, req, [ids], [params], lambda index: ChatShape(
+            self.token_text, req.logprobs, index, tools), False, lora)
+
+    def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls | None, str | None]:
+        """A conversation's prompt ids, sampling parameters, tool calls and LoRA adapter; a 400 or
+        404 (APIError) for what the engine cannot take."""
         lora = self._check_model(req.model)
         self._check_choices(1, req.n)
-        top = req.top_logprobs_count()
         tools = tool_calls(req, self.tool_call_parser)
         # The template already wrote the special tokens.
         ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
-        params = _sampling(req, max_tokens, top)
+        params = _sampling(req, max_tokens, req.top_logprobs_count())
         if tools is not None and (constraint := tools.structured_outputs()) is not None:
             params.structured_outputs = constraint
-        return await self._generate(request, req, [ids], [params], lambda index: _ChatShape(
-            self.token_text, top is not None, index, tools), False, lora)
+        return ids, params, tools, lora
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: a prompt's (or a conversation's) token ids as this model runs them."""
@@ -268,7 +273,7 @@ class OpenAIServing:
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
         # frees every choice's request.
         try:
-            streams = await self._submit([(request_id if len(choices) == 1 else f"{request_id}-{c.index}",
+            streams = await self.submit([(request_id if len(choices) == 1 else f"{request_id}-{c.index}",
                                            c.prompt_ids, c.params) for c in choices], lora)
             for choice, stream in zip(choices, streams):
                 choice.stream = stream
@@ -282,7 +287,7 @@ class OpenAIServing:
                 if choice.stream is not None:
                     self.engine.abort(choice.stream.request_id)
 
-    async def _submit(self, requests: list[tuple[str, list[int], SamplingParams]],
+    async def submit(self, requests: list[tuple[str, list[int], SamplingParams]],
                       lora: str | None) -> list[RequestStream]:
         try:  # EngineDeadError is left to the server's middleware, which answers it alike on every route
             return await self.engine.submit_all(requests, lora)
@@ -371,7 +376,7 @@ async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Reques
 
     async def read(choice: _Choice) -> None:
         try:
-            async for out in _until_finished(choice.stream.outputs):
+            async for out in until_finished(choice.stream.outputs):
                 merged.put_nowait((choice, out))
         except APIError as e:
             merged.put_nowait((choice, e))
@@ -390,7 +395,7 @@ async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, Reques
             reader.cancel()
 
 
-async def _until_finished(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+async def until_finished(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
     while True:
         out = await outputs.get()
         if isinstance(out, Exception):  # EngineDeadError: the engine loop failed

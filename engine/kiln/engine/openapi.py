@@ -15,6 +15,7 @@ from pydantic.json_schema import models_json_schema
 
 from kiln.engine.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                          LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from kiln.engine.responses_protocol import ResponseObject, ResponsesRequest
 
 JSON, SSE, TEXT = "application/json", "text/event-stream", "text/plain"
 FinishReason = Literal["stop", "length"]
@@ -156,7 +157,7 @@ class Detokenized(BaseModel):
 MODELS: list[type[BaseModel]] = [
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorResponse, Completion,
     ChatCompletion, ModelList, Tokens, Detokenized, Health, Readiness, SleepState, SleepChange,
-    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
+    LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, ResponsesRequest, ResponseObject]
 
 
 def ref(model: type[BaseModel] | str) -> dict[str, str]:
@@ -205,9 +206,9 @@ def _with_body(summary: str, request: type[BaseModel], responses: dict[str, Any]
                      "responses": responses}}
 
 
-def _generation(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
-    ok = response(f"the whole answer; with stream=true, server-sent events of {answer.__name__} "
-                  "chunks ending with `data: [DONE]`", answer)
+def _generation(summary: str, request: type[BaseModel], answer: type[BaseModel],
+                stream: str = "chunks ending with `data: [DONE]`") -> dict[str, Any]:
+    ok = response(f"the whole answer; with stream=true, server-sent events of {answer.__name__} {stream}", answer)
     ok["content"][SSE] = {"schema": SSE_EVENT}
     return _with_body(summary, request, {"200": ok, **_GENERATION_ERRORS})
 
@@ -242,6 +243,8 @@ def v1_paths() -> dict[str, Any]:
     return {
         "/v1/completions": _generation("Complete a prompt", CompletionRequest, Completion),
         "/v1/chat/completions": _generation("Answer a conversation", ChatCompletionRequest, ChatCompletion),
+        "/v1/responses": _generation("Answer input items (OpenAI's Responses API)", ResponsesRequest, ResponseObject,
+                                     "events, `event:` naming each, response.completed (or .incomplete) last"),
         "/v1/models": get("The served model", "listModels", {"200": response("the served model", ModelList)}),
     }
 

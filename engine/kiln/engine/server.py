@@ -29,6 +29,7 @@ from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.openai_protocol import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
+from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.tokenizer import read_chat_template
 from kiln.router import auth
@@ -64,6 +65,7 @@ class Server:
         self.engine: AsyncEngine | None = None
         self.torch_thread = TorchThread()  # loads, warms up and then runs the engine (one OpenMP team)
         self.serving: OpenAIServing | None = None
+        self.responses_api: ResponsesServing | None = None
         self.draining = False
         self.in_flight = 0
         self.idle = asyncio.Event()
@@ -74,6 +76,7 @@ class Server:
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/responses", self.responses),
             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
             web.post("/sleep", self.sleep), web.post("/wake_up", self.wake_up), web.get("/is_sleeping", self.is_sleeping),
             web.post("/v1/load_lora_adapter", self.load_lora_adapter),
@@ -110,6 +113,7 @@ class Server:
                                   self.torch_thread)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser)
+        self.responses_api = ResponsesServing(self.serving)
         phases = self.startup.ready()
         self.metrics.record_startup(phases)
         log.info("ready: serving %r (max_model_len=%d); cold start: %s", self.model_name,
@@ -229,6 +233,9 @@ class Server:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.serving.chat(request)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.responses_api.create(request)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self.serving.tokenize(request)

@@ -4,7 +4,8 @@ and llm-d's prefix scorer do the same), unless that replica has more than `slack
 flight beyond the least busy one: then load wins, and the prefix is remembered at the replica
 that took it, so a prefix every request shares (a system prompt) ends up cached on each.
 
-The prompt text (a completion's prompt; a chat's messages, role and text, after its tools) is
+The prompt text (a completion's prompt; a chat's messages, role and text, after its tools; a
+response's instructions and input items, as messages) is
 cut into CHUNK-character pieces, about one KV block of tokens each. Piece i's key is a digest
 of the model, the cache salt (a tenant's blocks are never shared) and pieces 0..i, so one key
 stands for a whole prefix; a prompt shorter than a piece has no key and is balanced on load
@@ -25,7 +26,7 @@ MAX_KEYS = 1 << 18  # remembered prefixes (a key and an endpoint each, ~100 byte
 # being parsed, and only a prompt's first MAX_CHARS (~8k tokens) are hashed.
 MAX_BODY = 1 << 20
 MAX_CHARS = 32768
-PATHS = ("/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def prefix_keys(path: str, body: bytes) -> list[bytes]:
@@ -57,6 +58,10 @@ def _prompt_text(request: dict[str, Any]) -> str:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return prompt[0]  # a batch of prompts: the first decides, as they go to one replica
     messages = request.get("messages")
+    if isinstance(request.get("input"), (str, list)):  # the Responses API: instructions, then the input items
+        given = request["input"]
+        messages = ([{"role": "system", "content": request["instructions"]}] if request.get("instructions") else []) \
+            + ([{"role": "user", "content": given}] if isinstance(given, str) else given)
     if not isinstance(messages, list):
         return ""
     parts = [json.dumps(request["tools"], sort_keys=True)] if request.get("tools") else []

@@ -1,0 +1,119 @@
+"""OpenAI's Responses API (POST /v1/responses, kiln.engine.responses_api) on a real server with
+SmolLM2, driven by the openai SDK: the answer is the chat path's for the same conversation
+(instructions as the system message, function calls and their outputs as assistant and tool
+turns), streamed as the events the SDK's stream helper assembles into the same response, cut by
+max_output_tokens as incomplete, with function_call items for tools and JSON for text.format;
+and what it cannot take is a 400 naming it."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from test_server import MODEL, ServerProcess, post
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-model-len", "1024", "--tool-call-parser", "hermes")
+    yield s
+    s.stop()
+
+
+def chat_text(server: ServerProcess, messages: list[dict], max_tokens: int, **extra: object) -> str:
+    reply = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0, **extra)
+    return reply.choices[0].message.content
+
+
+def test_an_answer_is_the_chat_answer_to_the_same_conversation(server):
+    answer = server.client.responses.create(model=MODEL, instructions="Answer in one short sentence.",
+                                            input="What is the capital of France?", max_output_tokens=24,
+                                            temperature=0)
+    want = chat_text(server, [{"role": "system", "content": "Answer in one short sentence."},
+                              {"role": "user", "content": "What is the capital of France?"}], 24)
+    assert answer.status == "completed" and answer.output_text == want and "Paris" in want
+    assert answer.object == "response" and answer.id.startswith("resp") and answer.model == MODEL
+    assert (answer.output[0].type, answer.output[0].role) == ("message", "assistant")
+    assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+
+
+def test_a_stream_is_assembled_into_the_same_answer(server):
+    kwargs = dict(model=MODEL, input="Name three colors.", max_output_tokens=16, temperature=0)
+    whole = server.client.responses.create(**kwargs)
+    with server.client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == whole.output_text and whole.output_text
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"] or kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_max_output_tokens_makes_it_incomplete(server):
+    kwargs = dict(model=MODEL, input="Write a long story about a lighthouse.", max_output_tokens=5, temperature=0)
+    cut = server.client.responses.create(**kwargs)
+    assert (cut.status, cut.incomplete_details.reason, cut.usage.output_tokens) == \
+        ("incomplete", "max_output_tokens", 5)
+    with server.client.responses.stream(**kwargs) as stream:
+        kinds = [e.type for e in stream]
+    assert kinds[-1] == "response.incomplete"
+
+
+def test_tools_give_function_calls_whose_outputs_go_back_as_input(server):
+    called = server.client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                            tool_choice="required", max_output_tokens=40, temperature=0)
+    (call,) = called.output
+    assert (call.type, call.name) == ("function_call", "get_weather") and json.loads(call.arguments)["city"]
+    with server.client.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                        tool_choice={"type": "function", "name": "get_weather"},
+                                        max_output_tokens=40, temperature=0) as stream:
+        streamed = stream.get_final_response()
+    assert [(o.type, json.loads(o.arguments)) for o in streamed.output] == \
+        [("function_call", json.loads(call.arguments))]
+    # The result goes back as input; the answer is the chat path's to the same turns.
+    answer = server.client.responses.create(model=MODEL, max_output_tokens=20, temperature=0, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    want = chat_text(server, [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}], 20)
+    assert answer.output_text == want and want
+
+
+def test_text_format_json_schema_gives_json_of_the_schema(server):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    answer = server.client.responses.create(model=MODEL, input="Invent a person.", max_output_tokens=60,
+                                            temperature=0, text={"format": {"type": "json_schema", "name": "person",
+                                                                            "schema": schema}})
+    person = json.loads(answer.output_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "store": True}, "store"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": ""}, "input"),
+    ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_what_it_cannot_take_is_a_400_naming_it(server, body, param):
+    code, reply = post(server.url + "/v1/responses", {"model": MODEL, **body})
+    assert code == 400 and reply["error"]["param"] == param, reply
+    code, reply = post(server.url + "/v1/responses", {"model": "nobody", "input": "hi"})
+    assert code == 404 and reply["error"]["code"] == "model_not_found"
