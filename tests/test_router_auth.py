@@ -56,6 +56,12 @@ def test_every_model_path_demands_a_key_and_the_probes_do_not(front):
     assert answer.choices[0].text
 
 
+def test_the_responses_api_goes_through_with_a_key_and_its_salt(front):
+    """The router salts /v1/responses as it does every /v1 generation: the engine takes the field."""
+    answer = client(front, "key-tenant-a").responses.create(model=MODEL, input="Hello", max_output_tokens=2)
+    assert answer.status == "incomplete" and answer.output_text
+
+
 def test_tokenize_and_detokenize_go_through_with_a_key(front):
     """The tenant's salt goes on generation requests only: /tokenize has no cache to split."""
     import urllib.request

@@ -36,7 +36,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     fmt = req.text.format if req.text is not None else None
     body = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
-            "user": req.user,
+            "user": req.user, "cache_salt": req.cache_salt,
             "tools": [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                       for t in req.tools] if req.tools else None,
             "tool_choice": {"type": "function", "function": {"name": req.tool_choice.name}}

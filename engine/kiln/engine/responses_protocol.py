@@ -52,6 +52,8 @@ class ResponsesRequest(_Request):
     store: bool | None = None
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
+    # vLLM's prefix-cache salt, which the router sets per tenant (kiln.router.auth)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
 
 class OutputItem(BaseModel):
