@@ -18,10 +18,11 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from kiln.engine.async_engine import RequestStream
 from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, parse_request
 from kiln.engine.openai_responses import new_id
 from kiln.engine.openai_serving import ChatShape, OpenAIServing, until_finished
-from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest
+from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -33,7 +34,6 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(400, "this server keeps no responses: leave store out or send false", param="store")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
-    fmt = req.text.format if req.text is not None else None
     body = {"model": req.model, "messages": messages, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
             "user": req.user, "cache_salt": req.cache_salt,
@@ -41,15 +41,21 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
                       for t in req.tools] if req.tools else None,
             "tool_choice": {"type": "function", "function": {"name": req.tool_choice.name}}
             if isinstance(req.tool_choice, NamedFunction) else req.tool_choice,
-            "response_format": None if fmt is None or fmt.type != "json_schema" else {
-                "type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema or {}}}}
-    if fmt is not None and fmt.type == "json_object":
-        body["response_format"] = {"type": "json_object"}
+            "response_format": _response_format(req.text.format if req.text is not None else None)}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
         err = e.errors()[0]
         raise APIError(400, f"invalid input: {'.'.join(map(str, err['loc']))}: {err['msg']}", param="input") from None
+
+
+def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
+    """text.format as chat's response_format (None: plain text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema or {}}}
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,7 +111,7 @@ class ResponsesServing:
         finally:
             self.serving.engine.abort(stream.request_id)
 
-    async def _stream(self, request: web.Request, answer: Answer, stream) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, answer: Answer, stream: RequestStream) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
