@@ -2,13 +2,12 @@
 engine, then answer with one JSON body or an SSE stream of OpenAI-format chunks."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
@@ -20,6 +19,7 @@ from kiln.engine.openai_protocol import (
     template_messages)
 from kiln.engine.openai_responses import (
     chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
+from kiln.engine.output_streams import merged, new_entries
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -303,9 +303,9 @@ class OpenAIServing:
         entries: dict[int, list[dict]] = {c.index: [] for c in choices}
         done: dict[int, dict[str, Any]] = {}
         completion_tokens = 0
-        async with contextlib.aclosing(_merged(choices)) as outputs:
+        async with contextlib.aclosing(merged(choices)) as outputs:
             async for choice, out in outputs:
-                echo, new = choice.echoed(out, "", _new_entries(out))
+                echo, new = choice.echoed(out, "", new_entries(out))
                 echoes[choice.index] += echo
                 entries[choice.index] += new
                 if out.finished:
@@ -333,9 +333,9 @@ class OpenAIServing:
             for c in choices:
                 for opening in c.shape.opening():
                     await resp.write(chunk([{**opening, **c.fields.prompt(c.prompt_ids, None)}]))
-            async with contextlib.aclosing(_merged(choices)) as outputs:
+            async with contextlib.aclosing(merged(choices)) as outputs:
                 async for c, out in outputs:
-                    text, entries = c.echoed(out, out.new_text, _new_entries(out))
+                    text, entries = c.echoed(out, out.new_text, new_entries(out))
                     # A chunk for every step that made a token, even when its text is empty (a special
                     # token, text held back as it may begin a stop string, half a character), as vLLM
                     # and llama-server send them: the client sees each token when it is made.
@@ -367,50 +367,6 @@ def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + j - INT64_MIN) % 2**64 + INT64_MIN)
-
-
-async def _merged(choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-    """Every choice's outputs as they come, until each has finished; an engine failure in any
-    ends them all. Close it (contextlib.aclosing) to stop its readers at once."""
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def read(choice: _Choice) -> None:
-        try:
-            async for out in until_finished(choice.stream.outputs):
-                merged.put_nowait((choice, out))
-        except APIError as e:
-            merged.put_nowait((choice, e))
-
-    readers = [asyncio.create_task(read(c)) for c in choices]
-    try:
-        left = len(choices)
-        while left:
-            choice, out = await merged.get()
-            if isinstance(out, APIError):
-                raise out
-            left -= out.finished
-            yield choice, out
-    finally:
-        for reader in readers:
-            reader.cancel()
-
-
-async def until_finished(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    while True:
-        out = await outputs.get()
-        if isinstance(out, Exception):  # EngineDeadError: the engine loop failed
-            raise APIError(500, f"the engine failed while generating: {out}", type_="server_error",
-                           code="engine_dead")
-        yield out
-        if out.finished:
-            return
-
-
-def _new_entries(out: RequestOutput) -> list[dict]:
-    """This step's logprob entries, whether the engine reports them per step or cumulatively."""
-    if not out.logprobs or not out.new_token_ids:
-        return []
-    return list(out.logprobs[-len(out.new_token_ids):])
 
 
 def _open_final_message(text: str, final: str) -> str:

@@ -21,7 +21,8 @@ from pydantic import ValidationError
 from kiln.engine.async_engine import RequestStream
 from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, parse_request
 from kiln.engine.openai_responses import new_id
-from kiln.engine.openai_serving import ChatShape, OpenAIServing, until_finished
+from kiln.engine.openai_serving import ChatShape, OpenAIServing
+from kiln.engine.output_streams import until_finished
 from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
 
 
