@@ -70,8 +70,9 @@ def test_a_pod_field_the_spec_no_longer_asks_for_is_applied_away(recording):
     Deployments still carry them, which `contains` (stored may have more) would accept."""
     wanted, _ = replay(recording)
     revision, router = wanted.stable.name, f"{recording['owner']['name']}-router"
-    for field, value in (("imagePullSecrets", [{"name": "regcred"}]), ("nodeSelector", {"pool": "gpu"}),
-                         ("tolerations", [{"key": "gpu", "operator": "Exists"}])):
+    # The recorded spec asks for regcred alone: a second secret is one it no longer asks for.
+    for field, value in (("imagePullSecrets", [{"name": "regcred"}, {"name": "retired"}]),
+                         ("nodeSelector", {"pool": "gpu"}), ("tolerations", [{"key": "gpu", "operator": "Exists"}])):
         def edit(objects, field=field, value=value):
             for name in (revision, router):
                 named(objects, "Deployment", name)["spec"]["template"]["spec"][field] = value

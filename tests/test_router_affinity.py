@@ -44,6 +44,10 @@ def test_prefix_keys_are_shared_exactly_as_far_as_prompts_agree():
     assert len(prefix_keys("/v1/completions", json.dumps({"prompt": "x" * 10 * MAX_CHARS}).encode())) == \
         MAX_CHARS // CHUNK
     assert prefix_keys("/v1/completions", json.dumps({"prompt": "x" * MAX_BODY}).encode()) == []
+    # Any body reaches the router, which leaves judging it to the engine (found by the fuzz test: a 500).
+    odd = {"messages": [{"role": 7, "content": [{"type": "text", "text": False}, "part", {"text": "x" * 200}]},
+                        {"content": {"not": "text"}}], "instructions": 5, "input": None, "tools": "none"}
+    assert len(prefix_keys("/v1/chat/completions", json.dumps(odd).encode())) == 3
     for path, body in (("/v1/completions", b'{"prompt": "short"}'), ("/v1/completions", b"not json"),
                        ("/v1/completions", b"[1, 2]"), ("/tokenize", completion),
                        ("/v1/chat/completions", b'{"messages": "no list"}')):

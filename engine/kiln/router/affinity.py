@@ -40,7 +40,10 @@ def prefix_keys(path: str, body: bytes) -> list[bytes]:
         return []
     if not isinstance(request, dict):
         return []
-    text = _prompt_text(request)[:MAX_CHARS]
+    try:
+        text = _prompt_text(request)[:MAX_CHARS]
+    except RecursionError:  # tools nested as deep as the parser allows, too deep to write out again
+        return []
     if not text:
         return []
     digest = hashlib.blake2b(repr((request.get("model"), request.get("cache_salt"))).encode(), digest_size=16)
@@ -69,8 +72,8 @@ def _prompt_text(request: dict[str, Any]) -> str:
         if not isinstance(message, dict):
             return ""
         content = message.get("content")
-        if isinstance(content, list):  # content parts: their text
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if isinstance(content, list):  # content parts: their text (any body reaches here: the engine judges it)
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
         parts.append(f"{message.get('role')}\n{content if isinstance(content, str) else ''}\n")
     return "".join(parts)
 
