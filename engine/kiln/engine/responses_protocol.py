@@ -7,15 +7,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from kiln.engine.openai_protocol import _Request
+from kiln.engine.openai_protocol import FunctionDefinition, _Request
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """A chat tool's function, flattened into the tool as the Responses API writes it."""
     type: Literal["function"]
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(_Request):
