@@ -138,9 +138,10 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     if os.environ.get("KILN_RECORD"):
         for o in observed.objects.values():
             o["metadata"].pop("managedFields", None)
-        recording = {"owner": {"name": "steady", "namespace": "recorded", "uid": owner.uid}, "spec": obj["spec"],
-                     "image": "kiln/engine:test", "pod_annotations": {},
-                     "objects": json.loads(json.dumps(list(observed.objects.values())).replace(ns, "recorded"))}
+        # As stored, in its namespace: the kiln.dev/applied hashes cover it (the Service URL in the
+        # router's args, say), so a renamed recording would plan patches.
+        recording = {"owner": {"name": "steady", "namespace": ns, "uid": owner.uid}, "spec": obj["spec"],
+                     "image": "kiln/engine:test", "pod_annotations": {}, "objects": list(observed.objects.values())}
         (REPO / "tests/data/observed-serving.json").write_text(json.dumps(recording, indent=1, sort_keys=True) + "\n")
     # Credentials dropped from the spec leave both Deployments (the apply removes what it had set).
     del body["spec"]["imagePullSecrets"]
@@ -227,6 +228,24 @@ def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, a
     kubectl("patch", "isvc/refused", "-n", ns, "--type=json",
             "-p", '[{"op":"remove","path":"/spec/resources/nodeSelector"}]')
     until(lambda: ready(apis, ns, "refused"), "refused Ready once fixed")
+    operator.restart()
+
+
+def test_a_name_taken_by_someone_elses_object_is_refused_not_taken_over(operator, apis, ns, kubectl):
+    operator.restart(interval=1)
+    apis["core"].create_namespaced_service(ns, {"metadata": {"name": "taken"},
+                                                "spec": {"selector": {"app": "legacy"}, "ports": [{"port": 80}]}})
+    apply(kubectl, ns, smollm2("taken"))
+    cond = until(lambda: condition(isvc(apis, ns, "taken"), "Ready").get("reason") == "Rejected"
+                 and condition(isvc(apis, ns, "taken"), "Ready"), "Ready=False Rejected")
+    assert "Service named taken already exists" in cond["message"], cond
+    svc = apis["core"].read_namespaced_service("taken", ns)
+    assert svc.metadata.owner_references is None and svc.spec.selector == {"app": "legacy"}
+    assert engine_deployments(apis, ns, "taken")  # the rest is made
+    apis["core"].delete_namespaced_service("taken", ns)
+    until(lambda: ready(apis, ns, "taken"), "taken Ready once the name is free")
+    (ref,) = apis["core"].read_namespaced_service("taken", ns).metadata.owner_references
+    assert ref.name == "taken"
     operator.restart()
 
 

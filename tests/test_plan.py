@@ -12,7 +12,7 @@ import pytest
 from kiln.operator.desired import desired
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
-from kiln.operator.plan import CREATE, DELETE, PATCH, SCALE, contains, plan
+from kiln.operator.plan import CREATE, DELETE, PATCH, SCALE, contains, plan, stamped
 from kiln.operator.quantity import canonical
 from kiln.operator.render import Owner
 
@@ -65,20 +65,54 @@ def test_a_hand_edit_is_patched_back(recording):
     assert replay(recording, edit=edit)[1] == [(PATCH, "Deployment", revision, None)]
 
 
-def test_a_pod_field_the_spec_no_longer_asks_for_is_applied_away(recording):
-    """imagePullSecrets, nodeSelector or tolerations removed from the spec: the stored
-    Deployments still carry them, which `contains` (stored may have more) would accept."""
+def applied(recording: dict, spec: dict):
+    """An edit of the recorded objects: as an apply of `spec`'s objects leaves them (its fields
+    added or replaced, lists whole; the API server's defaults kept)."""
+    wanted, _ = replay(recording, spec)
+
+    def merge(stored: dict, obj: dict) -> None:
+        for key, value in obj.items():
+            if isinstance(value, dict) and isinstance(stored.get(key), dict):
+                merge(stored[key], value)
+            else:
+                stored[key] = copy.deepcopy(value)
+
+    def edit(objects):
+        for obj in map(stamped, wanted.objects()):
+            merge(named(objects, obj["kind"], obj["metadata"]["name"]), obj)
+        return objects
+    return edit
+
+
+def test_a_field_the_spec_no_longer_asks_for_is_applied_away(recording):
+    """A key dropped from a map of ours (a node selector's label, a pod label, a Service's selector)
+    or a pod field dropped whole: the stored objects still carry it, which `contains` (stored maps
+    may hold more) would accept; the hash of what was applied tells."""
     wanted, _ = replay(recording)
     revision, router = wanted.stable.name, f"{recording['owner']['name']}-router"
     # The recorded spec asks for regcred alone: a second secret is one it no longer asks for.
-    for field, value in (("imagePullSecrets", [{"name": "regcred"}, {"name": "retired"}]),
-                         ("nodeSelector", {"pool": "gpu"}), ("tolerations", [{"key": "gpu", "operator": "Exists"}])):
-        def edit(objects, field=field, value=value):
-            for name in (revision, router):
-                named(objects, "Deployment", name)["spec"]["template"]["spec"][field] = value
-            return objects
-        assert sorted(replay(recording, edit=edit)[1]) == [(PATCH, "Deployment", revision, None),
-                                                           (PATCH, "Deployment", router, None)], field
+    spec, resources = recording["spec"], recording["spec"]["resources"]
+    secrets = {**spec, "imagePullSecrets": [{"name": "regcred"}, {"name": "retired"}]}
+    assert sorted(replay(recording, edit=applied(recording, secrets))[1]) == \
+        [(PATCH, "Deployment", revision, None), (PATCH, "Deployment", router, None)]
+    two_labels = {**spec, "resources": {**resources, "nodeSelector": {"pool": "gpu", "zone": "b"}}}
+    tolerating = {**spec, "resources": {**resources, "tolerations": [{"key": "gpu", "operator": "Exists"}]}}
+    one_label = {**spec, "resources": {**resources, "nodeSelector": {"zone": "b"}}}  # one key dropped, the map kept
+    for now, before in ((spec, two_labels), (spec, tolerating), (one_label, two_labels)):
+        assert replay(recording, now, edit=applied(recording, before))[1] == [(PATCH, "Deployment", revision, None)]
+    # Removing a warm pool (not part of the revision): its serving label leaves the pod template
+    # and the revision Service's selector, or new pods would never be routed.
+    pooled = {**recording["spec"], "warmPool": {"size": 1}}
+    assert replay(recording, pooled)[0].stable.name == revision
+    assert sorted(replay(recording, edit=applied(recording, pooled))[1]) == \
+        [(PATCH, "Deployment", revision, None), (PATCH, "Service", revision, None)]
+    # What someone else added to a map of ours is theirs: no patch (the apply would not remove it).
+    assert replay(recording, edit=applied(recording, recording["spec"]))[1] == []
+
+    def hand_added(objects):
+        named(objects, "Deployment", revision)["spec"]["template"]["spec"]["nodeSelector"] = {"zone": "b"}
+        return objects
+    assert replay(recording, edit=hand_added)[1] == []
 
 
 def test_quantities_stored_in_canonical_form_are_no_difference(recording):
@@ -92,6 +126,7 @@ def test_quantities_stored_in_canonical_form_are_no_difference(recording):
     wanted, _ = replay(recording, spec)
 
     def stored(objects):
+        objects = applied(recording, spec)(objects)
         container = named(objects, "Deployment", wanted.stable.name)["spec"]["template"]["spec"]["containers"][0]
         container["resources"] = {"requests": {"cpu": "500m", "memory": "1536Mi"}, "limits": {"memory": "1536Mi"}}
         return objects

@@ -2,9 +2,14 @@
 tests run it on recorded cluster states; reconcile.py executes the actions it returns.
 
 An object is patched only when something we set differs from what is stored (defaults the
-API server adds are not differences), so a steady state plans nothing at all."""
+API server adds are not differences), so a steady state plans nothing at all. Each applied object
+carries a hash of what was applied (APPLIED): a field the spec no longer asks for changes it, so
+the object is applied again and the apply removes the field, which `contains` alone would not see
+(stored maps may hold more keys: defaults, others' labels)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,28 +41,24 @@ def contains(stored: Any, wanted: Any) -> bool:
     return stored == wanted
 
 
-# Pod template fields set only when the spec asks for them (the API server defaults none of
-# them on a template): one stored that the spec no longer asks for must go, which `contains`
-# alone would not see. The apply that follows removes it (its field manager owned it).
-OPTIONAL_POD_FIELDS = ("imagePullSecrets", "nodeSelector", "tolerations")
+APPLIED = "kiln.dev/applied"  # annotation: the hash of the object as the operator last applied it
 
 
-def drops_pod_fields(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
-    """A Deployment whose stored pod template has an optional field the wanted one lacks."""
-    def pod(obj: dict[str, Any]) -> dict[str, Any]:
-        return ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
-    return wanted["kind"] == "Deployment" and any(
-        field in pod(stored) and field not in pod(wanted) for field in OPTIONAL_POD_FIELDS)
+def stamped(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object with the hash of its own content in its annotations."""
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    meta = obj["metadata"]
+    return {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), APPLIED: digest}}}
 
 
 def plan(desired: Desired, observed: Observed) -> list[Action]:
     actions = []
-    for obj in desired.objects():
+    for obj in map(stamped, desired.objects()):
         kind, name = obj["kind"], obj["metadata"]["name"]
         stored = observed.get(kind, name)
         if stored is None:
             actions.append(Action(CREATE, kind, name, with_initial_replicas(obj, desired)))
-        elif not contains(stored, obj) or drops_pod_fields(stored, obj):
+        elif not contains(stored, obj):
             actions.append(Action(PATCH, kind, name, obj))
     for revision in desired.revisions:
         stored = observed.engine(revision.name)
@@ -76,7 +77,8 @@ def with_initial_replicas(obj: dict[str, Any], desired: Desired) -> dict[str, An
     """A new engine Deployment is created at its first replica count (not the API default of 1,
     which would start a pod for a revision meant to be at zero); the scale action that follows
     hands the field to its own field manager, so later applies without it do not reset it."""
-    revision = next((r for r in desired.revisions if r.deployment is obj), None)
+    revision = next((r for r in desired.revisions if r.deployment is not None and obj["kind"] == "Deployment"
+                     and r.name == obj["metadata"]["name"]), None)
     if revision is None or revision.replicas is None:
         return obj
     return {**obj, "spec": {**obj["spec"], "replicas": revision.replicas}}

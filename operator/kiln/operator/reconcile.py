@@ -146,6 +146,8 @@ def execute(api: Api, owner: Owner, action: Action) -> None:
             if err.status != 404:
                 raise
         return
+    if action.verb == CREATE:
+        refuse_foreign(api, owner, action)
     # Server-side apply, forcing ownership back from anyone who hand-edited our fields.
     body, manager = action.body, FIELD_MANAGER
     if action.verb == SCALE:
@@ -153,6 +155,22 @@ def execute(api: Api, owner: Owner, action: Action) -> None:
                 "spec": {"replicas": action.replicas}}
         manager = REPLICAS_MANAGER
     api.call("patch", action.kind)(action.name, ns, body, field_manager=manager, force=True, _content_type=APPLY)
+
+
+class NotOurs(Exception):
+    """A child's name is taken by an object this InferenceService does not own."""
+
+
+def refuse_foreign(api: Api, owner: Owner, action: Action) -> None:
+    """A create is planned for what observe() did not find as ours; an object of that name that
+    exists anyway is someone else's (a Service left from a former install, say): a forced apply
+    would take it over, and garbage collection would delete it with the InferenceService."""
+    # A list by name, not a get: the operator's role lists its children (observe) and needs no more.
+    found = api.client.sanitize_for_serialization(api.call("list", action.kind)(
+        owner.namespace, field_selector=f"metadata.name={action.name}"))["items"]
+    if found and not any(ref.get("uid") == owner.uid for ref in found[0]["metadata"].get("ownerReferences") or []):
+        raise NotOurs(f"a {action.kind} named {action.name} already exists and this InferenceService does not "
+                      "own it: delete or rename it (it is left untouched)")
 
 
 def parse_spec(body: Mapping[str, Any]) -> InferenceServiceSpec:
@@ -242,6 +260,9 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
             if err.status not in (400, 422):  # not a verdict on what we sent: try again later
                 raise
             rejected.append(f"{action}: {err.reason}: {api_message(err)}")
+            continue
+        except NotOurs as err:
+            rejected.append(f"{action}: {err}")
             continue
         if action.kind == "Deployment" and action.verb == CREATE and action.name in rendered:
             post_event(api, body, "Normal", "RevisionCreated", f"created revision {action.name}")
