@@ -431,6 +431,11 @@ def test_unsettled_or_stuck_deployment_is_not_ready():
                                          "message": "exceeded its progress deadline"}])
     assert conditions(status_for(spec, [stuck]))["Ready"] == ("False", "ProgressDeadlineExceeded")
     assert conditions(status_for(spec, []))["Ready"] == ("False", "Creating")
+    refused = deployment(rev, conditions=[{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                           "message": 'pods "x" is forbidden: exceeded quota: gpus'}])
+    status = status_for(spec, [refused])
+    assert conditions(status)["Ready"] == ("False", "FailedCreate")
+    assert "exceeded quota" in next(c["message"] for c in status["conditions"] if c["type"] == "Ready")
 
 
 def engine_pod(name: str, revision: str, container: dict) -> dict:

@@ -97,6 +97,9 @@ def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, 
         (trigger,) = spec["triggers"]
         assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
         assert f'namespace="{ns}"' in trigger["metadata"]["query"] and '="keda"' in trigger["metadata"]["query"]
+        # From zero only the router's held requests can activate it: no engine reports a queue.
+        assert "kiln:num_requests_waiting{" in trigger["metadata"]["query"]
+        assert "kiln_router_held_requests{" in trigger["metadata"]["query"]
         # KEDA's verdict is passed on as ScalingReady.
         apis["custom"].patch_namespaced_custom_object_status(
             "keda.sh", "v1alpha1", ns, "scaledobjects", "keda", {"status": {"conditions": [
@@ -121,3 +124,20 @@ def test_nodes_out_of_gpus_say_insufficient_capacity(operator, apis, ns, kubectl
     assert cond["status"] == "False" and "nvidia.com/gpu" in cond["message"]
     until(lambda: "InsufficientCapacity" in event_reasons(apis, ns, "greedy", "Warning"), "a Warning Event")
     kubectl("delete", "isvc/greedy", "-n", ns)
+
+
+def test_pods_a_quota_forbids_say_why(operator, apis, ns, kubectl):
+    """No pod is ever made, so none can report: the Deployment's ReplicaFailure says why."""
+    apis["core"].create_namespaced_resource_quota(ns, {"metadata": {"name": "no-gpus"},
+                                                       "spec": {"hard": {"requests.nvidia.com/gpu": "0"}}})
+    try:
+        apply(kubectl, ns, smollm2("quota", gpus=1))
+        cond = until(lambda: condition(isvc(apis, ns, "quota"), "Ready").get("reason") == "FailedCreate"
+                     and condition(isvc(apis, ns, "quota"), "Ready"), "Ready=False FailedCreate")
+        assert cond["status"] == "False" and "quota" in cond["message"], cond
+        assert condition(isvc(apis, ns, "quota"), "WorkloadReady")["reason"] == "FailedCreate"
+        until(lambda: "FailedCreate" in event_reasons(apis, ns, "quota", "Warning"), "a Warning Event")
+    finally:
+        apis["core"].delete_namespaced_resource_quota("no-gpus", ns)
+        kubectl("delete", "isvc/quota", "-n", ns, "--ignore-not-found")
+

@@ -163,6 +163,20 @@ def test_a_step_without_pause_holds_until_resumed():
     assert d.full_size(rollout)
 
 
+def test_a_timed_step_with_only_inconclusive_checks_says_so_and_goes_on_when_resumed():
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(d.state, "canary-b", READY, verdict(INCONCLUSIVE), 20)
+    assert d.state.step == 1 and "pause is over" not in d.state.message
+    d = run(d.state, "canary-b", READY, verdict(INCONCLUSIVE), 40)  # the 30s pause is over: no pass yet
+    assert (d.state.phase, d.state.step) == (PROGRESSING, 1)
+    assert "the pause is over but no analysis interval has passed" in d.state.message
+    assert "kiln.dev/resume-rollout" in d.state.message
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 41)
+    assert (d.state.step, d.state.resume_token) == (2, "go")
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 80)  # consumed: no skip
+    assert d.state.step == 2
+
+
 def test_state_survives_status_round_trip_so_a_restarted_operator_resumes_the_same_step():
     d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
     d = run(d.state, "canary-b", READY, verdict(FAIL), 20)
@@ -189,6 +203,11 @@ def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weig
     assert roles == [(stable, "stable", 4, 80, True), (canary, "canary", 1, 20, False)]
     full = desired(owner, spec_of("int8"), observed, "img", split=Split(stable, canary, 50, full_size=True))
     assert full.revisions[1].replicas == 4
+    # A stable revision scaled to zero: the canary keeps one replica, or it could never be promoted.
+    at_zero = spec_of("int8").model_copy(update={"replicas": 0})
+    for split in (Split(stable, canary, 20), Split(stable, canary, 50, full_size=True)):
+        want = desired(owner, at_zero, observed, "img", split=split)
+        assert [(r.role, r.replicas) for r in want.revisions] == [("stable", 0), ("canary", 1)]
     rolled_back = desired(owner, spec_of("int8"), observed, "img", split=Split(stable))
     assert [(r.role, r.weight) for r in rolled_back.revisions] == [("stable", 100)]
 

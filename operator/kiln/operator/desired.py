@@ -117,7 +117,8 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
                           replicas + pool, 100 - canary_weight if weighted else None,
                           replicas if stable_pooled else None)]
     if split and split.canary:
-        size = replicas if split.full_size else max(1, math.ceil(replicas * split.weight / 100))
+        # At least one even when the stable revision is at zero: promotion waits on a ready canary.
+        size = max(1, replicas if split.full_size else math.ceil(replicas * split.weight / 100))
         revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
                                   render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
                                   size if pooled(spec) else None))

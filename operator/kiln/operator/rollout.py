@@ -154,9 +154,15 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
             f"annotate {RESUME_ANNOTATION} to go on; {analysis_words(state)}")), events)
     if state.passed > 0 and now - state.since >= seconds(pause):
         return next_step(rollout, state, now, events)
-    return Decision(replace(state, phase=PROGRESSING, message=(
-        f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}; "
-        f"{analysis_words(state)}")), events)
+    # A person may go on without a passing check: too little traffic for the quality gate's
+    # minTokens, say, leaves every interval inconclusive.
+    if facts.resume_token != state.resume_token:
+        return next_step(rollout, replace(state, resume_token=facts.resume_token), now, events)
+    words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
+    if now - state.since >= seconds(pause):
+        words += (f"; the pause is over but no analysis interval has passed (annotate {RESUME_ANNOTATION} "
+                  "to go on without one)")
+    return Decision(replace(state, phase=PROGRESSING, message=f"{words}; {analysis_words(state)}"), events)
 
 
 def next_step(rollout: Rollout, state: State, now: float, events: list[Event]) -> Decision:

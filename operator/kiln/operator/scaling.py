@@ -139,6 +139,7 @@ def current_replicas(observed: Observed, stable: str, fallback: int) -> int:
 KEDA_CRD = "scaledobjects.keda.sh"
 # prometheus-adapter serves it under the same name (README, "Autoscaling with an HPA").
 HPA_METRIC = "kiln:num_requests_waiting"
+HELD_METRIC = "kiln_router_held_requests"  # the router's (kiln.router.metrics)
 
 
 def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -163,8 +164,10 @@ def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, prometheus_ur
     """A KEDA ScaledObject on the InferenceService's /scale, from the engines' queue in Prometheus."""
     assert spec.autoscaling is not None
     scaling = spec.autoscaling
-    query = (f'sum({HPA_METRIC}{{namespace="{owner.namespace}",'
-             f'{LABEL_ISVC.replace(".", "_").replace("/", "_")}="{owner.name}"}})')
+    selector = f'{{namespace="{owner.namespace}",{LABEL_ISVC.replace(".", "_").replace("/", "_")}="{owner.name}"}}'
+    # At zero there are no engines, hence no queue: the requests the router holds are what
+    # activates the ScaledObject (its activation threshold is 0).
+    query = f"(sum({HPA_METRIC}{selector}) or vector(0)) + (sum({HELD_METRIC}{selector}) or vector(0))"
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": metadata(owner, owner.name),
         "spec": {

@@ -9,8 +9,8 @@ from .observed import Observed, deployment_counts, engine_failure
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
-WARNING_REASONS = {"EngineFailing", "ProgressDeadlineExceeded", "InvalidSpec", "Rejected", "InsufficientCapacity",
-                   "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
+WARNING_REASONS = {"EngineFailing", "ProgressDeadlineExceeded", "FailedCreate", "InvalidSpec", "Rejected",
+                   "InsufficientCapacity", "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
 # status.rollout.phase -> the CanaryReady condition (status, reason); its changes are the
 # rollout's Events (a rollback is a Warning, naming the failed check and its figures).
 CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Promoted": (True, "Promoted"),
@@ -30,6 +30,11 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
             return condition("WorkloadReady", False, "ProgressDeadlineExceeded",
+                             f"{name}: {cond.get('message', '')}")
+        # Pods that cannot even be created (a ResourceQuota, Pod Security admission): the
+        # Deployment carries its ReplicaSet's FailedCreate, which no pod would ever report.
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return condition("WorkloadReady", False, cond.get("reason") or "ReplicaFailure",
                              f"{name}: {cond.get('message', '')}")
     message = f"{deployment_counts(current)[1]}/{desired} replicas of {name} ready"
     if desired == 0:
