@@ -27,7 +27,7 @@ from kiln.router.openapi import router_document
 from kiln_process import RouterProcess
 from test_server import MODEL, ServerProcess, complete, get, post
 
-EXAMPLES = 50  # per operation, in the fuzzing phase alone (the coverage phase adds its own)
+EXAMPLES = 30  # per operation, in the fuzzing phase alone (the coverage phase adds its own)
 MAX_TOKENS = 2  # one prefill step and one decode step: every code path of a generation
 CHECKS = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
           "response_headers_conformance", "response_schema_conformance"]

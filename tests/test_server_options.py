@@ -16,9 +16,13 @@ import pytest
 from kiln_process import REPO
 from test_server import MODEL, ServerProcess, get, post
 
-# A template no model ships: each message as "<<role>> content", then the assistant's opening.
-TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}<<assistant>>{% endif %}"
+# A template no model ships: each message as "<<role>> content" (an assistant's calls with their
+# arguments as JSON, as models' templates write them), then the assistant's opening, "as" a persona
+# when the request's chat_template_kwargs name one.
+TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}" \
+           "{% for c in m.tool_calls or [] %}call {{ c.function.name }}({{ c.function.arguments | tojson }})" \
+           "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}<<assistant>>{% endif %}" \
+           "{% if persona %} as {{ persona }}{% endif %}"
 KEYS = ("tenant-a-key", "tenant-b-key")
 
 
@@ -66,6 +70,23 @@ def test_the_chat_template_flag_replaces_the_models(server):
     assert rendered == "<<system>> Be brief.\n<<user>> Hello there\n<<assistant>>"
     chat = client(server, KEYS[1]).chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
     assert chat.usage.prompt_tokens == len(ids)  # the chat ran on the same rendering
+
+
+def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(server):
+    """OpenAI clients send a call's arguments as a JSON string; templates write `arguments | tojson`,
+    so they must get the object, or the model reads its past calls as escaped strings."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12C"}]
+    ids = with_key(server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"persona": "a pirate"}})
+    assert with_key(server, "/detokenize", {"tokens": ids["tokens"]})["prompt"] == (
+        '<<user>> Weather?\n<<assistant>> call get_weather({"city": "Oslo"})\n<<tool>> 12C\n<<assistant>> as a pirate')
+    chat = client(server, KEYS[1]).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, extra_body={"chat_template_kwargs": {"persona": "a pirate"}})
+    assert chat.usage.prompt_tokens == len(ids["tokens"])
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set messages"):
+        client(server, KEYS[1]).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=3, extra_body={"chat_template_kwargs": {"messages": []}})
 
 
 @pytest.mark.parametrize("args, env, message", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Literal
 
 import openai
@@ -16,7 +17,7 @@ from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_serving import ChatShape
 from kiln.engine.tool_calls import tool_calls
 from kiln.engine.tool_parsers import PARSERS
-from test_server import CLOCK, MODEL, WEATHER, ServerProcess
+from test_server import CLOCK, MODEL, WEATHER, ServerProcess, post
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s", "unit": "celsius"}}\n</tool_call>'
 TOOLS = [WEATHER]
@@ -211,3 +212,25 @@ def test_a_function_without_parameters_is_called_with_none(server, tool_choice) 
         tool_choice=tool_choice).choices[0]
     (call,) = choice.message.tool_calls
     assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+
+
+def test_with_a_parser_special_tokens_stay_in_the_text_it_reads(server) -> None:
+    """A call's opening may be a special token (Mistral's [TOOL_CALLS]): decoded away, the parser
+    never saw it. Forced with logit_bias here, SmolLM2's <|im_start|> stays with tools and "auto"."""
+    special = post(server.url + "/tokenize", {"prompt": "<|im_start|>", "add_special_tokens": False})[1]["tokens"]
+    assert len(special) == 1  # one special token, else this checks nothing
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+               logit_bias={str(special[0]): 100})
+    assert server.client.chat.completions.create(**ask).choices[0].message.content == ""
+    kept = server.client.chat.completions.create(**ask, tools=TOOLS).choices[0].message.content
+    assert kept == "<|im_start|>" * 2
+
+
+def test_mistral_call_ids_are_what_its_templates_take() -> None:
+    req = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                "tools": TOOLS, "tool_choice": "required"})
+    written = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    for parser, pattern in (("mistral", r"[0-9a-zA-Z]{9}"), ("hermes", r"call_[0-9a-f]{24}"),
+                            (None, r"call_[0-9a-f]{24}")):
+        message, _ = tool_calls(req, parser).message(written, "stop")
+        assert re.fullmatch(pattern, message["tool_calls"][0]["id"]), (parser, message)

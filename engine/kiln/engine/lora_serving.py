@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kiln.engine.lora import LoRAError
-from kiln.engine.openai_protocol import APIError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
+from kiln.engine.api_errors import APIError, parse_request
+from kiln.engine.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
 if TYPE_CHECKING:
     from kiln.engine.async_engine import AsyncEngine

@@ -8,11 +8,11 @@ see the real contract."""
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
+from kiln.engine.api_errors import APIError
 from kiln.engine.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20
@@ -30,30 +30,15 @@ _TEXT = {"type": "string", "minLength": 1}
 # What prompts() accepts: one prompt, as text or token ids, or a batch of either.
 _PROMPT_SCHEMA = {"anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "items": _TEXT, "minItems": 1},
                             {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
-_STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": 4}, {"type": "null"}],
+# OpenAI takes 4 stop strings, vLLM any number; evaluation harnesses send a task's whole list
+# (lm-eval's `until`). A bound keeps each step's search over the text bounded.
+MAX_STOPS = 32
+_STOP_SCHEMA = {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": MAX_STOPS}, {"type": "null"}],
                 "default": None}
 # What ChatMessage.text accepts: a string or text parts.
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     "required": ["type", "text"]}}]}
-
-
-class APIError(Exception):
-    """An error answered as OpenAI-style JSON: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def unreadable_body(exc: Exception) -> str:
-    """What to tell a client whose body aiohttp could not decode (a corrupt gzip body, broken
-    chunks): the parser's own words are on the exception's cause."""
-    return f"the request body could not be read: {getattr(exc.__cause__, 'message', None) or exc}"
 
 
 class StreamOptions(BaseModel):
@@ -174,10 +159,10 @@ class _SamplingFields(_Request):
 
     @field_validator("stop")
     @classmethod
-    def _at_most_four_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or not all(stops):  # "" too: it was a 400 naming no param, from SamplingParams
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(stops) > MAX_STOPS or not all(stops):  # "" too: it was a 400 naming no param, from SamplingParams
+            raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
         return stop
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
@@ -261,8 +246,24 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as a chat template takes them (tool calls and call ids where a message has them)."""
     # "developer" is OpenAI's newer name for the system role; model templates know "system".
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-             **{k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v is not None}}
+             **({"tool_calls": [_with_arguments_object(c) for c in m.tool_calls]} if m.tool_calls else {}),
+             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})}
             for m in messages]
+
+
+def _with_arguments_object(call: dict[str, Any]) -> dict[str, Any]:
+    """A call as templates take it: OpenAI sends `arguments` as a JSON string, the models' templates
+    write `arguments | tojson` (an object, as transformers and vLLM give them). Text that is no JSON
+    object stays as it was."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 class FunctionDefinition(_Request):
@@ -291,6 +292,8 @@ class _TemplateFields(BaseModel):
     add_generation_prompt: bool = True  # open the assistant's turn after the messages
     # Leave the final message open: the model continues it (e.g. an assistant reply begun for it).
     continue_final_message: bool = False
+    # More variables for the template (vLLM's; e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -355,54 +358,3 @@ class LoadLoRAAdapterRequest(_Request):
 class UnloadLoRAAdapterRequest(_Request):
     """vLLM's POST /v1/unload_lora_adapter."""
     lora_name: str = Field(min_length=1, max_length=256)
-
-
-def parse_request(model: type[BaseModel], raw: bytes) -> Any:
-    """Parse a JSON body into `model`, turning every failure into a 400 naming the field."""
-    try:
-        data = json.loads(raw, parse_constant=_not_json)
-    except ValueError as e:  # UnicodeDecodeError is one
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
-    try:
-        # A lone UTF-16 surrogate ("\ud800") is valid JSON but no Unicode text: the tokenizer
-        # failed on it with a 500 (found while fuzzing the API).
-        json.dumps(data, ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
-        raise APIError(400, f"request body has a string that is not valid Unicode: {e.reason} at "
-                            f"{e.object[max(0, e.start - 20):e.end]!r}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        # The deepest error: of a union's members (a prompt's forms), the one that came closest.
-        err = max(e.errors(), key=lambda error: len(error["loc"]))
-        param = ".".join(str(p) for p in _json_path(data, err["loc"])) or None
-        if err["type"] == "extra_forbidden":
-            raise APIError(400, f"unsupported parameter: {param}", param=param,
-                           code="unsupported_parameter") from None
-        raise APIError(400, f"invalid value for {param}: {err['msg']}", param=param) from None
-
-
-# How pydantic names a union's members in an error's loc: str, list[int], function-after[...].
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|(list|dict|tuple|literal|function-\w+)\[.*\])$")
-
-
-def _json_path(data: Any, loc: tuple[str | int, ...]) -> list[str | int]:
-    """The error's place in the request's JSON: pydantic's loc, less the names it gives union
-    members ("prompt.str", "stop.list[str]"), which are no field a client sent."""
-    path, node = [], data
-    for part in loc:
-        if isinstance(node, dict) and (part in node or not _UNION_MEMBER.match(str(part))):  # a field, sent or missing
-            path.append(part)
-            node = node.get(part)
-        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            path.append(part)
-            node = node[part]
-    return path
-
-
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not a JSON number")

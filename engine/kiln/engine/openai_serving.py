@@ -14,15 +14,17 @@ from aiohttp import web
 from kiln.engine import RequestOutput, SamplingParams
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
+from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import (
-    INT64_MIN, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse_request,
-    template_messages)
+    INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
     chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
 from kiln.engine.output_streams import merged, new_entries
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# What the server itself gives the chat template (kiln.engine.tokenizer): no request overrides them.
+TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
 
 
 class _TokenFields:
@@ -171,6 +173,10 @@ class OpenAIServing:
         params = _sampling(req, max_tokens, req.top_logprobs_count())
         if tools is not None and (constraint := tools.structured_outputs()) is not None:
             params.structured_outputs = constraint
+        if tools is not None and tools.parser is not None:
+            # A call's opening may be a special token of the model's vocabulary (Mistral's
+            # [TOOL_CALLS]); skipped, the parser would never see it (vLLM's parsers ask the same).
+            params.skip_special_tokens = False
         return ids, params, tools, lora
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -193,9 +199,14 @@ class OpenAIServing:
 
     def _chat_text(self, messages: list[dict[str, Any]], req: TokenizeRequest | ChatCompletionRequest) -> str:
         tools = getattr(req, "tools", None)  # to the template, which may describe them to the model
+        extra = req.chat_template_kwargs or {}
+        if taken := sorted(set(extra) & TEMPLATE_VARIABLES):
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields do)",
+                           param="chat_template_kwargs")
+        described = [t.model_dump(exclude_none=True) for t in tools or ()] or None
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                      tools=[t.model_dump(exclude_none=True) for t in tools or ()] or None)
+                                                      tools=described, **extra)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
         return _open_final_message(text, messages[-1]["content"]) if req.continue_final_message else text

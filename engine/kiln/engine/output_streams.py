@@ -8,7 +8,7 @@ from typing import Protocol
 
 from kiln.engine import RequestOutput
 from kiln.engine.async_engine import RequestStream
-from kiln.engine.openai_protocol import APIError
+from kiln.engine.api_errors import APIError
 
 
 class Choice(Protocol):

@@ -19,7 +19,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from kiln.engine.async_engine import RequestStream
-from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, parse_request
+from kiln.engine.api_errors import APIError, parse_request
+from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_responses import new_id
 from kiln.engine.openai_serving import ChatShape, OpenAIServing
 from kiln.engine.output_streams import until_finished

@@ -49,6 +49,10 @@ class ResponsesRequest(_Request):
     store: bool | None = None
     previous_response_id: str | None = None
     truncation: Literal["disabled"] | None = None
+    # Extra output to include: none of it exists here (no reasoning items, no built-in tools),
+    # so only what would be empty anyway is accepted (the Agents SDK may send it).
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # billing: one tier here
     # vLLM's prefix-cache salt, which the router sets per tenant (kiln.router.auth)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 

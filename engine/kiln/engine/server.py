@@ -27,7 +27,7 @@ from kiln.engine.async_engine import AsyncEngine, EngineDeadError, TorchThread, 
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.metrics import ServerMetrics
-from kiln.engine.openai_protocol import APIError, unreadable_body
+from kiln.engine.api_errors import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
 from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.speculative import SpeculativeConfig

@@ -13,12 +13,12 @@ the tools to the chat template and lets the model answer in text."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
-from kiln.engine.openai_protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from kiln.engine.api_errors import APIError
+from kiln.engine.openai_protocol import ChatCompletionRequest, NamedToolChoice
 from kiln.engine.sampling_params import StructuredOutputs
-from kiln.engine.tool_parsers import PARSERS
+from kiln.engine.tool_parsers import PARSERS, openai_call_id
 
 # A function that takes no arguments: its call's arguments are "{}".
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -31,6 +31,7 @@ class ToolCalls:
         choice = req.tool_choice
         self.named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         self.parser = PARSERS[parser] if parser is not None and choice in (None, "auto") else None
+        self.call_id = PARSERS[parser].call_id if parser is not None else openai_call_id
         # Left out, parameters mean none (OpenAI's "an empty parameter list"): any object let a model
         # write keys until max_tokens cut the call short, so it was never made.
         self.parameters = {t.function.name: NO_PARAMETERS if t.function.parameters is None else t.function.parameters
@@ -83,7 +84,7 @@ class ToolCalls:
             except ValueError:  # cut short by max_tokens
                 return {"content": text}, finish_reason
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        tool_calls = [{"id": self.call_id(), "type": "function",
                        "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
         if streamed:  # a stream's calls carry their place, as OpenAI's chunks do
             tool_calls = [{"index": i, **call} for i, call in enumerate(tool_calls)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -92,11 +93,21 @@ def _pythonic(calls_text: str) -> Calls:
     return calls
 
 
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat templates refuse a call id that is not 9 letters or digits."""
+    return uuid.uuid4().hex[:9]
+
+
 @dataclass(frozen=True)
 class ToolParser:
     opens: tuple[str, ...]  # what starts the calls
     anywhere: bool  # the calls may follow text (else they are the whole answer)
     read: Callable[[str], Calls]  # the calls of the text from its opening on; raises if they do not parse
+    call_id: Callable[[], str] = openai_call_id  # the ids given to calls, as the model's template takes them
 
     def start(self, text: str) -> int | None:
         """Where the calls begin in text, or None."""
@@ -133,5 +144,5 @@ class ToolParser:
 
 PARSERS = {"hermes": ToolParser(("<tool_call>",), True, _hermes),
            "llama3_json": ToolParser(("<|python_tag|>", "{"), False, _llama3_json),
-           "mistral": ToolParser(("[TOOL_CALLS]",), True, _mistral),
+           "mistral": ToolParser(("[TOOL_CALLS]",), True, _mistral, mistral_call_id),
            "pythonic": ToolParser(("<|python_start|>", "["), False, _pythonic)}

@@ -26,7 +26,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge
 
-from kiln.engine.openai_protocol import unreadable_body
+from kiln.engine.api_errors import unreadable_body
 from kiln.engine.openapi import handler
 from kiln.router import auth
 from kiln.router.auth import ApiKeys
