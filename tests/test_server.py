@@ -464,6 +464,13 @@ def test_response_format_and_structured_outputs_through_the_openai_client(server
     text = server.client.completions.create(model=MODEL, prompt="Say hi:", max_tokens=8,
                                             extra_body={"response_format": {"type": "text"}})
     assert text.choices[0].text  # plain text is no constraint
+    # A json_schema without its (optional) schema: any JSON object, as json_object.
+    bare = server.client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                                 response_format={"type": "json_schema", "json_schema": {"name": "any"}})
+    if bare.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(bare.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the beginning of an object
+        assert bare.choices[0].message.content.lstrip().startswith("{")
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",

@@ -90,7 +90,8 @@ class StructuredOutputsRequest(_Request):
 class JSONSchemaFormat(_Request):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")  # "schema" is BaseModel's
+    # "schema" is BaseModel's name. OpenAI's schema is optional: left out, any JSON object.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the output always follows the schema
 
 
@@ -108,7 +109,7 @@ class ResponseFormat(_Request):
     def params(self) -> StructuredOutputs | None:
         if self.type == "text":
             return None
-        if self.type == "json_object":
+        if self.type == "json_object" or self.json_schema.json_schema is None:
             return StructuredOutputs(json_object=True)
         return StructuredOutputs(json=self.json_schema.json_schema)
 

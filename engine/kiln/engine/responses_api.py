@@ -57,7 +57,7 @@ def _response_format(fmt: TextFormat | None) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema or {}}}
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "output", "schema": fmt.json_schema}}
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
