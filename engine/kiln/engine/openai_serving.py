@@ -12,9 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine import RequestOutput, SamplingParams
+from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
-from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import (
     INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
