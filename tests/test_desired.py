@@ -526,6 +526,14 @@ def test_scaled_to_zero_is_ready_to_serve():
     assert conditions(status)["ModelLoaded"] == ("Unknown", "ScaledToZero")
     assert conditions(status_for(spec, [deployment(revision_name("chat", spec), replicas=0)],
                                  router="unready"))["Ready"] == ("False", "RouterNotReady")
+    # A warm standby is loaded but serves nothing: still at zero, not Serving.
+    pooled = spec_of(replicas=0, warmPool={"size": 1})
+    status = status_for(pooled, [deployment(revision_name("chat", pooled), replicas=1, ready=1)])
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")
+    assert conditions(status)["ModelLoaded"] == ("Unknown", "ScaledToZero")
+    serving = spec_of(replicas=1, warmPool={"size": 1})
+    status = status_for(serving, [deployment(revision_name("chat", serving), replicas=2, ready=2)])
+    assert conditions(status)["Ready"] == ("True", "Serving")
 
 
 def test_an_error_is_news_once_per_message():

@@ -46,11 +46,11 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
 
 def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dict[str, Any]]) -> dict[str, Any]:
     """pods: the revision's engine pods, whose failed exits say why none has loaded."""
+    if desired == 0:
+        return condition("ModelLoaded", None, "ScaledToZero", "no replica serves")
     ready = deployment_counts(current)[1] if current else 0
     if ready > 0:  # /ready answers only after weights load and kernels warm up
         return condition("ModelLoaded", True, "Loaded", f"the model is loaded on {ready} replica(s)")
-    if desired == 0:
-        return condition("ModelLoaded", None, "ScaledToZero", "no replica is running")
     failure = engine_failure(pods)
     if failure is not None:
         return condition("ModelLoaded", False, "EngineFailing", failure)
@@ -108,7 +108,9 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     WarmPoolReady condition."""
     stable = desired.stable
     current = observed.engine(stable.name)
-    target = stable.replicas or 0
+    # Standbys alone are no serving replica: at zero the router holds requests (and the first one
+    # promotes a standby); WarmPoolReady tells how the pool stands.
+    target = 0 if stable.serving == 0 else stable.replicas or 0
     workload = workload_condition(current, target)
     model = model_condition(current, target, observed.pods(stable.name))
     route = route_condition(observed.router())
