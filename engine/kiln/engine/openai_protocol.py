@@ -247,7 +247,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as a chat template takes them (tool calls and call ids where a message has them)."""
     # "developer" is OpenAI's newer name for the system role; model templates know "system".
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-             **({"tool_calls": [_with_arguments_object(c) for c in m.tool_calls]} if m.tool_calls else {}),
+             **({"tool_calls": [_with_arguments_object(c) for c in m.tool_calls]} if m.tool_calls is not None else {}),
              **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})}
             for m in messages]
 
