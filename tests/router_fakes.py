@@ -42,7 +42,9 @@ class FakeEngine:
     hanging up cancels its handler). Scripts: answer; hold (answer once `release` is set);
     stream (one SSE event, then the rest once `release` is set); paced (three SSE events,
     one per item put in `steps`); endless (SSE events until the client goes away); break
-    (one SSE event, then drop the connection); hang_up (drop the connection unanswered).
+    (one SSE event, then drop the connection); hang_up (drop the connection unanswered);
+    cut_error (a JSON 503 whose body breaks off); stall_error (a JSON 503 whose body never
+    comes).
     It keeps the last request's body and headers, and has the engine's POST /sleep, a route
     no client of the router may reach. With `serves`, a request naming another model gets the
     engine's 404 (code model_not_found)."""
@@ -140,6 +142,24 @@ class FakeEngine:
         request.transport.close()  # flushes the first event, never ends the chunked body
         return response
 
+    async def _error_head(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=503, headers={"Content-Type": "application/json",
+                                                           "Content-Length": "100"})
+        await response.prepare(request)
+        return response
+
+    async def _cut_error(self, request: web.Request) -> web.StreamResponse:
+        response = await self._error_head(request)
+        await response.write(b'{"error": ')
+        request.transport.close()
+        return response
+
+    async def _stall_error(self, request: web.Request) -> web.StreamResponse:
+        response = await self._error_head(request)
+        await self.release.wait()
+        request.transport.close()
+        return response
+
     async def _hang_up(self, request: web.Request) -> web.StreamResponse:
         request.transport.close()
         return web.Response()
@@ -187,8 +207,10 @@ class CrashesOnPoison:
     def __init__(self) -> None:
         self.answered = 0
         self.poisoned = 0
+        self.connections = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")

@@ -217,11 +217,18 @@ async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next() -
     try:
         ports = [s.sockets[0].getsockname()[1] for s in servers]
         async with service(0, also=[Endpoint("127.0.0.1", p) for p in ports]) as svc:
-            assert [(await svc.complete()).status for _ in range(2)] == [200, 200]
-            assert [c.answered for c in crashers] == [1, 1]  # a pooled connection to each
+            # Several pooled connections to each: at once, each request needs one of its own.
+            first = await asyncio.gather(*(svc.client.post("/v1/completions", json={"fake": "answer"})
+                                           for _ in range(8)))
+            assert [r.status for r in first] == [200] * 8 and sum(c.answered for c in crashers) == 8
+            assert min(c.connections for c in crashers) >= 2
             response = await svc.client.post("/v1/completions", json={"prompt": "poison"})
             assert response.status == 502
-            assert sorted(c.poisoned for c in crashers) == [0, 2]  # its pooled, then a fresh one
+            # Its pooled connection, then one new one: never once per pooled connection.
+            assert sorted(c.poisoned for c in crashers) == [0, 2]
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 1
+            assert metric(samples, "kiln_router_retries_total", revision="") == 1
     finally:
         for server in servers:
             server.close()
@@ -258,7 +265,7 @@ async def test_a_replicas_other_503s_are_its_answer_not_retried() -> None:
 @on_event_loop
 async def test_every_dead_pooled_connection_to_a_lone_replica_is_passed_over() -> None:
     """Several pooled connections to one address all dead (a pod gone, its IP reused by the
-    next): each is dropped as it fails, none counts as a try, a fresh connection answers."""
+    next): each is dropped as it fails and is not a try; that request goes on a new connection."""
     dropper = DropsReusedConnections()
     server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
     try:
@@ -266,8 +273,8 @@ async def test_every_dead_pooled_connection_to_a_lone_replica_is_passed_over() -
         async with service(0, also=[Endpoint("127.0.0.1", port)]) as svc:
             first = await asyncio.gather(*(svc.complete() for _ in range(3)))  # 3 connections pooled
             assert [r.status for r in first] == [200] * 3
-            assert (await svc.complete()).status == 200
-            assert (dropper.answered, dropper.dropped) == (4, 3)
+            assert [(await svc.complete()).status for _ in range(3)] == [200] * 3
+            assert (dropper.answered, dropper.dropped) == (6, 3)
             samples = await svc.metrics()
             assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 3
             assert metric(samples, "kiln_router_retries_total", revision="") == 3
@@ -305,6 +312,8 @@ async def test_a_lone_replica_refusing_the_connection_means_wait_for_the_next_on
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_errors_total", revision="", reason="connect") == 1
         assert metric(samples, "kiln_router_retries_total", revision="") == 1
+        # A replica was ready when it came: not a cold start (which the autoscaler reports).
+        assert metric(samples, "kiln_router_cold_start_seconds_count") == 0
 
 
 @on_event_loop
@@ -350,6 +359,37 @@ async def test_no_retry_after_partial_stream_and_client_sees_it_broken() -> None
         assert metric(samples, "kiln_router_retries_total", revision="") == 0
         assert metric(samples, "kiln_router_errors_total", revision="",
                       reason="upstream_broken") == 1
+        # A failure where it counts (the canary analysis reads 5xx), whatever the status line said.
+        assert metric(samples, "kiln_router_requests_total", revision="", code="502") == 1
+        assert not has_series(samples, "kiln_router_requests_total", revision="", code="200")
+
+
+@on_event_loop
+async def test_a_stream_gone_silent_is_broken_off_and_frees_its_place() -> None:
+    """A replica whose node vanished sends no reset: after stream_idle_timeout without a byte
+    the client sees the stream broken, the engine's request is dropped, the place is free."""
+    async with service(1, limits=Limits(stream_idle_timeout=0.2, max_in_flight=1)) as svc:
+        response = await svc.complete("stream")  # one event, then nothing until `release`
+        assert response.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+        await until(lambda: svc.engines[0].clients_gone == 1)
+        assert (await svc.complete()).status == 200  # its one place was given back
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_errors_total", revision="", reason="upstream_broken") == 1
+        assert metric(samples, "kiln_router_requests_total", revision="", code="502") == 1
+
+
+@on_event_loop
+async def test_an_error_body_cut_off_or_stalled_is_an_openai_502_or_504() -> None:
+    async with service(1, limits=Limits(first_byte_timeout=0.3)) as svc:
+        response = await svc.complete("cut_error")
+        assert response.status == 502 and (await response.json())["error"]["code"] == "upstream_error"
+        response = await svc.complete("stall_error")
+        assert response.status == 504 and (await response.json())["error"]["code"] == "upstream_timeout"
+        samples = await svc.metrics()
+        assert not has_series(samples, "kiln_router_requests_total", revision="", code="500")
+        assert svc.hits() == [2]  # neither is retried: the engine may have acted on it
 
 
 @on_event_loop
@@ -575,6 +615,7 @@ async def test_requests_held_when_the_router_shuts_down_get_a_503_to_retry_not_a
     (["--endpoints", "a:1", "--first-byte-timeout", "-1"],
      "--first-byte-timeout must be positive seconds, or 0"),
     (["--endpoints", "a:1", "--first-byte-timeout", "inf"], "--first-byte-timeout must be"),
+    (["--endpoints", "a:1", "--stream-idle-timeout", "nan"], "--stream-idle-timeout must be positive seconds, or 0"),
     (["--endpoints", "a:1", "--max-in-flight", "0"], "--max-in-flight must be at least 1"),
     (["--endpoints", "a:1", "--max-body-bytes", "-5"], "--max-body-bytes must be at least 1"),
     (["--endpoints", "a:1", "--max-held", "0"], "--max-held must be at least 1"),

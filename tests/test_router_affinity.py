@@ -11,6 +11,7 @@ import pytest
 
 from kiln.router.affinity import CHUNK, MAX_BODY, MAX_CHARS, prefix_keys
 from kiln.router.proxy import Limits
+from kiln.router.traffic import StaticTraffic, Traffic
 from router_fakes import metric, on_event_loop, service, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,3 +96,22 @@ async def test_slack_minus_one_balances_on_load_alone():
         answered = [await ask(svc, chat("Same question every time, about invoices.")) for _ in range(4)]
         assert sorted(answered) == ["engine-0", "engine-0", "engine-1", "engine-1"]
         assert not [s for s in await svc.metrics() if s[0] == "kiln_router_prefix_routed_total"]
+
+
+@on_event_loop
+async def test_each_revision_of_a_rollout_keeps_its_own_prefix_memory():
+    """A 50/50 split sends a conversation's turns to both revisions: each turn still finds the
+    replica of its revision that served the prefix, which a turn on the other revision does
+    not make it forget."""
+    traffic = StaticTraffic(Traffic({"stable": 50, "canary": 50}, "stable", "canary"))
+    async with service(4, revisions=["stable", "stable", "canary", "canary"], traffic=traffic) as svc:
+        by_revision: dict[str, set[str]] = {"stable": set(), "canary": set()}
+        for turn in range(1, 9):
+            turns = [f"Question {i}, about invoices, in some detail please." for i in range(1, turn + 1)]
+            engine = await ask(svc, chat(*turns))
+            by_revision["stable" if engine in ("engine-0", "engine-1") else "canary"].add(engine)
+        assert [len(engines) for engines in by_revision.values()] == [1, 1]  # one replica per revision
+        samples = await svc.metrics()
+        # Each revision's first turn finds no prefix of its own; every later turn is a hit.
+        assert metric(samples, "kiln_router_prefix_routed_total", outcome="none") == 2
+        assert metric(samples, "kiln_router_prefix_routed_total", outcome="hit") == 6

@@ -129,3 +129,18 @@ async def test_a_body_too_deeply_nested_to_salt_goes_on_untouched_for_the_engine
         status, _ = await raw_post(svc.port, b"/v1/completions", deep,
                                    b"Authorization: Bearer key-a\r\n")
         assert status == 200 and svc.engines[0].body == deep
+
+
+@pytest.mark.timeout(60)
+@on_event_loop
+async def test_a_salted_body_stays_compact_and_keeps_what_the_client_sent() -> None:
+    """Salting writes the body again: as compact as sent (the engine's body limit is the
+    router's), non-ASCII text as UTF-8, and a lone surrogate still as its escape."""
+    async with service(1, api_keys=ApiKeys(["key-a"])) as svc:
+        for prompt in ("naïve 東京 " * 1000, "half a pair: \ud800"):
+            sent = json.dumps({"prompt": prompt, "max_tokens": 1}, separators=(",", ":")).encode()
+            status, _ = await raw_post(svc.port, b"/v1/completions", sent, b"Authorization: Bearer key-a\r\n")
+            received = svc.engines[0].body
+            assert status == 200 and json.loads(received)["prompt"] == prompt
+            salt = json.loads(received)["cache_salt"]
+            assert len(received) <= len(sent) + len(salt) + len(',"cache_salt":""')

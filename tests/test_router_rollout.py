@@ -11,7 +11,8 @@ from aiohttp import web
 
 from kiln.router.mirror import Credit, agreement, greedy_request
 from kiln.router.traffic import Mirror, StaticTraffic, Traffic, WeightedChoice, traffic_of
-from router_fakes import FakeEngine, metric, on_event_loop, service, until
+from kiln.router.endpoints import ReadyEndpoints
+from router_fakes import ChangingEndpoints, FakeEngine, metric, on_event_loop, service, until, until_held
 
 PROMPT_IDS = [5, 6, 7]
 OUTPUT_IDS = [11, 12, 13, 14]
@@ -73,6 +74,32 @@ async def test_a_weighted_revision_without_ready_replicas_gives_its_share_to_the
     async with service(1, revisions=["stable"], traffic=split({"stable": 50, "canary": 50})) as svc:
         assert [(await svc.complete()).status for _ in range(10)] == [200] * 10
         assert svc.hits() == [10]
+
+
+@on_event_loop
+async def test_a_revision_at_weight_zero_takes_nothing_and_requests_wait_for_a_weighted_one() -> None:
+    """A canary not yet vetted (weight 0) is ready while the stable revision is at zero: requests
+    are held, as at zero replicas (the held count is what scales the stable revision up), and go
+    to the stable replica once it is ready, or to the canary once the split gives it weight."""
+    traffic = split({"stable": 100, "canary": 0})
+    async with service(2, revisions=["stable", "canary"], traffic=traffic, source=ChangingEndpoints) as svc:
+        assert isinstance(svc.source, ChangingEndpoints)
+        stable, canary = svc.endpoints
+        svc.source.set(ReadyEndpoints.of([canary]))
+        pending = asyncio.create_task(svc.complete())
+        await until_held(svc.client, 1)
+        svc.source.set(ReadyEndpoints.of([stable, canary]))
+        answer = await pending
+        assert answer.status == 200 and (await answer.json())["engine"] == "engine-0"
+        svc.source.set(ReadyEndpoints.of([canary]))
+        pending = asyncio.create_task(svc.complete())
+        await until_held(svc.client, 1)
+        traffic.traffic = Traffic({"stable": 0, "canary": 100}, "canary")  # no endpoint changes
+        answer = await pending
+        assert answer.status == 200 and (await answer.json())["engine"] == "engine-1"
+        assert svc.hits() == [1, 1]
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_cold_start_seconds_count") == 2
 
 
 @on_event_loop

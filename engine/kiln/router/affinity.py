@@ -9,7 +9,8 @@ response's instructions and input items, as messages) is
 cut into CHUNK-character pieces, about one KV block of tokens each. Piece i's key is a digest
 of the model, the cache salt (a tenant's blocks are never shared) and pieces 0..i, so one key
 stands for a whole prefix; a prompt shorter than a piece has no key and is balanced on load
-alone. A bounded LRU map remembers each key's last replica."""
+alone. A bounded LRU map remembers each key's last replica in each revision: during a rollout
+the split sends a conversation's turns to either revision, and each keeps its own cache."""
 from __future__ import annotations
 
 import hashlib
@@ -89,9 +90,11 @@ class Affinity:
         """The candidate that served the longest of these prefixes last, if it is no more than
         `slack` requests busier than the least busy candidate, else None (balance on load); and
         the outcome: "hit", "spill" (too busy) or "none" (no prefix known among the candidates)."""
+        revisions = {e.revision for e in candidates}
         for key in reversed(keys):
-            endpoint = self._last.get(key)
-            if endpoint in candidates:
+            endpoint = next((found for revision in revisions
+                             if (found := self._last.get(key + revision.encode())) in candidates), None)
+            if endpoint is not None:
                 least = min(in_flight.get(e, 0) for e in candidates)
                 if in_flight.get(endpoint, 0) - least <= self.slack:
                     return endpoint, "hit"
@@ -101,6 +104,7 @@ class Affinity:
     def remember(self, keys: Sequence[bytes], endpoint: Endpoint) -> None:
         """These prefixes are now in `endpoint`'s cache (it takes the request)."""
         for key in keys:
+            key += endpoint.revision.encode()  # keys are digests of one size: no revision's is another's
             self._last[key] = endpoint
             self._last.move_to_end(key)
         while len(self._last) > self.max_keys:

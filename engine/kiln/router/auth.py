@@ -105,4 +105,7 @@ def salted(body: bytes, salt: str | None) -> bytes:
     # 256-character limit whatever length the client sent.
     request["cache_salt"] = salt if not isinstance(own, str) or not own else \
         f"{salt}:{hashlib.sha256(own.encode(errors='surrogatepass')).hexdigest()[:32]}"
-    return json.dumps(request).encode()
+    try:  # as compact as a client would send it: the engine's body limit is the router's
+        return json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): only an escape can carry it
+        return json.dumps(request, separators=(",", ":")).encode()

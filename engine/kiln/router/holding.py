@@ -1,11 +1,12 @@
 """Requests held while no replica is ready: the service is scaled to zero, or its replicas are
-still starting. The operator counts held requests as load and starts a replica for them; each
+still starting (during a rollout: none of a revision the split gives requests to). The operator counts held requests as load and starts a replica for them; each
 waits until one is ready, up to --activation-timeout, and at most --max-held wait at once."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -16,6 +17,9 @@ from kiln.router.errors import error_response
 # After the only ready replica refused the connection: how long to wait for the EndpointSlice
 # to catch up (a replica gone, or a new one at the same address) before trying again.
 REFUSED_WAIT_S = 1.0
+# How often a held request looks again without an endpoint change: the rollout's split, which
+# decides what may take it, changes apart from the endpoints.
+RECHECK_S = 1.0
 
 
 class Held(Protocol):
@@ -29,27 +33,27 @@ class Holding:
         self._waits: set[asyncio.Timeout] = set()  # theirs, which a shutdown ends at once
         self._stopping = False
 
-    async def wait(self, exchange: Held, after_change: bool) -> web.Response | None:
-        """Waits while no replica is ready (and, `after_change`, up to REFUSED_WAIT_S for the
-        ready replicas to change first); None once one is, else the error to answer. A client that hangs up
+    async def wait(self, exchange: Held, servable: Callable[[], bool], after_change: bool) -> web.Response | None:
+        """Waits until `servable()` (and, `after_change`, up to REFUSED_WAIT_S for the ready
+        replicas to change first); None then, else the error to answer. A client that hangs up
         meanwhile cancels this wait, so it is never forwarded."""
         if self.count >= self.max_held:
             return error_response(429, f"{self.count} requests are already waiting for a "
                                   "replica to start; try again later", "rate_limit_error",
                                   "too_many_held_requests")
         self.count += 1
-        if exchange.held is None:  # else the replica it waited for left before it was picked
+        # Not after a refused connection (its replica was there, no cold start), nor a second
+        # time (the replica it waited for left before it was picked).
+        if exchange.held is None and not after_change:
             exchange.held = time.monotonic()
         waiting = asyncio.timeout(-1 if self._stopping else self.activation_timeout)
         self._waits.add(waiting)
         try:
             async with waiting:
                 if after_change:  # the change may have come already: wait a moment at most
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(REFUSED_WAIT_S):
-                            await self.source.changed()
-                while not self.source.ready().all:
-                    await self.source.changed()
+                    await self._changed(REFUSED_WAIT_S)
+                while not servable():
+                    await self._changed(RECHECK_S)
         except TimeoutError:
             if self._stopping:
                 return error_response(503, "the router is shutting down before a replica became ready; "
@@ -60,6 +64,11 @@ class Holding:
             self.count -= 1
             self._waits.discard(waiting)
         return None
+
+    async def _changed(self, at_most: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most):
+                await self.source.changed()
 
     async def stop(self, app: web.Application) -> None:
         """aiohttp on_shutdown (SIGTERM; the listener is closed already): held requests are answered

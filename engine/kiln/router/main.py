@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for a replica's response headers, 0 for no "
                              "limit; a non-streaming request gets them only once its whole "
                              "generation is done (default: %(default)s)")
+    parser.add_argument("--stream-idle-timeout", type=float, default=DEFAULTS.stream_idle_timeout,
+                        help="seconds a response may go without a byte once it has begun, then it "
+                             "is broken off (a replica gone without a reset), 0 for no limit "
+                             "(default: %(default)s)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULTS.max_in_flight,
                         help="/v1 requests handled at once; more wait in line (--max-queue), then "
                              "get a 429 (default: %(default)s)")
@@ -87,6 +91,8 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--connect-timeout must be positive seconds")
     if not (math.isfinite(args.first_byte_timeout) and args.first_byte_timeout >= 0):
         raise ValueError("--first-byte-timeout must be positive seconds, or 0 for no limit")
+    if not (math.isfinite(args.stream_idle_timeout) and args.stream_idle_timeout >= 0):
+        raise ValueError("--stream-idle-timeout must be positive seconds, or 0 for no limit")
     if args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be at least 1")
     if args.max_queue < 0:
@@ -102,6 +108,7 @@ def _limits(args: argparse.Namespace) -> Limits:
     if args.prefix_slack < -1:
         raise ValueError("--prefix-slack must be 0 or more, or -1 for no prefix affinity")
     return Limits(connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
+                  stream_idle_timeout=args.stream_idle_timeout,
                   max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
                   max_held=args.max_held, activation_timeout=args.activation_timeout,
                   max_queue=args.max_queue, body_timeout=args.body_timeout, prefix_slack=args.prefix_slack)

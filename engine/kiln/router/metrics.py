@@ -32,7 +32,7 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "kiln_router_requests", "Requests answered, by revision and HTTP status "
-            "(499: the client went away)", ["revision", "code"], registry=self.registry)
+            "(499: the client went away; 502 also for a response the replica broke off mid-way)", ["revision", "code"], registry=self.registry)
         self.errors = Counter(
             "kiln_router_errors", "Failures talking to a replica, by reason (connect, "
             "stale_connection, refused, upstream_error, first_byte_timeout, upstream_broken, "

@@ -39,7 +39,7 @@ from kiln.router.holding import Holding
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
-from kiln.router.retries import (ATTEMPTS, MAX_STALE, RETRYABLE, NotServedHere, Retryable, error_code, failure_reason,
+from kiln.router.retries import (ATTEMPTS, RETRYABLE, NotServedHere, Retryable, error_code, failure_reason,
                                  is_refusal, mark_reused)
 from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
 
@@ -54,6 +54,9 @@ class Limits:
     # Seconds to a replica's response headers, 0 for no limit. Generous: a non-streaming
     # engine sends its headers only once the whole generation is done.
     first_byte_timeout: float = 600.0
+    # Seconds a response may go without a byte once its headers came, 0 for no limit: a replica
+    # whose node vanished sends no reset, and its stream would hold a place for ever.
+    stream_idle_timeout: float = 600.0
     max_in_flight: int = 1024  # /v1 requests at once; more wait in line (max_queue), then 429
     max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
     max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
@@ -93,17 +96,19 @@ class Router:
         self._line: deque[asyncio.Future[None]] = deque()  # waiting for one of them, first come first
         self.holding = Holding(source, limits.max_held, limits.activation_timeout)  # of those, none ready
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection (proxy._send)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup context: follow the endpoints and hold one pooled session."""
         tracing = aiohttp.TraceConfig()
         tracing.on_connection_reuseconn.append(mark_reused)
-        self._session = aiohttp.ClientSession(
-            # No total/read timeout: a long generation is not a failure.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout),
-            connector=aiohttp.TCPConnector(limit=0),  # the default 100 would cap streams
-            trace_configs=[tracing],
-            auto_decompress=False)  # pass bytes through untouched
+        # No total/read timeout: a long generation is not a failure. No connection limit: the
+        # default 100 would cap streams. auto_decompress off: bytes pass through untouched.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
+                                              trace_configs=[tracing], auto_decompress=False)
+        self._fresh = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                            connector=aiohttp.TCPConnector(limit=0, force_close=True))
         await self.source.start()
         await self.traffic.start()
         try:
@@ -113,6 +118,7 @@ class Router:
             await self.traffic.stop()
             await self.source.stop()
             await self._session.close()
+            await self._fresh.close()
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         exchange = _Exchange()
@@ -150,8 +156,9 @@ class Router:
             except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
-            if request.path.startswith("/v1/"):  # what may use the prefix cache (tokenizing does not)
-                body = auth.salted(body, request.get(auth.SALT))
+            if request.path.startswith("/v1/") and request.get(auth.SALT):  # may use the prefix cache
+                # Off the event loop: a large body takes long enough to stall every stream.
+                body = await asyncio.to_thread(auth.salted, body, request[auth.SALT])
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
@@ -193,44 +200,45 @@ class Router:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
         not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
-        stale = 0
+        sent_to: Endpoint | None = None  # the replica of the last attempt (retries are counted by its revision)
         again: Endpoint | None = None  # the replica a dead pooled connection was to
+        fresh = False  # the next attempt takes a new connection
         keys = prefix_keys(request.path, body) if self.limits.prefix_slack >= 0 else []
         while len(tried) < ATTEMPTS:
             if again is not None and again in self.source.ready().all:
                 endpoint = again
             else:
-                endpoint = self.balancer.pick(failed, self._revision(failed), keys)
+                endpoint = self._pick(failed, keys, anywhere=not_served is not None)
             again = None
             if endpoint is None and not_served is not None:  # no other revision to ask
                 return not_served
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
-                if refused := await self.holding.wait(exchange, after_change=bool(failed)):
+                if refused := await self.holding.wait(exchange, self._servable, after_change=bool(failed)):
                     return refused
                 failed = []  # the replicas changed: an address that refused may be a new pod's now
                 continue
-            if tried:
-                self.metrics.retries.labels(tried[-1].revision).inc()
+            if sent_to is not None:
+                self.metrics.retries.labels(sent_to.revision).inc()
+            sent_to = endpoint
             tried.append(endpoint)
             try:
                 with self.balancer.busy(endpoint):
-                    return await self._relay(request, endpoint, body, exchange)
+                    return await self._relay(request, endpoint, body, exchange, fresh)
             except NotServedHere as e:
                 not_served = e.answer
                 failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
             except Retryable as retry:
-                if retry.stale and stale < MAX_STALE:
+                if retry.stale and not fresh:
                     # A dead pooled connection says nothing of the replica (e.g. one that left
                     # pooled connections to an address a new pod now has): not a try. The same
-                    # replica takes it on another connection, as with Go's net/http: a replica
-                    # that crashed on reading it looks the same, and must not pass it on to the
-                    # next replica as a free retry (a fresh connection refused is a real try).
-                    stale += 1
+                    # replica takes it once more, on a new connection, as with Go's net/http: a
+                    # replica that crashed on reading it looks the same, and must neither pass it
+                    # on to the next replica as a free retry nor run it once per pooled connection.
+                    fresh = True
                     tried.pop()
                     again = endpoint
-                    self.metrics.retries.labels(endpoint.revision).inc()
                     continue
                 failed.append(endpoint)
                 not_served = retry.answer or not_served
@@ -241,27 +249,43 @@ class Router:
         return error_response(503, f"no replica could take the request ({len(tried)} "
                               "tried)", "service_unavailable", "no_ready_endpoint")
 
-    def _revision(self, failed: list[Endpoint]) -> str | None:
-        """The revision this request goes to, by the rollout's weights among revisions with a
-        ready replica left to try; None: any (no split, or no weighted revision can take it)."""
+    def _pick(self, failed: list[Endpoint], keys: list[bytes], anywhere: bool) -> Endpoint | None:
+        """The replica for the next try. During a rollout, by its weights among the revisions with
+        a ready replica left to try; a revision at weight 0 (a canary not yet vetted) takes none,
+        unless a weighted one does not serve the model asked for (`anywhere`). None: hold it."""
         weights = self.traffic.current().weights
         if weights is None:
-            return None
+            return self.balancer.pick(failed, None, keys)
         ready = self.source.ready().by_revision
-        return self.weighted.choose({revision: weight for revision, weight in weights.items()
-                                     if any(e not in failed for e in ready.get(revision, ()))})
+        revision = self.weighted.choose({revision: weight for revision, weight in weights.items()
+                                         if any(e not in failed for e in ready.get(revision, ()))})
+        if revision is None and not anywhere:
+            return None
+        return self.balancer.pick(failed, revision, keys)
+
+    def _servable(self) -> bool:
+        """A held request may go: a replica is ready in a revision the split gives requests to."""
+        ready = self.source.ready().by_revision
+        weights = self.traffic.current().weights
+        if weights is None:
+            return any(ready.values())
+        return any(ready.get(revision) for revision, weight in weights.items() if weight > 0)
 
     async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,
-                     exchange: _Exchange) -> web.StreamResponse:
-        assert self._session is not None, "router used outside its lifecycle"
+                     exchange: _Exchange, fresh: bool) -> web.StreamResponse:
+        """`fresh`: on a new connection, not a pooled one."""
+        assert self._session is not None and self._fresh is not None, "router used outside its lifecycle"
         exchange.revision = endpoint.revision
         attempt = SimpleNamespace(reused=False)  # mark_reused sets it
         try:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
-                upstream = await self._session.request(
+                upstream = await (self._fresh if fresh else self._session).request(
                     request.method, endpoint.url + request.rel_url.raw_path_qs,
                     headers=request_headers(request.headers), data=body,
                     trace_request_ctx=attempt)
+                if upstream.status in (404, 503) and upstream.content_type == "application/json":
+                    async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
+                        error_body = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             reason = failure_reason(exc, attempt.reused)
             log.warning("%s gave no response (%s): %r", endpoint, reason, exc)
@@ -277,9 +301,7 @@ class Router:
         if exchange.held is not None:  # its status line: the first byte after the wait
             self.metrics.cold_started(time.monotonic() - exchange.held)
         if upstream.status in (404, 503) and upstream.content_type == "application/json":
-            async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
-                answer = web.Response(status=upstream.status, body=await upstream.read(),
-                                      headers=response_headers(upstream.headers))
+            answer = web.Response(status=upstream.status, body=error_body, headers=response_headers(upstream.headers))
             if upstream.status == 404 and error_code(answer.body) == "model_not_found":
                 raise NotServedHere(answer)
             if is_refusal(upstream.status, answer.body):
@@ -300,8 +322,11 @@ class Router:
                 exchange.code = CLIENT_GONE
                 return response
         if not complete:
-            log.warning("%s broke off its response mid-way", endpoint)
+            log.warning("%s broke off its response mid-way, or went silent", endpoint)
             self.metrics.errors.labels(endpoint.revision, "upstream_broken").inc()
+            # Counted as the failure it is, not as the 200 its status line said: the canary
+            # analysis reads 5xx codes, and an engine dying mid-generation must count there.
+            exchange.code = 502
             # The status line is gone already; closing without the final chunk is the
             # only way left to tell the client its response is incomplete.
             if request.transport is not None:
@@ -311,11 +336,13 @@ class Router:
     async def _pump(self, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
                     exchange: _Exchange) -> bool:
         """Copy the body as it arrives, timing the chunks of an SSE stream; False when the
-        replica broke off mid-way. Client-side write errors are the caller's to handle."""
+        replica broke off mid-way or sent nothing for stream_idle_timeout. Client-side write
+        errors are the caller's to handle."""
         streamed = upstream.content_type == "text/event-stream"
         while True:
             try:
-                chunk = await upstream.content.readany()
+                async with asyncio.timeout(self.limits.stream_idle_timeout or None):
+                    chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError):
                 return False
             if not chunk:

@@ -10,9 +10,6 @@ import aiohttp
 from aiohttp import web
 
 ATTEMPTS = 2  # the first try and at most one retry
-# Pooled connections found dead in a row before a request gives up; each is dropped from the
-# pool as it fails, so this only bounds a pathological case (a replica killing every reuse).
-MAX_STALE = 16
 # Raised before a single byte of the request left.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # What a connection the replica had already closed gives; a sure sign only on a reused one.
