@@ -43,11 +43,14 @@ class BlockMachine(RuleBasedStateMachine):
         num_tokens = len(seq) - len(prefix) * BLOCK
         if not self.bm.can_allocate(prefix, num_tokens):
             return False
-        free_before = self.bm.num_free_blocks
+        free_before, back = self.bm.num_free_blocks, seq.admitted
+        cached_before = seq.num_cached_tokens
         self.bm.allocate(seq, prefix)
         self.bm.append_slots(seq, num_tokens)
         assert self.bm.num_free_blocks >= 0 and self.bm.num_free_blocks <= free_before
-        assert seq.num_cached_tokens == len(prefix) * BLOCK < len(seq)
+        assert seq.num_computed_tokens == len(prefix) * BLOCK < len(seq)
+        # What the prefix cache saved the prompt, counted at the first admission only.
+        assert seq.num_cached_tokens == (cached_before if back else len(prefix) * BLOCK)
         self._write(seq, num_tokens)
         self.live.append(seq)
         return True
@@ -138,6 +141,15 @@ def test_prefix_hit_reuses_blocks_and_counts() -> None:
     assert prefix == first.block_table[:2]
     bm.allocate(second, prefix)
     assert second.num_cached_tokens == 8
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (21, 8)
+    # Preempted and back: it finds its blocks again, which is no new hit of its prompt's.
+    bm.append_slots(second, 3)
+    second.num_computed_tokens = 11
+    bm.cache_full_blocks(second)
+    second.append_token(5)
+    bm.deallocate(second)
+    bm.allocate(second, bm.match_prefix(second))
+    assert second.num_computed_tokens == 8 and second.num_cached_tokens == 8
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (21, 8)
     # A prompt that is all full blocks still leaves its last token to compute.
     third = Sequence("c", list(range(8)), SamplingParams(), 2)

@@ -172,6 +172,44 @@ def test_stop_strings_and_stop_tokens(llm: LLM, prompt_ids, references) -> None:
     assert (out.finish_reason, out.token_ids) == ("length", references[6][:5])
 
 
+def test_a_stop_string_met_before_min_tokens_stops_nothing_later(llm: LLM, prompt_ids, references) -> None:
+    """A short stop string that came before min_tokens allowed stopping is past: only one that
+    ends once stopping is allowed ends the request (a longer stop string beside it once made the
+    search look back far enough to find the old one)."""
+    ref_text = llm.tokenizer.decode(references[6])
+    short = ref_text.strip()[0]  # a character the first tokens hold
+    min_tokens = 6
+    allowed_from = len(llm.tokenizer.decode(references[6][: min_tokens - 1]))
+    assert 0 <= ref_text.find(short) < allowed_from
+    later = ref_text.find(short, allowed_from)
+    for keep in (False, True):
+        out = llm.generate([prompt_ids[6]], SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=min_tokens, ignore_eos=True,
+            stop=[short, "a stop string this text never holds"], include_stop_str_in_output=keep))[0]
+        end = len(ref_text) if later < 0 else later + (len(short) if keep else 0)
+        assert out.text == ref_text[:end], (keep, out.text)
+
+
+def test_an_interrupted_generate_leaves_nothing_behind_for_the_next_call(llm: LLM, prompt_ids, references,
+                                                                         monkeypatch) -> None:
+    """Ctrl-C (or an error) in the middle of LLM.generate: its requests are aborted, so the next
+    call gets only its own outputs."""
+    step, calls = llm.engine.step, []
+
+    def interrupted():
+        calls.append(None)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_ids[:4], SamplingParams(temperature=0.0, max_tokens=20))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([prompt_ids[6]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [o.token_ids for o in out] == [references[6][:5]]
+
+
 def test_vllm_stop_options(llm: LLM, prompt_ids, references) -> None:
     """include_stop_str_in_output, min_tokens and skip_special_tokens as vLLM defines them."""
     ref_text = llm.tokenizer.decode(references[6])

@@ -157,6 +157,8 @@ def test_resolve_known_name_finds_packaged_gguf() -> None:
 def test_resolve_unknown_name_lists_known_names() -> None:
     with pytest.raises(ModelLoadError, match="smollm2-135m"):
         resolve_model_path("no-such-model")
+    with pytest.raises(ModelLoadError, match="not found"):  # longer than a file name may be: no OSError
+        resolve_model_path("m" * 300)
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

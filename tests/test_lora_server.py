@@ -144,6 +144,7 @@ def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
 @pytest.mark.parametrize("path, body, status, message, param", [
     ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded", "lora_name"),
     ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json", "lora_path"),
+    ("load", {"lora_name": "new", "lora_path": "/" + "x" * 300}, 400, "must hold adapter_config.json", "lora_path"),
     ("load", {"lora_name": MODEL, "lora_path": "/nonexistent"}, 400, "the served model's name", "lora_name"),
     ("load", {"lora_name": "new"}, 400, "lora_path", None),
     ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name", None),

@@ -92,6 +92,9 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
 @pytest.mark.parametrize("args, env, message", [
     (["--chat-template", "no/such/template.jinja"], {}, "is neither a file nor a Jinja template"),
     (["--chat-template", "{% if %}"], {}, "the template does not compile"),
+    # One line longer than a file name may be: a template, not an OSError.
+    (["--chat-template", "{% if %}" + "{{ x }}" * 50], {}, "the template does not compile"),
+    (["--seed", str(2**64)], {}, "seed must be in [0, 2**63 - 1]"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
 ])

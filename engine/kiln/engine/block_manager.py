@@ -143,8 +143,12 @@ class BlockManager:
                 del self.cached_free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(prefix) * self.block_size
+        seq.num_computed_tokens = len(prefix) * self.block_size
         seq.num_published_blocks = len(prefix)
+        if seq.admitted:  # back after a preemption: its own blocks are no hit of the prompt's
+            return
+        seq.admitted = True
+        seq.num_cached_tokens = seq.num_computed_tokens
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += seq.num_cached_tokens

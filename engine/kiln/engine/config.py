@@ -106,8 +106,8 @@ class Config:
         if self.quantization_cache is not None and (not isinstance(self.quantization_cache, str)
                                                     or not self.quantization_cache):
             raise ValueError(f"quantization_cache must be a directory or 'off', got {self.quantization_cache!r}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed <= 2**63 - 1:  # it seeds a torch.Generator (an int64 here, as a request's)
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
 

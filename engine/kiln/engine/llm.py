@@ -35,20 +35,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        final: dict[str, RequestOutput] = {}
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
                 self.engine.add_request(request_id, prompt, p, lora)
-        except ValueError:
+            while len(final) < len(ids):
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for output in self.engine.step():
+                    if output.finished:
+                        final[output.request_id] = output
+        finally:
+            # A bad prompt, an error in a step or a Ctrl-C: nothing of this call is left in the
+            # engine for the next call to meet.
             for request_id in ids:
-                self.engine.abort_request(request_id)
-            raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError("the engine stopped with requests unfinished")
-            for output in self.engine.step():
-                if output.finished:
-                    final[output.request_id] = output
+                if request_id not in final:
+                    self.engine.abort_request(request_id)
         return [final[i] for i in ids]
 
     def chat(

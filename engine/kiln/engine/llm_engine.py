@@ -369,9 +369,10 @@ class LLMEngine:
             seq.text += seq.detokenizer.flush()
         if params.stop and seq.may_stop and len(seq.text) > old_len:
             # Only a stop string ending in the new text can be new; it may start a little before it.
-            lookback = max(len(s) for s in params.stop) - 1
-            start = max(0, old_len - lookback)
-            hits = [(i, s) for i, s in ((seq.text.find(s, start), s) for s in params.stop) if i >= 0]
+            # (Each string from its own start: a short one wholly in the old text came before
+            # min_tokens let it stop the request, and must not stop it now.)
+            hits = [(i, s) for i, s in ((seq.text.find(s, max(0, old_len - len(s) + 1)), s) for s in params.stop)
+                    if i >= 0]
             if hits:
                 i, s = min(hits)
                 seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]

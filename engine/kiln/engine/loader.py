@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -54,9 +55,10 @@ def resolve_model_path(name: str) -> Path:
             raise ModelLoadError(f"package {dist!r} holds no {suffix} file for model {name!r}")
         return Path(found[0].locate()).resolve()
     path = Path(name).expanduser()
-    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+    # os.path's tests, not Path's: those raise on a name the OS refuses (too long), these say False.
+    if os.path.isdir(path) or (os.path.isfile(path) and path.suffix == ".gguf"):
         return path
-    if path.exists():
+    if os.path.exists(path):
         raise ModelLoadError(f"{path}: not a model folder or a .gguf file")
     raise ModelLoadError(f"model {name!r} not found: give a folder, a .gguf file, "
                          f"or a known name ({', '.join(sorted(KNOWN_MODELS))})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,7 +64,7 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
     """Read a PEFT LoRA folder into the model's fused layout, in the model's dtype and device."""
     folder = Path(path)
     config_file, tensors_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-    if not config_file.is_file() or not tensors_file.is_file():
+    if not os.path.isfile(config_file) or not os.path.isfile(tensors_file):  # False, not OSError, for a name too long
         raise LoRAError(f"LoRA adapter {name!r}: {path} must hold adapter_config.json and adapter_model.safetensors")
     try:
         config = json.loads(config_file.read_text())

@@ -30,6 +30,7 @@ class Sequence:
         self.num_computed_tokens = 0
         # Of the computed tokens, how many came for free from the prefix cache at admission.
         self.num_cached_tokens = 0
+        self.admitted = False  # given blocks once already (a preempted sequence comes back)
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks, filled lazily by the block manager.
         self.block_hashes: list[bytes] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def read_chat_template(value: str) -> str:
     itself (a value with a brace or a line break); ValueError for a path to no file, or a
     template that does not compile."""
     path = Path(value)
-    if path.is_file():
+    if os.path.isfile(path):  # not Path.is_file: a one-line template over 255 bytes raises "name too long"
         try:
             value = path.read_text()
         except (OSError, UnicodeDecodeError) as e:
