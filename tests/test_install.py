@@ -24,6 +24,7 @@ from kiln.operator.render import Owner, render_deployment
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kiln"
 NAMESPACE = "kiln-system"
+KUBE_VERSION = "1.37.1"  # the local control plane's (helm template assumes v1.20 unless told)
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -34,7 +35,8 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def template(values: dict[str, Any] | None = None, tmp_path: Path | None = None, crds: bool = False) -> str:
-    args = ["template", "kiln", str(CHART), "-n", NAMESPACE, *(["--include-crds"] if crds else [])]
+    args = ["template", "kiln", str(CHART), "-n", NAMESPACE, "--kube-version", KUBE_VERSION,
+            *(["--include-crds"] if crds else [])]
     if values:
         assert tmp_path is not None
         (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
@@ -173,7 +175,8 @@ def test_value_leader_election(tmp_path) -> None:
     assert ("Role", NAMESPACE, "kiln-operator-leader") not in off
     assert off[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["strategy"] == {"type": "Recreate"}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"operator": {"replicas": 2, "leaderElection": False}}))
-    refused = helm("template", "kiln", str(CHART), "-f", str(tmp_path / "bad.yaml"), check=False)
+    refused = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(tmp_path / "bad.yaml"),
+                   check=False)
     assert refused.returncode != 0 and "needs operator.leaderElection" in refused.stderr
 
 
@@ -221,3 +224,60 @@ def test_value_engine_placement(tmp_path) -> None:
     assert gpu["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert cpu["nodeSelector"] == {"pool": "cpu"}
     assert cpu["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+
+
+def operator_pod(objs: dict) -> dict:
+    return objs[("Deployment", NAMESPACE, "kiln-operator")]["spec"]["template"]["spec"]
+
+
+def test_value_operator_placement(tmp_path) -> None:
+    default = operator_pod(objects(template()))
+    assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName"} & default.keys()
+    spread = default["topologySpreadConstraints"]  # replicas apart where there are nodes to spread over
+    assert [(c["topologyKey"], c["whenUnsatisfiable"]) for c in spread] == [("kubernetes.io/hostname", "ScheduleAnyway")]
+    values = {"nodeSelector": {"pool": "system"},
+              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+              "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                  {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+              "priorityClassName": "system-cluster-critical"}
+    pod = operator_pod(rendered({"operator": values}, tmp_path))
+    assert {key: pod[key] for key in values} == values
+
+
+def test_value_prometheus_url_and_extra_args(tmp_path) -> None:
+    command = operator_container(objects(template()))["command"]
+    assert not [a for a in command if a.startswith("--prometheus-url")]
+    objs = rendered({"prometheusUrl": "http://prometheus.observability.svc:9090",
+                     "operator": {"extraArgs": ["--interval=60"]}}, tmp_path)
+    command = operator_container(objs)["command"]
+    assert "--prometheus-url=http://prometheus.observability.svc:9090" in command and command[-1] == "--interval=60"
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(command[2:])  # the operator takes them
+    assert (args.prometheus_url, args.interval) == ("http://prometheus.observability.svc:9090", 60)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"operator": {"nodeselector": {"pool": "x"}}}, "additional properties 'nodeselector' not allowed"),
+    ({"engine": {"gpu": {"tolerations": ["nvidia.com/gpu=present: NoSchedule"]}}}, "does not match pattern"),
+    ({"operator": {"replicas": 0}}, "/operator/replicas"),
+    ({"prometheusUrl": "prometheus:9090"}, "/prometheusUrl"),
+])
+def test_values_the_chart_does_not_know_are_refused(tmp_path, values, message) -> None:
+    """A typo or a malformed value fails the install with the value named, never rendered away."""
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    refused = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(tmp_path / "values.yaml"),
+                   check=False)
+    assert refused.returncode != 0 and message in refused.stderr, refused.stderr
+
+
+def test_the_chart_refuses_a_cluster_older_than_its_floor() -> None:
+    refused = helm("template", "kiln", str(CHART), "--kube-version", "1.29.4", check=False)
+    assert refused.returncode != 0 and "requires kubeVersion: >=1.30.0-0" in refused.stderr
+
+
+def test_the_crd_is_kept_when_a_release_or_a_gitops_application_goes() -> None:
+    crd = yaml.safe_load((REPO / "crds" / "inferenceservices.kiln.dev.yaml").read_text())
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep",
+                                              "argocd.argoproj.io/sync-options": "Prune=false,Delete=false",
+                                              "kustomize.toolkit.fluxcd.io/prune": "disabled"}

@@ -100,7 +100,12 @@ def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        # Deleting the CRD deletes every InferenceService and all it runs: Helm, Argo CD and Flux
+        # are told to leave it when a release or an application goes, or its file leaves Git.
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "annotations": {
+            "helm.sh/resource-policy": "keep",
+            "argocd.argoproj.io/sync-options": "Prune=false,Delete=false",
+            "kustomize.toolkit.fluxcd.io/prune": "disabled"}},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
