@@ -196,11 +196,16 @@ def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch: pytest.MonkeyPa
         Config(device="cpu", attention_backend="cpu").resolved_attention_backend
 
 
-def test_backend_choice() -> None:
+def test_backend_choice(monkeypatch) -> None:
     assert Config(device="cpu").resolved_attention_backend == "cpu"
     assert Config(device="cpu", attention_backend="torch").resolved_attention_backend == "torch"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # as on a GPU machine
     with pytest.raises(ValueError, match="needs a CPU device"):
         Config(device="cuda", attention_backend="cpu").resolved_attention_backend
+    monkeypatch.undo()
+    for device, message in (("cuda:64", "this machine has"), ("meta", "device must be auto, cpu, cuda or cuda:N")):
+        with pytest.raises(ValueError, match=message):  # said at once, not by a driver once loading began
+            Config(device=device)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         Config(attention_backend="onednn")
 

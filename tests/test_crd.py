@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +40,18 @@ def test_crds_check_flag_detects_a_stale_file(tmp_path):
     assert crds.run(parser.parse_args(["--out-dir", str(tmp_path), "--check"])) == 0
     (tmp_path / crds.CRD_FILE).write_text((tmp_path / crds.CRD_FILE).read_text().replace("isvc", "isv"))
     assert crds.run(parser.parse_args(["--out-dir", str(tmp_path), "--check"])) == 1
+
+
+def test_crds_default_to_the_checkouts_folder_else_the_working_directorys(tmp_path):
+    """From a source checkout, crds/ beside pyproject.toml; installed from a wheel, ./crds (not a
+    folder beside site-packages)."""
+    assert crds.REPO_CRDS == ROOT / "crds"
+    site = tmp_path / "site-packages"
+    shutil.copytree(ROOT / "operator" / "kiln" / "operator", site / "kiln" / "operator")
+    where = subprocess.run([sys.executable, "-c", "from kiln.operator import crds; print(crds.REPO_CRDS)"],
+                           env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert where.stdout.strip() == "crds", where.stderr
 
 
 def test_crds_out_dir_that_cannot_be_written_is_one_error_line(tmp_path, capsys):

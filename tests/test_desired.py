@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import socket
 from pathlib import Path
 from unittest.mock import ANY
 
@@ -546,8 +547,15 @@ def test_an_error_is_news_once_per_message():
 
 def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     from kiln import cli
-    assert cli.main(["operator", "--interval", "0"]) == 2
-    assert "--interval must be positive" in capsys.readouterr().err
+    for interval in ("0", "nan", "inf"):
+        assert cli.main(["operator", "--interval", interval]) == 2
+        assert "--interval must be positive" in capsys.readouterr().err
+    with socket.socket() as taken:  # a port another process holds: one line, not a traceback
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["operator", "--metrics-port", str(port)]) == 1
+        assert f"cannot serve metrics on port {port}" in capsys.readouterr().err
     assert cli.main(["operator", "--pod-annotation", "no-equals-sign"]) == 2
     assert "--pod-annotation takes KEY=VALUE" in capsys.readouterr().err
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))

@@ -12,7 +12,7 @@ import torch
 
 from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
-from kiln.engine.gguf_loader import dequantize, open_gguf, unpermute_qk
+from kiln.engine.gguf_loader import dequantize, open_gguf, read_model_config, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
 
 Q = gguf.GGMLQuantizationType
@@ -210,21 +210,41 @@ def test_truncated_safetensors_is_named(tmp_path: Path, tiny_llama_dir: Path) ->
 @pytest.mark.parametrize("file, text, message", [
     ("config.json", "[1, 2]", r"config\.json: not a JSON object"),
     ("generation_config.json", "[1]", r"generation_config\.json: not a JSON object"),
-    ("config.json", None, r"config\.json: hidden_size must be a positive integer, got '64'"),
+    ("config.json", {"hidden_size": "64"}, r"config\.json: hidden_size must be a positive integer, got '64'"),
+    ("config.json", {"rms_norm_eps": "abc"}, r"config\.json: rms_norm_eps must be a positive number, got 'abc'"),
+    ("config.json", {"rms_norm_eps": float("nan")}, r"config\.json: rms_norm_eps must be a positive number, got nan"),
+    ("config.json", {"tie_word_embeddings": "yes"}, r"config\.json: tie_word_embeddings must be true or false"),
+    ("config.json", {"eos_token_id": "abc"}, r"config\.json: invalid literal for int"),
     ("tokenizer_config.json", "{bad", r"tokenizer_config\.json: invalid JSON"),
     ("tokenizer_config.json", json.dumps({"chat_template": "{{ x | no_such_filter }}"}),
      r"tokenizer_config\.json: the chat template does not compile"),
 ])
-def test_corrupt_folder_files_are_named(tmp_path: Path, tiny_llama_dir: Path, file: str, text: str | None,
+def test_corrupt_folder_files_are_named(tmp_path: Path, tiny_llama_dir: Path, file: str, text: str | dict,
                                         message: str) -> None:
     folder = tmp_path / "corrupt"
     shutil.copytree(tiny_llama_dir, folder)
-    if text is None:  # a size written as a string: it failed inside torch.empty with a TypeError
-        config = json.loads((folder / file).read_text())
-        text = json.dumps({**config, "hidden_size": "64"})
+    if isinstance(text, dict):  # values of the wrong kind: they failed inside torch (a TypeError, a cast error, NaN)
+        text = json.dumps({**json.loads((folder / file).read_text()), **text})
     (folder / file).write_text(text)
     with pytest.raises(ModelLoadError, match=message):
         load_model(Config(model=str(folder), dtype="float32"))
+
+
+def test_an_unreadable_config_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ModelLoadError, match=r"config\.json: cannot read it"):
+        load_model(Config(model=str(tmp_path), dtype="float32"))
+
+
+def test_gguf_metadata_out_of_range_is_named() -> None:
+    meta = {"general.architecture": "llama", "llama.attention.head_count": 0, "llama.embedding_length": 64,
+            "llama.feed_forward_length": 128, "llama.block_count": 2, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.context_length": 256, "llama.vocab_size": 100}
+    with pytest.raises(ModelLoadError, match=r"x\.gguf: GGUF metadata: num_attention_heads must be a positive integer"):
+        read_model_config(meta, [], "x.gguf")  # was a ZeroDivisionError
+    with pytest.raises(ModelLoadError, match=r"rms_norm_eps must be a positive number, got inf"):
+        read_model_config({**meta, "llama.attention.head_count": 4,
+                           "llama.attention.layer_norm_rms_epsilon": float("inf")}, [], "x.gguf")
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -178,6 +178,15 @@ def test_bad_network_arguments_are_refused():
     assert out.returncode == 2 and "--bridge" in out.stderr
 
 
+@pytest.mark.parametrize("text", ["{bad", json.dumps({"processes": {"etcd": {"pid": 1}}})], ids=["not JSON", "no start"])
+def test_a_damaged_state_file_is_named_not_a_traceback(tmp_path, text):
+    (tmp_path / "state.json").write_text(text)
+    for action in ("status", "down"):
+        out = kiln_local(action, "--dir", str(tmp_path))
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"kiln local {action}: {tmp_path / 'state.json'}: "), out.stderr
+
+
 def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
     """A second, independent cluster (own directory, bridge and subnet) from the CLI."""
     directory = tmp_path / "second"

@@ -95,6 +95,7 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     # One line longer than a file name may be: a template, not an OSError.
     (["--chat-template", "{% if %}" + "{{ x }}" * 50], {}, "the template does not compile"),
     (["--seed", str(2**64)], {}, "seed must be in [0, 2**63 - 1]"),
+    (["--drain-timeout", "nan"], {}, "--drain-timeout: must be > 0"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
 ])
@@ -102,3 +103,30 @@ def test_bad_values_stop_the_server_before_loading(args, env, message):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**os.environ, **env})
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_stop_while_the_model_loads_ends_the_server_cleanly():
+    """SIGTERM (a pod deleted while it starts) before the model is loaded: exit 0 at once, not the
+    abort (134) the interpreter gave on exit while the loading thread ran torch."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--dtype", "float32", "--quantization", "int8", "--quantization-cache", "off"],
+                            cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # bounded by the server's start: it logs "listening" before it loads
+            seen.append(line)
+            if "listening on" in line:
+                break
+        proc.terminate()
+        rest, = proc.communicate(timeout=120)[1:]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "stopped while loading" in rest, "".join(seen) + rest
+
+
+def test_the_served_name_defaults_to_the_folders_whole_name():
+    from kiln.engine.server import served_name
+    assert served_name("models/SmolLM2-1.7B-Instruct") == "SmolLM2-1.7B-Instruct"  # dots are no suffix
+    assert served_name("/srv/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
+    assert served_name("/srv/ggufs/smollm2-135m.Q8_0.gguf") == "smollm2-135m.Q8_0"
+    assert served_name("smollm2-135m") == "smollm2-135m"

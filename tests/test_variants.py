@@ -6,6 +6,8 @@ import argparse
 import copy
 import json
 import logging
+import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +90,8 @@ def test_cache_directory_setting(monkeypatch, tmp_path) -> None:
     assert variants.cache_dir(Config()) == tmp_path / "variants"
     assert variants.cache_dir(Config(quantization_cache="off")) is None
     assert variants.cache_dir(Config(quantization_cache=str(tmp_path / "x"))) == tmp_path / "x"
+    # Random weights are keyed by the weight files they did not come from: never cached, never read.
+    assert variants.cache_dir(Config(quantization_cache=str(tmp_path / "x"), load_format="dummy")) is None
     with pytest.raises(ValueError, match="quantization_cache must be a directory or 'off'"):
         Config(quantization_cache="")
     assert set(quantize_cli.METHODS) == set(QUANTIZATION_METHODS) - {"none"}
@@ -177,10 +181,36 @@ def test_quantize_cut_short_leaves_the_earlier_variant(tiny_hf_models, tmp_path,
     monkeypatch.setattr(quantized_folder.safetensors.torch, "save", disk_full)
     for folder in (out, tmp_path / "new"):
         assert kiln(["quantize", "--model", str(tiny_hf_models["qwen2"]), "--method", "int8", "--out", str(folder),
-                     "--quantization-cache", "off"]) == 2
+                     "--quantization-cache", "off", "--overwrite"]) == 2
         assert "No space left on device" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]  # no staging folder, no half-made "new"
+
+
+def test_quantize_replaces_only_its_own_variant_and_a_sigterm_leaves_no_staging(tiny_hf_models, tmp_path,
+                                                                              monkeypatch, capsys) -> None:
+    out = tmp_path / "variant"
+    llama = ["quantize", "--model", str(tiny_hf_models["llama"]), "--out", str(out), "--quantization-cache", "off"]
+    assert kiln([*llama, "--method", "int8"]) == 0
+    assert kiln([*llama, "--method", "int8"]) == 0  # the same again: replaced, as a rerun expects
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for other in ([*llama, "--method", "int4-rtn"], ["quantize", "--model", str(tiny_hf_models["qwen2"]),
+                                                     "--method", "int8", "--out", str(out), "--quantization-cache", "off"]):
+        capsys.readouterr()
+        assert kiln(other) == 2
+        assert "holds the int8 variant of other weights or another method; --overwrite replaces it" in \
+            capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def terminated(*_: object, **__: object) -> None:  # SIGTERM while the weights are written
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(quantized_folder.safetensors.torch, "save", terminated)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_:
+        kiln([*llama, "--method", "int4-rtn", "--overwrite"])
+    assert exit_.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]  # the staging folder is gone
 
 
 def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, tmp_path, caplog) -> None:

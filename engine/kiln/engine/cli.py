@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             # The template wrote the special tokens: a tokenizer that adds BOS would double it.
             prompt = engine.tokenizer.encode(text, add_special_tokens=False)
         engine.add_request("cli", prompt, params)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a model file that cannot be read
         print(f"kiln generate: error: {e}", file=sys.stderr)
         return 2
     while engine.has_unfinished_requests():

@@ -2,6 +2,7 @@
 (what the model is, read from its files)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,9 +96,14 @@ class Config:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.device != "auto":
             try:
-                torch.device(self.device)
+                device = torch.device(self.device)
             except RuntimeError as e:
                 raise ValueError(f"device {self.device!r} is not a torch device: {e}") from None
+            if device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+            # Said now, not as a driver's traceback once loading has begun.
+            if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"unknown quantization method {self.quantization!r}; "
                              f"choose one of {', '.join(QUANTIZATION_METHODS)}")
@@ -172,6 +178,19 @@ class ModelConfig:
     o_proj_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj; Qwen2's does not
 
     def __post_init__(self) -> None:
+        # Whichever file they came from (config.json, GGUF metadata): a bad value is named here,
+        # not met later as a division by zero, a cast error or NaN logits.
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelLoadError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+                raise ModelLoadError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ModelLoadError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "

@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         kv_quantized = args.kv_cache_dtype != "auto"
         pool = attach_pool(var.model, var.model_config, var_config, 1, max(window, longest)) if kv_quantized else None
         variant = Scorer(var.model, pool, var_config.block_size, through_cache=kv_quantized)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a model file that cannot be read
         print(f"kiln eval: error: {e}", file=sys.stderr)
         return 2
     result = evaluate(reference, variant, ref.tokenizer, args.quantization, args.kv_cache_dtype,

@@ -138,7 +138,7 @@ def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: s
             num_hidden_layers=int(meta[f"{arch}.block_count"]),
             num_attention_heads=heads,
             num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+            head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads if heads > 0 else 0)),
             rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
             rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
             rope_scaling=_rope_scaling(meta, arch, tensors, source),
@@ -150,6 +150,8 @@ def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: s
         )
     except KeyError as e:
         raise ModelLoadError(f"{source}: GGUF metadata lacks {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:  # ModelConfig's checks name the field
+        raise ModelLoadError(f"{source}: GGUF metadata: {e}") from None
 
 
 def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:

@@ -69,6 +69,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: missing") from None
+    except OSError as e:  # a folder by that name, no permission
+        raise ModelLoadError(f"{path}: cannot read it: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
@@ -126,6 +128,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing key {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:  # ModelConfig's checks, an eos_token_id that is no integer
+        raise ModelLoadError(f"{path}: {e}") from None
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

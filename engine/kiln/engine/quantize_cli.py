@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 from pathlib import Path
+from types import FrameType
 
 # config.QUANTIZATION_METHODS but "none", spelled out so that --help answers without importing torch
 METHODS = ("int8", "int4", "int4-rtn", "fp8")
@@ -22,10 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="where to compute (AWQ's calibration runs there)")
     parser.add_argument("--quantization-cache", default=None,
                         help="variant cache directory, or 'off' (default $KILN_CACHE/variants)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a variant in --out made from other weights or with another method")
 
 
 def check_out_dir(out: Path) -> None:
-    """out must be new, empty, or an earlier `kiln quantize` output (which is overwritten), beside
+    """out must be new, empty, or an earlier `kiln quantize` output (replaced: one of the same
+    weights and method, or any with --overwrite), beside
     which the variant can be staged: found out now, not after minutes of quantizing."""
     from kiln.engine.quantized_folder import MARKER
     if out.exists() and not out.is_dir():
@@ -40,8 +45,21 @@ def check_out_dir(out: Path) -> None:
         raise ValueError(f"--out {out}: cannot write in {parent}: {e.strerror or e}") from None
 
 
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    # SIGTERM (a Job's deadline, `timeout`) as an exception: the staging folder's cleanup runs.
+    sys.exit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    before = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _quantize(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _quantize(args: argparse.Namespace) -> int:
     try:
         check_out_dir(args.out)
         from kiln.engine.config import Config  # torch from here on
@@ -55,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
         path = resolve_model_path(args.model)
         if path.is_dir() and read_marker(path) is not None:
             raise ValueError(f"{path} is already a quantized variant; quantize the original model")
+        earlier = read_marker(args.out) if args.out.is_dir() else None
+        if earlier is not None and not args.overwrite and \
+                (earlier.get("source_sha256"), earlier.get("method")) != (weights_sha256(path), args.method):
+            raise ValueError(f"--out {args.out} holds the {earlier.get('method')} variant of other weights or "
+                             f"another method; --overwrite replaces it")
         loaded = load_model(config)
         state = quantized_state_dict(loaded.model, args.method, loaded.tokenizer, path, cache_dir(config))
         write_quantized_folder(args.out, loaded.model, loaded.model_config, loaded.tokenizer, args.method, state,

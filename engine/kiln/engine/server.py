@@ -13,6 +13,8 @@ from kiln.engine import startup  # isort: skip
 import argparse
 import asyncio
 import logging
+import math
+import os
 import signal
 import sys
 import time
@@ -41,11 +43,20 @@ RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves every engine step, so 
 def _positive(kind: type):
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
+        if not (math.isfinite(value) and value > 0):  # nan compares False with everything
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def served_name(model: str) -> str:
+    """The name clients use when --served-model-name is not given: a known model's name as given,
+    a folder's whole name (SmolLM2-1.7B-Instruct, dots and all), a .gguf file's without the suffix."""
+    if "/" not in model:
+        return model
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _port(text: str) -> int:
@@ -268,7 +279,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
-        name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model).stem)
+        name = args.served_model_name or served_name(args.model)
         lora_serving.check_names(args.lora_modules, name)
         api_keys = auth.api_keys(args.api_key)
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -306,6 +317,11 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    # Before "listening": a stop from then on is ours to handle, not the default action's.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     await runner.setup()
     try:
         await web.TCPSite(runner, args.host, args.port).start()
@@ -314,11 +330,6 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         await runner.cleanup()
         return 1
     log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, args.port)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -326,6 +337,13 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         log.error("failed to start: %s", loading.exception())
         await runner.cleanup()
         return 1
+    if not loading.done():
+        # Stopped while the model loads on its thread, which nothing can interrupt: the interpreter
+        # would abort on exit while that thread runs torch (exit 134). Nothing is served yet.
+        await runner.cleanup()
+        log.info("stopped while loading")
+        logging.shutdown()
+        os._exit(0)
     await stopping
     await server.drain(args.drain_timeout)
     await runner.cleanup()  # closes connections; a cut-off handler's abort runs here

@@ -55,8 +55,9 @@ def default_cache_dir() -> Path:
 
 
 def cache_dir(config: Config) -> Path | None:
-    """config.quantization_cache resolved: None when caching is off."""
-    if config.quantization_cache == "off":
+    """config.quantization_cache resolved: None when caching is off, and for random weights
+    (load_format "dummy"): the cache is keyed by the weight files, which they did not come from."""
+    if config.quantization_cache == "off" or config.load_format == "dummy":
         return None
     return Path(config.quantization_cache).expanduser() if config.quantization_cache else default_cache_dir()
 

@@ -56,7 +56,21 @@ class Cluster:
         return self.dir / "state.json"
 
     def state(self) -> dict:
-        return json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        """What `up` recorded; a state file that is not what it wrote (cut short, edited) says so
+        in one line (kiln local's RuntimeError), naming it."""
+        if not self.state_file.exists():
+            return {}
+        try:
+            state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError) as err:
+            raise RuntimeError(f"{self.state_file}: unreadable ({err}); stop its processes by hand and remove "
+                               f"{self.dir}") from None
+        records = state.get("processes", {}) if isinstance(state, dict) else None
+        if not isinstance(records, dict) or not all(isinstance(r, dict) and {"pid", "start"} <= r.keys()
+                                                    for r in records.values()):
+            raise RuntimeError(f"{self.state_file}: not a state `kiln local up` wrote; stop its processes "
+                               f"by hand and remove {self.dir}")
+        return state
 
     def save(self, state: dict) -> None:
         tmp = self.state_file.with_suffix(".tmp")

@@ -16,7 +16,10 @@ from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec, cel
 from .status_schema import InferenceServiceStatus
 
 CRD_FILE = f"{PLURAL}.{GROUP}.yaml"
-REPO_CRDS = Path(__file__).resolve().parents[3] / "crds"
+_CHECKOUT = Path(__file__).resolve().parents[3]
+# A source checkout's crds/; installed from a wheel there is none, and ./crds is written instead
+# (not a folder beside site-packages).
+REPO_CRDS = _CHECKOUT / "crds" if (_CHECKOUT / "pyproject.toml").is_file() else Path("crds")
 CHART_CRDS = REPO_CRDS.parent / "charts" / "kiln" / "crds"  # Helm's copy, byte for byte (tests/test_install.py)
 NAME_RULE = cel(
     "self.metadata.name.size() <= 50 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",

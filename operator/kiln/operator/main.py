@@ -10,6 +10,7 @@ import asyncio
 import faulthandler
 import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -142,7 +143,7 @@ def placements(args: argparse.Namespace) -> placement.Placements:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
+    if not (math.isfinite(args.interval) and args.interval > 0):  # nan compares False with everything
         print("kiln operator: --interval must be positive", file=sys.stderr)
         return 2
     pairs = [a.partition("=") for a in args.pod_annotation]
@@ -159,7 +160,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln operator: --metrics-port {args.metrics_port} is not a port number", file=sys.stderr)
         return 2
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        try:
+            metrics.serve(args.metrics_port)
+        except OSError as err:  # the port is taken: one line, as `kiln serve` says it
+            print(f"kiln operator: cannot serve metrics on port {args.metrics_port}: {err.strerror or err}",
+                  file=sys.stderr)
+            return 1
     kopf.configure(verbose=args.verbose)
     logging.getLogger("kopf.objects").addFilter(QuietEvents())
     try:
