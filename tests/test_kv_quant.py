@@ -124,6 +124,7 @@ def test_bad_kv_cache_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Config(kv_cache_dtype="int8", device="cpu").kv_cache_torch_dtype == torch.int8
     assert Config(dtype="float16", device="cpu").kv_cache_torch_dtype == torch.float16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="compute capability >= 8.9, this GPU has 8.0"):
         Config(kv_cache_dtype="fp8", device="cuda", attention_backend="triton").kv_cache_torch_dtype
     monkeypatch.setattr(kv_quant, "FP8_DTYPE", None)  # a torch without float8

@@ -227,7 +227,9 @@ def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir,
     assert not rank_processes()
 
 
-def test_more_ranks_than_gpus_is_refused():
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    if not torch.cuda.is_available():  # as on a one-GPU machine: Config itself refuses a cuda device with none
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpus = torch.cuda.device_count()
     with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {gpus + 1} is larger than the {gpus} GPU"):
         WorkerGroup(Config(device="cuda", tensor_parallel_size=gpus + 1))
