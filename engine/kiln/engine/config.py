@@ -158,6 +158,11 @@ class Config:
                                       self.resolved_attention_backend)
 
 
+# The sizes a model is built from: a string or 0 there failed deep inside torch.
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -180,8 +185,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         # Whichever file they came from (config.json, GGUF metadata): a bad value is named here,
         # not met later as a division by zero, a cast error or NaN logits.
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelLoadError(f"{name} must be a positive integer, got {value!r}")

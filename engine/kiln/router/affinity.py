@@ -79,6 +79,11 @@ def _prompt_text(request: dict[str, Any]) -> str:
     return "".join(parts)
 
 
+def _scoped(key: bytes, revision: str) -> bytes:
+    """A prefix key within one revision (keys are digests of one size: no revision's is another's)."""
+    return key + revision.encode()
+
+
 class Affinity:
     def __init__(self, slack: int, max_keys: int = MAX_KEYS) -> None:
         self.slack = slack
@@ -93,7 +98,7 @@ class Affinity:
         revisions = {e.revision for e in candidates}
         for key in reversed(keys):
             endpoint = next((found for revision in revisions
-                             if (found := self._last.get(key + revision.encode())) in candidates), None)
+                             if (found := self._last.get(_scoped(key, revision))) in candidates), None)
             if endpoint is not None:
                 least = min(in_flight.get(e, 0) for e in candidates)
                 if in_flight.get(endpoint, 0) - least <= self.slack:
@@ -104,7 +109,7 @@ class Affinity:
     def remember(self, keys: Sequence[bytes], endpoint: Endpoint) -> None:
         """These prefixes are now in `endpoint`'s cache (it takes the request)."""
         for key in keys:
-            key += endpoint.revision.encode()  # keys are digests of one size: no revision's is another's
+            key = _scoped(key, endpoint.revision)
             self._last[key] = endpoint
             self._last.move_to_end(key)
         while len(self._last) > self.max_keys:
