@@ -129,6 +129,17 @@ def test_fp8_linear_matches_dequantized() -> None:
     torch.testing.assert_close(layer(x), x @ dequantize_fp8(q, scales).T, rtol=1e-5, atol=1e-4)
 
 
+def test_fp8_in_float16_does_not_overflow() -> None:
+    # Codes up to 448 times activations of 20 summed over K=1536 pass float16's 65504 unless
+    # the scales come first: the output was inf, the model's logits NaN.
+    q, scales = quantize_fp8(weights(64, 1536) * 0.02)
+    x = torch.randn(4, 1536) * 20
+    out = Fp8Linear(q, scales, dtype=torch.float16)(x.half())
+    reference = x @ dequantize_fp8(q, scales).T
+    assert out.isfinite().all()
+    assert ((out.float() - reference).norm() / reference.norm()) < 1e-2
+
+
 @pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
 def test_activation_aware_scaling_beats_plain_rounding_on_salient_channels(method: str) -> None:
     g = torch.Generator().manual_seed(0)

@@ -294,6 +294,10 @@ class Fp8Linear(QuantLinear):
             xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
             return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scales.view(1, -1),
                                     out_dtype=self.dtype)
+        if x.dtype == torch.float16:
+            # The codes (up to 448) times activations overflow float16's 65504 in the K sum:
+            # scale the weight first.
+            return F.linear(x, self.dequantized_weight().to(x.dtype))
         # e4m3 -> float is exact; the per-row scale factors out of the K sum.
         return F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
 
