@@ -9,6 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
 from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
@@ -204,6 +205,39 @@ def test_truncated_safetensors_is_named(tmp_path: Path, tiny_llama_dir: Path) ->
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 100])
     with pytest.raises(ModelLoadError, match=r"model\.safetensors.*(corrupt|truncated)"):
+        load_model(Config(model=str(folder), dtype="float32"))
+
+
+def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Mistral's repositories keep consolidated.safetensors (the same weights under Mistral's
+    names) beside the shards that model.safetensors.index.json names: it was read too and refused."""
+    from safetensors.torch import save_file
+
+    from kiln.engine.variants import weights_sha256
+    folder = tmp_path / "mistral-like"
+    shutil.copytree(tiny_llama_dir, folder)
+    plain = load_model(Config(model=str(folder), dtype="float32"))
+    sha = weights_sha256(folder)
+    with safe_open(folder / "model.safetensors", framework="pt") as f:
+        names = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model.safetensors" for name in names}}))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, folder / "consolidated.safetensors")
+    indexed = load_model(Config(model=str(folder), dtype="float32"))
+    assert weights_sha256(folder) == sha  # the same variant-cache key
+    set_context(prefill_context([3]))
+    try:
+        ids, positions = torch.tensor([1, 5, 9]), torch.arange(3)
+        logits = [m.model.compute_logits(m.model(ids, positions)) for m in (plain, indexed)]
+    finally:
+        reset_context()
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=0)
+
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    with pytest.raises(ModelLoadError, match=r"names shards that are not in the folder: \['model-00002"):
+        load_model(Config(model=str(folder), dtype="float32"))
+    (folder / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ModelLoadError, match="not a safetensors index"):
         load_model(Config(model=str(folder), dtype="float32"))
 
 

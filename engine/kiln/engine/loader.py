@@ -21,7 +21,7 @@ from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.quantized_folder import load_quantized_folder, read_marker
 from kiln.engine.tokenizer import Tokenizer, load_hf_tokenizer
-from kiln.engine.variants import apply_quantization
+from kiln.engine.variants import apply_quantization, weight_files
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(folder.glob("*.safetensors"))
+    files = weight_files(folder)
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
     for path in files:

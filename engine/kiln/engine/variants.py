@@ -11,7 +11,7 @@ The cache directory holds one pair of files per variant, named by its key
   KEY.json         manifest: format version, method, dtype, the weights' sha256, and the sha256
                    of KEY.safetensors
 The weights' sha256 is that of the GGUF file, or, for a Hugging Face folder, of the lines
-`<sha256>  <name>` of its *.safetensors files in name order (sha256sum's output). The dtype is in
+`<sha256>  <name>` of its weight files (weight_files) in name order (sha256sum's output). The dtype is in
 the key because the weights are quantized as loaded (bfloat16 by default); the calibration window
 (kiln.engine.awq.calibration_window) is, where a max_model_len shorter than the calibration text
 cuts it into several sequences, because that calibrates differently, and it is in every manifest. Each file is written to
@@ -37,7 +37,7 @@ from torch import nn
 
 from kiln.engine import startup
 from kiln.engine.awq import CALIBRATION_TOKENS, calibration_window
-from kiln.engine.config import DTYPES, Config
+from kiln.engine.config import DTYPES, Config, ModelLoadError
 from kiln.engine.quantization import ACTIVATION_AWARE, Quantizer, check_method
 
 log = logging.getLogger("kiln.engine")
@@ -75,11 +75,28 @@ def file_sha256(path: Path) -> str:
     return _file_hashes[memo]
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """A Hugging Face folder's weight files: those its model.safetensors.index.json names, else
+    every *.safetensors (Mistral's repositories keep a consolidated.safetensors of the same
+    weights, under other names, beside the shards)."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(folder.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+    missing = [n for n in names if not isinstance(n, str) or not (folder / n).is_file()]
+    if missing:
+        raise ModelLoadError(f"{index} names shards that are not in the folder: {missing[:5]}")
+    return [folder / n for n in names]
+
+
 def weights_sha256(path: Path) -> str:
-    """The identity of a model's weights: the GGUF file's sha256, or a folder's *.safetensors."""
+    """The identity of a model's weights: the GGUF file's sha256, or a folder's weight files."""
     if path.is_file():
         return file_sha256(path)
-    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in sorted(path.glob("*.safetensors")))
+    lines = "".join(f"{file_sha256(f)}  {f.name}\n" for f in weight_files(path))
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
