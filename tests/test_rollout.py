@@ -251,6 +251,27 @@ def test_the_progress_deadline_runs_from_losing_readiness_not_from_the_steps_sta
     assert d.state.phase == ROLLED_BACK and "progressDeadline" in d.state.message
 
 
+def test_a_pending_replacement_pod_is_not_a_rollback_on_the_spot():
+    """An evicted canary pod's replacement waits for a node: it has no Ready condition, so the
+    pods tell no time. The deadline runs from the first pass that saw no ready replica, kept in
+    status across an operator restart, and starts anew once the canary is ready again."""
+    rollout = ROLLOUT.model_copy(update={"steps": [ROLLOUT.steps[0].model_copy(update={"pause": "1h"})]})
+    d = advance(rollout, None, "a", "b", READY, None, 0)
+    d = advance(rollout, d.state, "a", "b", READY, None, 10)
+    pending = Facts(0, False, unready_since=None)
+    d = advance(rollout, d.state, "a", "b", pending, None, 1200)  # 20 minutes into the step
+    assert d.state.phase == PROGRESSING and "ready replica again" in d.state.message
+    restarted = load(dump(d.state, rollout))  # an operator restart in between
+    d = advance(rollout, restarted, "a", "b", pending, None, 1200 + 110)
+    assert d.state.phase == PROGRESSING
+    d = advance(rollout, d.state, "a", "b", READY, None, 1200 + 115)  # back: the clock stops
+    assert d.state.unready_since is None and "canaryUnreadySince" not in dump(d.state, rollout)
+    d = advance(rollout, d.state, "a", "b", pending, None, 1400)
+    assert d.state.phase == PROGRESSING
+    d = advance(rollout, d.state, "a", "b", pending, None, 1400 + 121)
+    assert d.state.phase == ROLLED_BACK and "progressDeadline" in d.state.message
+
+
 def test_unready_since_is_the_latest_ready_transition_of_the_pods():
     from kiln.operator.canary import unready_since
 

@@ -43,6 +43,8 @@ class State:
     resume_token: str | None = None
     analysis: dict[str, Any] | None = None
     message: str = ""
+    # From step 1 on: since when the canary has had no ready replica, as first seen (None while ready).
+    unready_since: float | None = None
 
     @property
     def active(self) -> bool:
@@ -55,7 +57,8 @@ class Facts:
     canary_full: bool  # the canary Deployment has all the replicas it was asked for, ready
     retry_token: str | None = None  # the kiln.dev/retry-rollout annotation
     resume_token: str | None = None  # the kiln.dev/resume-rollout annotation
-    unready_since: float | None = None  # the latest change of the canary pods' Ready condition
+    unready_since: float | None = None  # the latest change of the canary pods' Ready condition (None
+    # when no pod has one: a replacement pod still Pending)
     failing: str | None = None  # a canary engine's failed exit, once it failed FAILED_STARTS times
 
 
@@ -133,13 +136,19 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         if facts.failing is not None:
             return roll_back(state, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
         # From step 1 on, the deadline runs from when the canary lost its last ready replica,
-        # not from the step's start: a step may last longer than the deadline.
-        lost = state.since if state.step == 0 else max(state.since, facts.unready_since or state.since)
+        # not from the step's start: a step may last longer than the deadline. That time is kept
+        # from the first pass that saw it: the pods' own may be gone with them (a Pending
+        # replacement has no Ready condition).
+        lost = state.since
+        if state.step > 0:
+            lost = state.unready_since or max(state.since, facts.unready_since or now)
+            state = replace(state, unready_since=lost)
         if now - lost > deadline:
             return roll_back(state, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
                                     "(progressDeadline)")
         waiting = "to become ready" if state.step == 0 else "to have a ready replica again"
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
+    state = replace(state, unready_since=None)
     if state.step > len(steps):
         if facts.canary_full:
             return promote(state)
@@ -211,7 +220,8 @@ def load(saved: dict[str, Any] | None) -> State | None:
     return State(saved["phase"], saved["stable"], saved.get("canary"), saved.get("step", 0),
                  epoch(saved.get("stepStartedAt")) or 0.0,
                  saved.get("passedChecks", 0), saved.get("failedChecks", 0), saved.get("rolledBack"),
-                 saved.get("retryToken"), saved.get("resumeToken"), analysis, saved.get("message", ""))
+                 saved.get("retryToken"), saved.get("resumeToken"), analysis, saved.get("message", ""),
+                 epoch(saved.get("canaryUnreadySince")))
 
 
 def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
@@ -219,7 +229,8 @@ def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
         "phase": state.phase, "stable": state.stable, "canary": state.canary, "step": state.step,
         "stepStartedAt": iso(state.since) if state.active else None, "passedChecks": state.passed,
         "failedChecks": state.failed, "rolledBack": state.rolled_back, "retryToken": state.retry_token,
-        "resumeToken": state.resume_token, "message": state.message}
+        "resumeToken": state.resume_token, "message": state.message,
+        "canaryUnreadySince": iso(state.unready_since) if state.active and state.unready_since else None}
     if state.analysis:
         out["analysis"] = {**state.analysis, "time": iso(state.analysis["time"])}
     if state.active and rollout is not None and rollout.analysis.quality is not None:

@@ -56,6 +56,9 @@ class RolloutStatus(BaseModel):
     step: int = Field(0, description="1-based step in progress; 0: waiting for the canary to be ready; "
                                      "len(steps)+1: scaling the canary up before promotion.")
     stepStartedAt: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    canaryUnreadySince: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="From step 1 on: since when the canary has had no ready replica (progressDeadline runs from it).")
     passedChecks: int = 0
     failedChecks: int = 0
     rolledBack: str | None = Field(None, description="A revision rolled back; not retried while the spec "
