@@ -285,6 +285,27 @@ def test_unready_since_is_the_latest_ready_transition_of_the_pods():
     assert unready_since([{"metadata": {"name": "new"}, "status": {}}]) is None
 
 
+def test_an_interval_is_taken_router_by_router():
+    """Two routers; b's 15 canary errors belong to an interval already judged. b missing from
+    one scrape (slow, not ready) made the sums drop, read as a counter reset: the lifetime
+    counts became the interval's, and b's old errors failed a clean interval when it came back."""
+    from kiln.operator.canary import interval
+
+    def router(ok: int, errors: int = 0) -> dict:
+        return figures([*page("canary", ok, errors), *page("stable", 4 * ok)])
+    base = {"a": router(500), "b": router(480, 15)}
+    one = {"a": router(540)}  # b not scraped: nothing of it counts
+    two = {"a": router(560), "b": router(500, 15)}  # b back, 20 more requests, no new error
+    assert interval(one, base, "canary").requests == 40
+    canary, stable = interval(two, one, "canary"), interval(two, one, "stable")
+    assert (canary.requests, canary.errors, stable.requests) == (20, 0, 80)
+    assert check(canary, stable, ROLLOUT.analysis).verdict != FAIL  # inconclusive: nothing mirrored
+    # A router that restarted (its counters went down) counts from zero, the others as they grew.
+    restarted = {"a": router(600), "b": router(7, 1)}
+    assert (interval(restarted, two, "canary").requests, interval(restarted, two, "canary").errors) == (48, 1)
+    assert interval(two, base, "canary").ttft == {0.1: 0, 0.5: 0, 1.0: 0, float("inf"): 0}
+
+
 def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revision():
     from kiln.operator.canary import Baseline, roll
     owner, key = Owner("chat", "ns", "uid"), ("ns", "chat")
@@ -292,7 +313,7 @@ def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revisi
     observed = Observed.of(desired(owner, spec_of("none"), Observed(), "img").stable.deployment)
     previous = {"rollout": dump(State(PROGRESSING, stable, canary, step=1, since=0), ROLLOUT)}
     # Its errors before the abort must not be judged in the first interval of a re-apply.
-    baselines = {key: Baseline(50, canary, {canary: Figures(requests=20, errors=20)})}
+    baselines = {key: Baseline(50, canary, {"router-uid": {canary: Figures(requests=20, errors=20)}})}
     kept = roll(owner, spec_of("int8"), observed, {}, previous, baselines, 60)
     assert kept.state.phase == PROGRESSING and key in baselines
     aborted = roll(owner, spec_of("none"), observed, {}, previous, baselines, 70)

@@ -5,8 +5,8 @@ verdict on the canary against the stable revision. Pure: scrape.py reads the rou
 All figures are the routers' own, so they are what clients saw: requests and their status
 codes, time to first token and inter-token latency of streamed responses, and the quality
 gate's teacher-forced greedy agreement from mirrored requests. Counters only grow, so an
-interval's figures are the difference of two snapshots; a router that restarted in between
-counts from zero again (as Prometheus' increase() does)."""
+interval's figures are the difference of two snapshots, taken router by router (canary.py); a
+router that restarted in between counts from zero again (as Prometheus' increase() does)."""
 from __future__ import annotations
 
 import math
@@ -23,13 +23,19 @@ HISTOGRAMS = {"kiln_router_time_to_first_token_seconds": "ttft",
 
 @dataclass
 class Figures:
-    """One revision's cumulative counters as the routers report them (summed over routers)."""
+    """One revision's counters as a router reports them (or their sum, or their increase)."""
     requests: float = 0.0  # answered, 499s left out
     errors: float = 0.0  # of those, 5xx
     ttft: dict[float, float] = field(default_factory=dict)  # cumulative bucket counts by upper bound
     itl: dict[float, float] = field(default_factory=dict)
     tokens: float = 0.0  # mirrored tokens this revision scored against the stable revision's
     agreed: float = 0.0  # of those, positions where its argmax was the stable revision's token
+
+    def plus(self, other: Figures) -> Figures:
+        def add(a: dict[float, float], b: dict[float, float]) -> dict[float, float]:
+            return {le: a.get(le, 0.0) + b.get(le, 0.0) for le in a.keys() | b.keys()}
+        return Figures(self.requests + other.requests, self.errors + other.errors, add(self.ttft, other.ttft),
+                       add(self.itl, other.itl), self.tokens + other.tokens, self.agreed + other.agreed)
 
     def minus(self, before: Figures) -> Figures:
         """What happened since `before`; a counter that went down was reset (a router restart)."""

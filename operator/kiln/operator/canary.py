@@ -29,7 +29,7 @@ class Baseline:
     after an operator restart the interval starts again, the step and its pause do not)."""
     time: float
     canary: str
-    figures: dict[str, Figures]
+    figures: dict[str, dict[str, Figures]]  # router pod uid -> revision -> figures
 
 
 def serving_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
@@ -53,14 +53,23 @@ def unready_since(pods: list[dict[str, Any]]) -> float | None:
     return max((t for t in times if t is not None), default=None)
 
 
-def router_figures(observed: Observed) -> dict[str, Figures] | None:
-    """Per-revision figures summed over the ready routers; None when none answered."""
-    urls = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics"
-            for p in observed.pods(component="router") if is_ready(p)]
-    pages = [page for page in read_all(urls, ANALYSIS_SCRAPE_S) if page is not None] if urls else []
-    if not pages:
-        return None
-    return figures(sample for page in pages for sample in page)
+def router_figures(observed: Observed) -> dict[str, dict[str, Figures]] | None:
+    """Each ready router's per-revision figures, by pod uid; None when none answered."""
+    routers = [p for p in observed.pods(component="router") if is_ready(p)]
+    urls = [f"http://{p['status']['podIP']}:{ROUTER_PORT}/metrics" for p in routers]
+    pages = read_all(urls, ANALYSIS_SCRAPE_S) if urls else []
+    return {p["metadata"]["uid"]: figures(page) for p, page in zip(routers, pages) if page is not None} or None
+
+
+def interval(taken: dict[str, dict[str, Figures]], base: dict[str, dict[str, Figures]], revision: str) -> Figures:
+    """What the routers counted for `revision` since `base`, router by router, as Prometheus'
+    increase() takes each series before a sum: a router missing from one scrape (slow, not
+    ready) must not turn the others' lifetime counts into this interval's. A router missing
+    from either snapshot adds nothing."""
+    empty, total = Figures(), Figures()
+    for router in taken.keys() & base.keys():
+        total = total.plus(taken[router].get(revision, empty).minus(base[router].get(revision, empty)))
+    return total
 
 
 def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baselines: dict[Any, Baseline],
@@ -77,9 +86,7 @@ def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baseli
     baselines[key] = Baseline(now, state.canary, taken)
     if base is None or base.canary != state.canary:
         return None
-    empty = Figures()
-    return check(taken.get(state.canary, empty).minus(base.figures.get(state.canary, empty)),
-                 taken.get(state.stable, empty).minus(base.figures.get(state.stable, empty)),
+    return check(interval(taken, base.figures, state.canary), interval(taken, base.figures, state.stable),
                  spec.rollout.analysis)
 
 
