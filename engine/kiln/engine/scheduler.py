@@ -31,6 +31,11 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+def _needed(seq: Sequence) -> int:
+    """The tokens a running sequence must run to make progress: its pending ones but drafts."""
+    return seq.num_pending_tokens - seq.num_draft_tokens
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_loras: int = 1):
@@ -52,20 +57,29 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Decodes first, then unfinished prefills; each group first come, first served.
-        queue = deque(sorted(self.running, key=lambda s: (s.num_pending_tokens - s.num_draft_tokens > 1, s.arrival)))
+        queue = deque(sorted(self.running, key=lambda s: (_needed(s) > 1, s.arrival)))
+        # A decode's drafts take only the tokens and blocks the decodes behind it do not need:
+        # guesses must not starve another request's one real token, nor preempt it.
+        decodes_behind = sum(1 for s in queue if _needed(s) <= 1)
         kept: list[Sequence] = []
         preempted = False
         while queue and budget > 0:
             seq = queue.popleft()
-            num_tokens = self._fit(seq, min(seq.num_pending_tokens, budget))
+            needed = _needed(seq)
+            decodes_behind -= needed <= 1
+            num_tokens = self._fit(seq, min(needed, budget))
             while num_tokens == 0 and queue:
                 self._preempt(queue.pop())
+                decodes_behind = sum(1 for s in queue if _needed(s) <= 1)
                 preempted = True
-                num_tokens = self._fit(seq, min(seq.num_pending_tokens, budget))
+                num_tokens = self._fit(seq, min(needed, budget))
             if num_tokens == 0:
                 self._preempt(seq)  # alone and still no room: step aside for the others
                 preempted = True
                 break
+            if seq.num_draft_tokens:
+                drafts = min(seq.num_draft_tokens, budget - decodes_behind - num_tokens)
+                num_tokens = max(num_tokens, self._fit(seq, num_tokens + drafts, keep_blocks=decodes_behind))
             seq.drop_drafts(seq.num_pending_tokens - num_tokens)  # drafts that do not fit wait for no step
             self.block_manager.append_slots(seq, num_tokens)
             batch.add(seq, num_tokens)
@@ -97,10 +111,12 @@ class Scheduler:
         self.running = sorted(kept, key=lambda s: s.arrival)
         return batch
 
-    def _fit(self, seq: Sequence, num_tokens: int) -> int:
-        """How many of `num_tokens` fit into the sequence's blocks plus the free pool."""
+    def _fit(self, seq: Sequence, num_tokens: int, keep_blocks: int = 0) -> int:
+        """How many of `num_tokens` fit into the sequence's blocks plus the free pool (less
+        `keep_blocks` kept for others)."""
         bm = self.block_manager
-        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        free = max(bm.num_free_blocks - keep_blocks, 0)
+        room = (len(seq.block_table) + free) * bm.block_size - seq.num_computed_tokens
         return max(0, min(num_tokens, room))
 
     def _preempt(self, seq: Sequence) -> None:
