@@ -108,7 +108,56 @@ def test_a_tensor_parallel_target_checks_a_whole_drafts_guesses(tiny_llama_dir):
         assert greedy(llm, TINY_PROMPTS) == want
         assert llm.engine.num_accepted_tokens > 0
     finally:
-        llm.engine.runner.close()
+        llm.close()
+
+
+def test_drafts_never_starve_another_requests_token(tiny_llama_dir):
+    """Eight requests, a step of 16 tokens and 4 guesses each: the first four requests' drafts
+    took the whole step, and the last ones waited up to 22 steps for a token. Now every running
+    request makes a token every step, and the tokens are the target's own."""
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(2)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = dict(TINY, max_num_batched_tokens=16, max_num_seqs=8)
+    want = [o.token_ids for o in LLM(str(tiny_llama_dir), **small).generate(prompts, params)]
+    llm = LLM(str(tiny_llama_dir), **small, speculative=SpeculativeConfig(
+        method="draft_model", model=str(tiny_llama_dir), num_speculative_tokens=4))
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    produced: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    step, silent = 0, []
+    while engine.has_unfinished_requests():
+        step += 1
+        outputs = {o.request_id: o for o in engine.step()}
+        for rid, tokens in produced.items():
+            if rid in outputs and outputs[rid].new_token_ids:
+                tokens[:] = outputs[rid].token_ids
+            elif len(tokens) < params.max_tokens:
+                silent.append((step, rid))
+    assert not silent, f"(step, request) without a token: {silent[:10]}"
+    assert [produced[str(i)] for i in range(len(prompts))] == want
+    assert engine.num_accepted_tokens > 0
+
+
+def test_the_drafts_catch_up_runs_in_steps_of_the_budget(tiny_llama_dir, monkeypatch):
+    """Sixteen requests share a 400-token prefix the target serves from its prefix cache: the
+    draft caught all of them up in one forward of 6,000 tokens, 200 times the 32-token step the
+    GPU pool was sized for. Now no draft forward exceeds the budget, and the tokens are the target's."""
+    from kiln.engine.model_runner import ModelRunner
+    shared = [3 + (j * 7) % 90 for j in range(400)]
+    prompts = [shared + [10 + i, 11 + i] for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    small = dict(TINY, max_num_seqs=16, kv_cache_memory=1 << 24, max_model_len=512)
+    want = [o.token_ids for o in LLM(str(tiny_llama_dir), **small).generate(prompts, params)]
+    llm = LLM(str(tiny_llama_dir), **small, speculative=SpeculativeConfig(
+        method="draft_model", model=str(tiny_llama_dir), num_speculative_tokens=4))
+    llm.generate([shared + [5]], params)  # the prefix in the target's cache
+    forwards: list[int] = []
+    last_logits = ModelRunner.last_logits
+    monkeypatch.setattr(ModelRunner, "last_logits",
+                        lambda runner, spans: forwards.append(sum(e - s for _, s, e in spans)) or last_logits(runner, spans))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert forwards and max(forwards) <= TINY["max_num_batched_tokens"], forwards
 
 
 def test_a_draft_must_share_the_vocabulary(tmp_path):

@@ -54,6 +54,7 @@ class DraftModel:
         # (sequence, first position to run, one past the last): the first pass catches the
         # draft's cache up to the token pending for the target; its logits guess the first draft.
         spans = [(seq, seq.num_draft_cached, len(seq) - seq.num_draft_tokens) for seq in seqs if seq.num_draft_tokens]
+        spans = self._catch_up(spans, self.config.max_num_batched_tokens)
         while spans:
             guesses = self.runner.model.backend.argmax(self.runner.last_logits(spans)).tolist()
             following = []
@@ -63,3 +64,21 @@ class DraftModel:
                 if end + 1 < len(seq):  # more placeholders: the guess runs next, to guess the one after
                     following.append((seq, end, end + 1))
             spans = following
+
+    def _catch_up(self, spans: list[tuple[Sequence, int, int]], budget: int) -> list[tuple[Sequence, int, int]]:
+        """Runs the spans' heads in forwards of at most `budget` tokens until what is left fits in
+        one, and returns what is left (at least each span's last token, whose logits guess). The
+        pool was sized for forwards of the target's step; the draft's catch-up may be far longer:
+        a long prompt the target chunked, or one the prefix cache served the target but not the draft."""
+        while sum(end - start for _, start, end in spans) > budget and any(end - start > 1 for _, start, end in spans):
+            head, used, rest = [], 0, []
+            for seq, start, end in spans:
+                take = max(min(end - start - 1, budget - used), 0)
+                if take:
+                    head.append((seq, start, start + take))
+                    used += take
+                    seq.num_draft_cached = start + take
+                rest.append((seq, start + take, end))
+            self.runner.last_logits(head)  # for the K/V it writes
+            spans = rest
+        return spans
