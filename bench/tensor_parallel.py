@@ -74,7 +74,7 @@ def child(args: argparse.Namespace) -> dict:
         "all_gather_ms_per_step": round(1e3 * spent["all_gather"][0] / steps[0], 2),
         "collective_share": round(collective / seconds, 3),
     }
-    llm.engine.runner.close()
+    llm.close()
     return record
 
 

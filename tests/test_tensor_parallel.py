@@ -6,8 +6,13 @@ and shutdown paths are in test_tensor_parallel_server.py. One torch thread per r
 share the machine's cores."""
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -39,7 +44,7 @@ def rank_processes() -> list[psutil.Process]:
 
 
 def assert_no_ranks_left(llm: LLM) -> None:
-    llm.engine.runner.close()
+    llm.close()
     assert not rank_processes()
 
 
@@ -220,6 +225,59 @@ def test_a_rank_that_does_not_join_in_time_is_a_clear_error(tiny_llama_dir, monk
     assert not rank_processes()
 
 
+def test_a_ctrl_c_mid_step_breaks_the_group_at_once(tiny_llama_dir):
+    """A KeyboardInterrupt between two of rank 0's collectives left the workers inside one: the
+    next generate paired the wrong collectives and hung for the collective timeout (120 s)."""
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    try:
+        def interrupt(*_: object) -> None:
+            hook.remove()
+            raise KeyboardInterrupt  # what Ctrl-C does mid-forward
+        hook = llm.engine.runner.model.inner.model.layers[1].register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(TINY_PROMPTS[:2], GREEDY_64)
+        with pytest.raises(TensorParallelError, match=r"interrupted mid-step \(KeyboardInterrupt\)"):
+            llm.generate(TINY_PROMPTS[:2], GREEDY_64)
+        assert not rank_processes()  # stopped with the group
+    finally:
+        llm.close()
+    with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY) as again:  # the process may start another
+        assert greedy(again, TINY_PROMPTS[:1]) == greedy(LLM(str(tiny_llama_dir), **TINY), TINY_PROMPTS[:1])
+    assert not rank_processes()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_ranks_do_not_outlive_a_rank_0_stopped_while_they_start(tiny_llama_dir, sig):
+    """Rank 0 gone before its workers read their pipes (stopped while loading: `kiln serve`
+    exits at once then): they waited out their 120 s timeouts and more, holding a GPU's memory."""
+    server = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", "--model", str(tiny_llama_dir),
+                               "--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "256",
+                               "--kv-cache-memory", "4Mi", "--port", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ranks: list[psutil.Process] = []
+    try:
+        ranks = eventually_ranks(server.pid)
+        server.send_signal(sig)
+        assert server.wait(60) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        _, alive = psutil.wait_procs(ranks, timeout=60)  # a spawned rank takes seconds to import torch
+        assert not alive, f"ranks left running: {alive}"
+    finally:
+        server.kill()
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
+
+
+def eventually_ranks(pid: int) -> list[psutil.Process]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ranks = [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        if ranks:
+            return ranks
+        time.sleep(0.05)
+    raise AssertionError("no rank was spawned within 60 s")
+
+
 def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(JOIN_TIMEOUT_ENV, "soon")
     with pytest.raises(ValueError, match=f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got 'soon'"):
@@ -233,6 +291,13 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     gpus = torch.cuda.device_count()
     with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {gpus + 1} is larger than the {gpus} GPU"):
         WorkerGroup(Config(device="cuda", tensor_parallel_size=gpus + 1))
+
+
+def test_a_gpu_index_is_refused(monkeypatch):
+    # Rank 0 on cuda:1 and rank 1 on cuda:1 too: NCCL refused the pair after every rank had loaded.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(TensorParallelError, match="device 'cuda:1': tensor parallelism puts rank r on cuda:r"):
+        WorkerGroup(Config(device="cuda:1", tensor_parallel_size=2))
 
 
 def test_tensor_parallel_size_must_be_positive():

@@ -17,6 +17,17 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker ranks (at exit otherwise): a process runs one
+        tensor-parallel engine at a time. Safe to call again; nothing to stop at one rank."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def add_lora(self, name: str, path: str) -> None:
         """Load a PEFT LoRA adapter (needs enable_lora=True) that generate(lora=name) runs with."""
         self.engine.add_lora(name, path)

@@ -125,14 +125,17 @@ class LLMEngine:
         except BaseException:
             # A tensor-parallel engine that fails to start stops its ranks: left running, they would hold
             # this process's torch.distributed group and refuse the next engine until the process exits.
-            if self.config.tensor_parallel_size > 1:
-                self.runner.close()
+            self.runner.close()
             raise
         self._new_scheduler()
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.is_sleeping = False
         self.num_draft_tokens = self.num_accepted_tokens = 0  # speculative decoding, since start
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any: a process runs one such engine at a time."""
+        self.runner.close()
 
     def add_lora(self, name: str, path: str) -> LoRAAdapter:
         """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""

@@ -198,6 +198,9 @@ class ModelRunner:
                 self.graphs.capture()
             log.info("CUDA graphs captured for decode batches of %s", self.graph_sizes)
 
+    def close(self) -> None:
+        """Nothing runs beside one rank (a tensor-parallel rank 0's runner stops its workers)."""
+
     def release_kv_cache(self) -> None:
         """Give the pool's memory back (sleep). Every reference goes, the layers' views and the
         graphs that captured them too, so the allocator can return it; on CUDA the caching

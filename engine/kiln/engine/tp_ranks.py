@@ -96,8 +96,12 @@ class WorkerGroup:
         if device.type == "cuda" and self.size > torch.cuda.device_count():
             raise TensorParallelError(f"tensor_parallel_size {self.size} is larger than the "
                                       f"{torch.cuda.device_count()} GPU(s) this process sees")
+        if device.type == "cuda" and device.index not in (None, 0):
+            raise TensorParallelError(f"device {config.device!r}: tensor parallelism puts rank r on cuda:r; give "
+                                      "cuda and choose the GPUs with CUDA_VISIBLE_DEVICES")
         if dist.is_initialized():  # torch.distributed has one default group a process
-            raise TensorParallelError("this process already runs a tensor-parallel engine; close it first")
+            raise TensorParallelError("this process already runs a tensor-parallel engine; close it first "
+                                      "(LLM.close())")
         backend = "nccl" if device.type == "cuda" else "gloo"
         join_s, collective_s = _seconds(JOIN_TIMEOUT_ENV, 120), _seconds(COLLECTIVE_TIMEOUT_ENV, 120)
         # The store's own operations get the collective timeout: the join deadline is _await's, and
@@ -109,7 +113,8 @@ class WorkerGroup:
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
-                               args=(rank, config, store.port, child, torch.get_num_threads(), shared_block_bytes))
+                               args=(rank, config, store.port, child, torch.get_num_threads(), shared_block_bytes,
+                                     os.getpid()))
             proc.start()
             child.close()
             self._procs.append(proc)
@@ -178,7 +183,8 @@ class WorkerGroup:
                 error = TensorParallelError(dead or "a tensor-parallel rank exited")
             elif not isinstance(error, TensorParallelError):  # a collective failed: most often a peer died
                 cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-                error = TensorParallelError(f"{dead or 'a collective failed'} ({cause})")
+                what = "interrupted mid-step" if isinstance(error, KeyboardInterrupt) else "a collective failed"
+                error = TensorParallelError(f"{dead or what} ({cause})")
             self.failure = error
             log.critical("%s: the tensor-parallel group is broken; stopping every rank", self.failure)
             self.close(grace=0)  # the other ranks may be stuck in a collective
@@ -236,8 +242,10 @@ class LeaderModel(ShardedModel):
         try:
             self.group.send(*message)
             return fn(*args)
-        except Exception as e:
+        except BaseException as e:  # a Ctrl-C between two collectives leaves the workers in one
             self.group.fail(e)
+            if not isinstance(e, Exception):
+                raise
             raise self.group.failure from e
 
 
@@ -289,12 +297,21 @@ def start_tensor_parallel(config: Config, loaded: LoadedModel, shared_block_byte
     return runner
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Rank 0 gone while this rank joins or loads, before it reads its pipe (rank 0 stopped or
+    killed during start-up): exit too, as the pipe's end would tell it later."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads: int,
-                 shared_block_bytes: int) -> None:
+                 shared_block_bytes: int, parent: int) -> None:
     # Rank 0 drains on SIGTERM/SIGINT and then stops the workers; a signal sent to the whole
     # process group must not take a worker away mid-drain.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), name="kiln-tp-parent", daemon=True).start()
     torch.set_num_threads(threads)
     size = config.tensor_parallel_size
     if config.torch_device.type == "cuda":
