@@ -256,3 +256,92 @@ def test_standbys_are_not_scraped_for_load():
         p["status"]["podIP"] = f"10.0.0.{i}"
     engines, routers = metrics_urls(Observed.of(*pods))
     assert engines == ["http://10.0.0.0:8000/metrics", "http://10.0.0.3:8000/metrics"] and routers == []
+
+
+def test_a_failing_pod_is_not_loading_and_holds_no_scale_down_even_to_zero():
+    # A bad image tag, or an engine that runs out of memory on every start: it may never be
+    # ready, and counted as loading it held every replica up for as long as it failed.
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import pod_counts
+    pulling, crashing, restarting = pod("b", False), pod("c", False), pod("d", False)
+    pulling["status"]["containerStatuses"] = [{"name": "engine", "ready": False, "restartCount": 0,
+                                               "state": {"waiting": {"reason": "ImagePullBackOff"}}}]
+    crashing["status"]["containerStatuses"] = [{"name": "engine", "ready": False, "restartCount": 7,
+                                                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                                "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]
+    restarting["status"]["containerStatuses"] = [{"name": "engine", "ready": False, "restartCount": 1,
+                                                  "state": {"running": {}},
+                                                  "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}]
+    observed = Observed.of(pod("a", True), pulling, crashing, restarting, pod("e", False))
+    assert pod_counts(observed, "r1") == (1, 1, 0, None)  # e alone loads
+    ready, loading, _, _ = pod_counts(Observed.of(pulling), "r1")
+    samples = [Sample(1000.0 - i, 0.0) for i in range(60)]
+    decision, _ = decide(samples, spec(minReplicas=0, scaleDownDelay="60s"), ScalerState(1, lower_since=0.0),
+                         ready, loading, 1000.0)
+    assert (decision.replicas, decision.reason) == (0, "ScaledToZero")
+
+
+def test_a_raised_min_replicas_applies_at_once_with_or_without_metrics():
+    # Metrics down for good (a NetworkPolicy keeping the operator out) and minReplicas raised to
+    # pin capacity: it held at 0, saying so, while a lowered maxReplicas applied.
+    decision, state = decide([], spec(minReplicas=2, maxReplicas=4), ScalerState(0), 0, 0, 1000.0)
+    assert (decision.replicas, decision.reason, state.replicas) == (2, "MetricsUnavailable", 2)
+    assert decide([Sample(1000.0, 0.0)], spec(minReplicas=2), ScalerState(0), 0, 0, 1000.0)[0].replicas == 2
+
+
+def test_at_max_replicas_only_when_held_by_max_not_by_the_rate_limit():
+    run = Run(spec(maxReplicas=100), replicas=2, start_ticks=100)
+    run.ready = 2
+    decision = run.tick(4000.0)  # asks for 1000; the rate limit allows 2 x MAX_SCALE_UP_RATE
+    assert decision.replicas == int(2 * MAX_SCALE_UP_RATE) < 100 and decision.reason == "Scaled"
+    capped = Run(spec(maxReplicas=3), replicas=2)
+    capped.ready = 2
+    assert capped.tick(400.0).reason == "AtMaxReplicas"
+
+
+def test_the_builtin_autoscaler_starts_from_the_serving_replicas_of_a_pooled_revision():
+    # Switched to builtin from another mode (no saved decision), with 1 serving and a warm pool of
+    # 2: it started from the Deployment's 3, promoting both standbys at once.
+    from kiln.operator.desired import desired
+    from kiln.operator.models import InferenceServiceSpec
+    from kiln.operator.observed import Observed
+    from kiln.operator.render import Owner, revision_name
+    from kiln.operator.scaling import current_replicas
+    owner = Owner("chat", "ns", "uid")
+    body = {"model": {"source": "builtin://smollm2-135m"}, "replicas": 1, "warmPool": {"size": 2}}
+    manual = InferenceServiceSpec.model_validate(body)
+    deployment = desired(owner, manual, Observed(), "img").stable.deployment
+    deployment["spec"]["replicas"] = 3  # as the last pass scaled it: 1 serving + 2 standbys
+    observed = Observed.of(deployment)
+    builtin = InferenceServiceSpec.model_validate({**body, "autoscaling": {"mode": "builtin", "maxReplicas": 4}})
+    assert current_replicas(builtin, observed, revision_name("chat", builtin), 1) == 1
+
+
+def test_a_router_that_does_not_answer_counts_at_the_average_of_those_that_did():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kiln.operator.scrape import scrape
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = (b"kiln_router_held_requests 10\n" if self.server.server_port == routers[0].server_port
+                    else b"kiln:num_requests_waiting 4\nkiln:num_requests_running 10\n")
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+    routers = [ThreadingHTTPServer(("127.0.0.1", 0), Metrics)]
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    for server in (*routers, engine):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        silent = "http://127.0.0.1:9/metrics"  # nothing listens on the discard port
+        urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in routers]
+        taken = scrape([f"http://127.0.0.1:{engine.server_port}/metrics"], urls + [silent], 1000.0)
+        assert taken.sample.load == 14.0 + 2 * 10.0  # the silent router holds what the other does
+    finally:
+        for server in (*routers, engine):
+            server.shutdown()

@@ -94,6 +94,9 @@ def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, 
         spec = scaled["spec"]
         assert spec["scaleTargetRef"] == {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": "keda"}
         assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["cooldownPeriod"]) == (0, 3, 90)
+        # cooldownPeriod is the step to zero only: the steps above it take the window of KEDA's HPA.
+        behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior == {"scaleDown": {"stabilizationWindowSeconds": 90}}
         (trigger,) = spec["triggers"]
         assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
         assert f'namespace="{ns}"' in trigger["metadata"]["query"] and '="keda"' in trigger["metadata"]["query"]

@@ -88,6 +88,9 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
                         lower_peak_at=None)
     fresh = [s for s in samples if now - stable_window <= s.time <= now]
     stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
+    if state.replicas < spec.minReplicas:  # a minReplicas raised applies at once too, metrics or not
+        state = replace(state, replicas=spec.minReplicas, last_scale=now, lower_since=None, lower_peak=None,
+                        lower_peak_at=None)
     current = state.replicas
     if panic_load is None or stable_load is None:  # nothing recent: hold, never guess zero
         return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.panicWindow}; "
@@ -142,7 +145,7 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
         state = replace(state, replicas=capped, last_scale=now, lower_since=since, lower_peak=None, lower_peak_at=None)
     message = (f"load {stable_load:.1f} (panic window {panic_load:.1f}) at {target} per replica "
                f"asks for {want}; {capped} replica(s)")
-    if want > spec.maxReplicas:
+    if want > spec.maxReplicas and capped == spec.maxReplicas:  # not merely held back by the rate limit
         return Decision(capped, "AtMaxReplicas", message + f" (maxReplicas {spec.maxReplicas})", mode,
                         stable_load), state
     return Decision(capped, "ScaledToZero" if capped == 0 else "Scaled", message, mode, stable_load), state

@@ -12,9 +12,9 @@ from .autoscaler import seconds
 from .desired import Split, fully_ready
 from .models import InferenceServiceSpec
 from .observed import Observed, engine_failure, is_ready, replicas_of
-from .render import ROUTER_PORT, Owner, revision_name, template_pooled
+from .render import ROUTER_PORT, Owner, revision_name
 from .rollout import FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
-from .scaling import epoch
+from .scaling import epoch, serving_replicas
 from .scrape import read_all
 
 
@@ -30,12 +30,6 @@ class Baseline:
     time: float
     canary: str
     figures: dict[str, dict[str, Figures]]  # router pod uid -> revision -> figures
-
-
-def serving_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
-    """The replicas of a revision's Deployment that serve (its warm pool's standbys left out)."""
-    pool = spec.warmPool.size if spec.warmPool and deployment and template_pooled(deployment) else 0
-    return max(replicas_of(deployment) - pool, 0)
 
 
 def stable_revision(previous: dict[str, Any], state: State | None, target: str) -> str:

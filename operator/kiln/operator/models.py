@@ -234,10 +234,11 @@ class Autoscaling(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
         "self.minReplicas <= self.maxReplicas",
         "autoscaling.minReplicas must not be greater than autoscaling.maxReplicas"), cel(
-        # The HPA's scale-down stabilization window is what carries it there; the API server
-        # refuses an HPA whose window is longer than an hour.
-        "self.mode != 'hpa' || duration(self.scaleDownDelay) <= duration('1h')",
-        "autoscaling.scaleDownDelay must be at most 1h with mode hpa (an HPA's longest scale-down window)"), cel(
+        # The HPA's scale-down stabilization window is what carries it there (KEDA's HPA too); the
+        # API server refuses an HPA whose window is longer than an hour.
+        "!(self.mode in ['hpa', 'keda']) || duration(self.scaleDownDelay) <= duration('1h')",
+        "autoscaling.scaleDownDelay must be at most 1h with mode hpa or keda (an HPA's longest scale-down "
+        "window)"), cel(
         # Knative's bounds: a shorter stable window follows each sample's noise, and a panic
         # window longer than the stable one would be the slower of the two.
         "duration(self.stableWindow) >= duration('6s')",

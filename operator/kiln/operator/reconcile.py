@@ -217,7 +217,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
     if taken.sample is not None:
         window.append(taken.sample)
     window[:] = [s for s in window if s.time >= at - seconds(spec.autoscaling.stableWindow)]
-    initial = current_replicas(observed, stable, desired_replicas(spec))
+    initial = current_replicas(spec, observed, stable, desired_replicas(spec))
     return capacity(builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start),
                     observed, stable)
 

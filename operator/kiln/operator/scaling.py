@@ -10,9 +10,9 @@ from typing import Any
 
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
-from .observed import Observed, is_ready, replicas_of
+from .observed import Observed, engine_failure, is_ready, replicas_of
 from .quantity import canonical
-from .render import LABEL_ISVC, LABEL_SERVING, PORT, ROUTER_PORT, Owner, metadata
+from .render import LABEL_ISVC, LABEL_SERVING, PORT, ROUTER_PORT, Owner, metadata, template_pooled
 from .status import condition
 
 
@@ -48,11 +48,24 @@ def serves(pod: dict[str, Any]) -> bool:
     return (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
 
 
+# A container waiting for one of these is failing, not loading: it may never start.
+FAILING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+           "CreateContainerError", "RunContainerError"}
+
+
+def failing(pod: dict[str, Any]) -> bool:
+    """A pod whose engine failed (exited with an error, or cannot be started): not on its way."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return engine_failure([pod]) is not None or any(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason") in FAILING for c in statuses)
+
+
 def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | None]:
     """(ready, loading, unschedulable, why they cannot be scheduled) for a revision's pods;
     terminating pods are neither capacity nor on their way, a warm pool's ready standbys serve
-    nobody yet, and a pod no node fits is not loading: it must not hold a scale-down (it may
-    never start, and holding it would keep a cluster autoscaler adding nodes for no load)."""
+    nobody yet, and neither a pod no node fits nor one whose engine fails (a crash loop, an image
+    that cannot be pulled) is loading: it must not hold a scale-down, even to zero (it may never
+    start, and holding it would keep a cluster autoscaler adding nodes for no load)."""
     ready = loading = unschedulable = 0
     why = None
     for pod in observed.pods(revision):
@@ -68,7 +81,7 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
         if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
             unschedulable += 1
             why = scheduled.get("message", "no node fits the pod")
-        else:
+        elif not failing(pod):
             loading += 1
     return ready, loading, unschedulable, why
 
@@ -131,9 +144,17 @@ def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
                                                 f"{unschedulable} replica(s) cannot be scheduled: {why}"))
 
 
-def current_replicas(observed: Observed, stable: str, fallback: int) -> int:
+def serving_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
+    """The replicas of a revision's Deployment that serve (its warm pool's standbys left out)."""
+    pool = spec.warmPool.size if spec.warmPool and deployment and template_pooled(deployment) else 0
+    return max(replicas_of(deployment) - pool, 0)
+
+
+def current_replicas(spec: InferenceServiceSpec, observed: Observed, stable: str, fallback: int) -> int:
+    """The stable revision's serving replicas now, else `fallback`: where the builtin autoscaler
+    starts without a saved decision (a switch from another mode, a status lost)."""
     found = observed.engine(stable)
-    return replicas_of(found) if found is not None else fallback
+    return serving_replicas(spec, found) if found is not None else fallback
 
 
 KEDA_CRD = "scaledobjects.keda.sh"
@@ -173,7 +194,11 @@ def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, prometheus_ur
         "spec": {
             "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name},
             "minReplicaCount": scaling.minReplicas, "maxReplicaCount": scaling.maxReplicas,
+            # cooldownPeriod is only the last step, to zero; the steps above it are the HPA's that
+            # KEDA makes, whose window is an hour at most (an object stored before the CRD said so).
             "cooldownPeriod": int(seconds(scaling.scaleDownDelay)),
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
+                "stabilizationWindowSeconds": min(int(seconds(scaling.scaleDownDelay)), 3600)}}}},
             "triggers": [{"type": "prometheus", "metadata": {
                 "serverAddress": prometheus_url, "query": query, "threshold": str(scaling.targetQueueDepth)}}],
         },

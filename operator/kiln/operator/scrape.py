@@ -73,7 +73,8 @@ def read_all(urls: list[str], timeout: float = TIMEOUT_S) -> list[list[tuple[str
 def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     """One sample from the ready engine pods' and router pods' metrics URLs. No sample when no
     router answered (its held requests are the load at zero) or engines run and none answered.
-    Engines that did not answer count at the average of those that did, never at zero."""
+    Engines that did not answer count at the average of those that did, never at zero; so do
+    routers (a slow router's backlog must not read as none)."""
     urls = engines + routers
     pages = [totals(samples) for samples in read_all(urls)]
     loads = [sum(p[n] for n in ENGINE_LOAD) for p in pages[:len(engines)]
@@ -86,4 +87,4 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     if not held or (engines and not loads):
         return Scrape(None, cold_start)
     engine_load = sum(loads) / len(loads) * len(engines) if engines else 0.0
-    return Scrape(Sample(now, engine_load + sum(held)), cold_start)
+    return Scrape(Sample(now, engine_load + sum(held) / len(held) * len(routers)), cold_start)
