@@ -29,12 +29,13 @@ test: $(STAMP) local-bins images
 
 # The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
 # kubectl apply -k manifests/, the operator running, examples/smollm2.yaml Ready; prints the
-# URL and a curl to try. `make down` takes it all down (logic in operator/kiln/local/demo.py).
+# URL and a curl to try. `make down` takes it all down (logic in operator/kiln/local/demo.py);
+# FORCE=1 even while test sessions use the cluster.
 up: $(STAMP) local-bins
 	$(PY) -m kiln.local.demo up
 
 down: $(STAMP)
-	$(PY) -m kiln.local.demo down
+	$(PY) -m kiln.local.demo down $(if $(FORCE),--force)
 
 clean-venv:
 	rm -rf $(VENV)

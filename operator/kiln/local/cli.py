@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import sys
 from pathlib import Path
 
@@ -29,19 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rebuild", action="store_true", help="images: build even when cached")
 
 
-def check_network(bridge: str, subnet: str) -> str | None:
-    """The reason the bridge name or subnet cannot be used, or None."""
-    if not bridge.isalnum() or not 1 <= len(bridge) <= 9:
-        return f"--bridge {bridge!r}: use 1-9 letters/digits (namespaces and veths derive names from it)"
-    try:
-        net = ipaddress.IPv4Network(subnet)
-    except ValueError as exc:
-        return f"--subnet {subnet!r}: {exc}"
-    if not 16 <= net.prefixlen <= 28 or not net.is_private or net.overlaps(ipaddress.IPv4Network("127.0.0.0/8")):
-        return f"--subnet {subnet}: use a private, non-loopback IPv4 range from /16 to /28"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     directory = args.dir or cluster.default_dir()
     try:
@@ -51,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
             for target in build.TARGETS:
                 print(f"{target.module} {target.version}: {build.bin_dir(target)}")
         elif args.action == "up":
-            problem = check_network(args.bridge, args.subnet)
+            problem = cluster.check_network(args.bridge, args.subnet)  # a usage error: exit 2
             if problem:
                 print(f"kiln local up: {problem}", file=sys.stderr)
                 return 2

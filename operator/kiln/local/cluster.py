@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import http.client
 import ipaddress
 import json
 import os
@@ -41,6 +42,19 @@ RUNTIME = "runtime"  # the test pod runtime (kiln.local.runtime), started after 
 
 def default_dir() -> Path:
     return Path(os.environ.get("KILN_LOCAL_DIR") or build.cache_root() / "local")
+
+
+def check_network(bridge: str, subnet: str) -> str | None:
+    """The reason the bridge name or subnet cannot be used, or None."""
+    if not bridge.isalnum() or not 1 <= len(bridge) <= 9:
+        return f"--bridge {bridge!r}: use 1-9 letters/digits (namespaces and veths derive names from it)"
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as exc:
+        return f"--subnet {subnet!r}: {exc}"
+    if not 16 <= net.prefixlen <= 28 or not net.is_private or net.overlaps(ipaddress.IPv4Network("127.0.0.0/8")):
+        return f"--subnet {subnet}: use a private, non-loopback IPv4 range from /16 to /28"
+    return None
 
 
 @dataclass
@@ -116,9 +130,19 @@ class Cluster:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.server() + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, context=ctx, timeout=10) as resp:
+        with urlopen(req, timeout=10, context=ctx) as resp:
             raw = resp.read()
         return json.loads(raw) if raw.startswith(b"{") else {"body": raw.decode()}
+
+
+def urlopen(url: str | urllib.request.Request, timeout: float,
+            context: ssl.SSLContext | None = None) -> http.client.HTTPResponse:
+    """urllib's urlopen, never through a proxy: what kiln local reaches (loopback, the pods'
+    bridge) is on this machine, and a user's http_proxy/https_proxy would send it elsewhere."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    return urllib.request.build_opener(*handlers).open(url, timeout=timeout)
 
 
 def free_port() -> int:
@@ -147,7 +171,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, record: dic
 def https_ok(url: str) -> bool:
     # The controller-manager and scheduler serve /healthz with self-signed certificates.
     ctx = ssl._create_unverified_context()
-    with urllib.request.urlopen(url, context=ctx, timeout=5) as resp:
+    with urlopen(url, timeout=5, context=ctx) as resp:
         return resp.status == 200
 
 
@@ -207,11 +231,11 @@ def client_flags(c: Cluster, client: str) -> list[str]:
 def health_checks(c: Cluster, state: dict) -> dict[str, Callable[[], bool]]:
     p = state["ports"]
     return {
-        "etcd": lambda: urllib.request.urlopen(f"http://127.0.0.1:{p['etcd']}/health", timeout=5).status == 200,
+        "etcd": lambda: urlopen(f"http://127.0.0.1:{p['etcd']}/health", timeout=5).status == 200,
         "kube-apiserver": lambda: c.api("GET", "/readyz")["body"] == "ok",
         "kube-controller-manager": lambda: https_ok(f"https://127.0.0.1:{p['controller_manager']}/healthz"),
         "kube-scheduler": lambda: https_ok(f"https://127.0.0.1:{p['scheduler']}/healthz"),
-        "kwok": lambda: urllib.request.urlopen(f"http://127.0.0.1:{p['kwok']}/healthz", timeout=5).status == 200,
+        "kwok": lambda: urlopen(f"http://127.0.0.1:{p['kwok']}/healthz", timeout=5).status == 200,
     }
 
 
@@ -220,8 +244,13 @@ def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBN
     """Start the cluster unless it runs already; returns (cluster, whether this call started it).
 
     `user` (a pid) registers a test session: a cluster that sessions started is taken down
-    by the last of them to leave(), never under another session that still uses it.
+    by the last of them to leave(), never under another session that still uses it. An `up`
+    without one (a user's) makes the cluster the user's: no session takes it down then.
     """
+    # Here, not only in the CLI: `make up` and tests take bridge and subnet from the environment.
+    problem = check_network(bridge, subnet)
+    if problem:
+        raise RuntimeError(problem)
     c = Cluster(directory)
     dir_created = not c.dir.exists() or c.state().get("dir_created", False)
     with c.locked():
@@ -242,6 +271,8 @@ def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBN
             (c.dir / "users" / str(user)).write_text(str(processes.start_ticks(user)))
             if started:
                 c.save({**c.state(), "owner": "tests"})
+        elif c.state().get("owner") == "tests":
+            c.save({k: v for k, v in c.state().items() if k != "owner"})
         return c, started
 
 
@@ -266,9 +297,11 @@ def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: b
     c.save(state)
     net = c.network(state)
     net.check_free()
-    state["bridge_created"] = True  # recorded first: a half-made bridge is removed too
-    c.save(state)
     net.create_bridge()
+    # Only once made: a failed add may have met a bridge of that name that another cluster made
+    # since check_free(), and `down` must not delete that one. (create_bridge removes a half-made one.)
+    state["bridge_created"] = True
+    c.save(state)
     started = time.monotonic()
     pki.make_pki(c.dir / "pki", ["127.0.0.1", net.gateway, str(ipaddress.IPv4Network(SERVICE_CIDR)[1])])
     for client in ("admin", "controller-manager", "scheduler"):
@@ -297,11 +330,20 @@ def ensure_runtime(c: Cluster, log: TextIO) -> None:
     if c.running().get(RUNTIME):
         return
     argv = [sys.executable, "-m", "kiln.cli", "local", "runtime", f"--dir={c.dir}"]
-    record = processes.launch(argv, c.dir / "logs" / f"{RUNTIME}.log")
+    log_path = c.dir / "logs" / f"{RUNTIME}.log"
+    # The log is appended to across restarts: only what this launch writes tells that it is up.
+    offset = log_path.stat().st_size if log_path.exists() else 0
+    record = processes.launch(argv, log_path)
     state["processes"][RUNTIME] = record
     c.save(state)
-    wait_for(RUNTIME, lambda: "pod runtime up" in Path(record["log"]).read_text(), 60, record)
+    wait_for(RUNTIME, lambda: "pod runtime up" in read_from(log_path, offset), 60, record)
     print(f"{RUNTIME} ready (pid {record['pid']})", file=log, flush=True)
+
+
+def read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
 
 
 def create_nodes(c: Cluster, net: PodNetwork) -> None:
@@ -340,13 +382,12 @@ def teardown(c: Cluster) -> None:
             path.unlink(missing_ok=True)
 
 
-def remove(c: Cluster) -> dict:
+def remove(c: Cluster) -> None:
     """teardown(), then drop the directory if `up` made it; call with the lock held."""
     state = c.state()
     teardown(c)
     if state.get("dir_created") and not any(c.dir.iterdir()):
         c.dir.rmdir()
-    return state
 
 
 def down(directory: Path, force: bool = False) -> bool:
@@ -355,7 +396,10 @@ def down(directory: Path, force: bool = False) -> bool:
     if not c.dir.exists():
         return False
     with c.locked():
+        if not c.state():  # nothing `up` made, or another project's directory: remove nothing
+            return False
         if c.users() and not force:
-            raise RuntimeError(f"test sessions (pids {c.users()}) still use the cluster; wait or use --force")
-        state = remove(c)
-    return bool(state)
+            raise RuntimeError(f"test sessions (pids {c.users()}) still use the cluster; wait, or force it: "
+                               "`kiln local down --force`, `make down FORCE=1`")
+        remove(c)
+    return True

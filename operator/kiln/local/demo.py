@@ -12,7 +12,6 @@ import argparse
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 from kiln.local import cluster, processes
@@ -79,7 +78,7 @@ def wait_until_serving(kubeconfig: Path, name: str, namespace: str, timeout: flo
     def answering() -> str | None:
         url = router_url(kubeconfig, name, namespace)
         if url:
-            urllib.request.urlopen(url.removesuffix("/v1") + "/ready", timeout=5).close()
+            cluster.urlopen(url.removesuffix("/v1") + "/ready", timeout=5).close()
         return url
     return eventually(answering, f"the router of {namespace}/{name} (Ready) to answer /ready", timeout=120,
                       interval=1, ignore=(OSError,))
@@ -102,8 +101,8 @@ def up() -> int:
     return 0
 
 
-def down() -> int:
-    removed = cluster.down(cluster.default_dir())
+def down(force: bool = False) -> int:
+    removed = cluster.down(cluster.default_dir(), force)
     print("local cluster stopped and removed" if removed else "no local cluster to take down")
     return 0
 
@@ -111,9 +110,11 @@ def down() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kiln.local.demo", description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("up", "down"))
+    parser.add_argument("--force", action="store_true",
+                        help="down even while test sessions use the cluster (`make down FORCE=1`)")
     args = parser.parse_args(argv)
     try:
-        return up() if args.action == "up" else down()
+        return up() if args.action == "up" else down(args.force)
     except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as exc:  # kubectl failed, a wait timed out
         print(f"make {args.action}: {exc}", file=sys.stderr)
         return 1

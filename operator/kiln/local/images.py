@@ -139,6 +139,8 @@ def ensure_base() -> bool:
                        env=podman_env(), check=True, stdout=subprocess.DEVNULL)
         tar.stdout.close()
         if tar.wait() != 0:
+            # The import tagged what it got, labelled as this recipe's: the next run would take it for good.
+            podman("rmi", "--force", BASE, check=False)
             raise RuntimeError("tar of the debootstrap root failed")
     return True
 

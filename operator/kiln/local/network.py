@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
+import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -54,15 +57,23 @@ class PodNetwork:
         if link_exists(self.bridge):
             raise RuntimeError(f"network device {self.bridge} already exists; pick another with --bridge "
                                f"or remove it (`ip link del {self.bridge}`) if it is left over")
-        for line in ip("-4", "route", "show").stdout.splitlines():
-            dest = line.split()[0]
-            if dest != "default" and self.subnet.overlaps(ipaddress.IPv4Network(dest, strict=False)):
-                raise RuntimeError(f"{self.subnet} overlaps the host route '{line.strip()}'; pick another --subnet")
+        # JSON: the text form's lines may start with a route type (blackhole, unreachable) or a nexthop.
+        for route in json.loads(ip("-j", "-4", "route", "show").stdout or "[]"):
+            try:
+                dest = ipaddress.IPv4Network(route.get("dst", ""), strict=False)
+            except ValueError:  # "default", or no destination at all
+                continue
+            if self.subnet.overlaps(dest):
+                raise RuntimeError(f"{self.subnet} overlaps the host route to {route['dst']}; pick another --subnet")
 
     def create_bridge(self) -> None:
         ip("link", "add", "name", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
-        ip("link", "set", self.bridge, "up")
+        try:
+            ip("addr", "add", f"{self.gateway}/{self.subnet.prefixlen}", "dev", self.bridge)
+            ip("link", "set", self.bridge, "up")
+        except BaseException:  # a half-made bridge is ours to remove: the caller records only a whole one
+            self.delete_bridge()
+            raise
 
     def delete_bridge(self) -> None:
         if link_exists(self.bridge):
@@ -89,8 +100,9 @@ class PodNetwork:
         netns = self.netns_name(name)
         if len(netns) > 64 or "/" in name:
             raise ValueError(f"namespace name {name!r} is too long or has a '/'")
-        if netns in self.system_namespaces():
-            raise RuntimeError(f"network namespace {netns} already exists")
+        # One of this name is this cluster's (its bridge's name is in it), left by a runtime that
+        # crashed or a create that failed half way: its pod is started anew, so it goes.
+        self.delete_namespace(name)
         # Recorded before it is made, so that `down` also cleans up a half-made one.
         self.records().mkdir(parents=True, exist_ok=True)
         (self.records() / name).write_text(f"{netns} {address}\n")
@@ -133,13 +145,17 @@ class PodNetwork:
             time.sleep(0.05)
 
     def delete_namespace(self, name: str) -> None:
-        """Remove a namespace made by create_namespace, with its veth pair."""
+        """Remove a namespace made by create_namespace, with its veth pair and what runs in it."""
         netns, (host, _) = self.netns_name(name), self.veth_names(name)
-        # A process still inside keeps the namespace alive; deleting the host end of the
-        # pair cuts it off the bridge all the same.
         if link_exists(host):
             ip("link", "del", host)
         if netns in self.system_namespaces():
+            # `ip netns del` only unmounts it: processes inside (a crashed runtime's pods) run on.
+            for pid in ip("netns", "pids", netns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             ip("netns", "del", netns)
         (self.records() / name).unlink(missing_ok=True)
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kubernetes.client.rest import ApiException
+
+from kiln.local.cluster import urlopen
 
 
 def field_value(pod: Any, path: str) -> str:
@@ -48,7 +49,7 @@ class Probe:
 
     def check(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url, timeout=min(self.period, 2.0)) as resp:
+            with urlopen(self.url, timeout=min(self.period, 2.0)) as resp:
                 return 200 <= resp.status < 400
         except (OSError, urllib.error.URLError):
             return False

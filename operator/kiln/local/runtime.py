@@ -99,7 +99,10 @@ class Runtime:
                 # process still runs its preStop pause: two namespaces with one address would
                 # split that address's traffic between them. The new pod starts once it is free.
                 if not any(run.ip == pod.status.pod_ip for run in self.pods.values()):
-                    self.start(pod)
+                    try:
+                        self.start(pod)
+                    except Exception:  # noqa: BLE001 - one pod's trouble (podman missing...) must not stall the rest
+                        log.exception("starting %s/%s failed; retrying", pod.metadata.namespace, pod.metadata.name)
         for run in list(self.pods.values()):
             if not run.stopping:
                 self.check(run)
@@ -112,8 +115,12 @@ class Runtime:
             self.refused.add(pod.metadata.uid)  # the spec will not change: no retry
             return
         self.net.create_namespace(run.netns, run.ip)
-        self.pods[run.uid] = run
-        self.launch(run)
+        try:
+            self.launch(run)
+        except BaseException:  # the pod may be deleted before a retry: leave no namespace behind
+            self.net.delete_namespace(run.netns)
+            raise
+        self.pods[run.uid] = run  # only once launched: a failed start is tried again from the start
 
     def remove(self, pod: Any) -> None:
         """Delete a pod for good; kwok leaves annotated pods to us (see kiln.local.kwok)."""

@@ -1,0 +1,310 @@
+"""kiln.local without a cluster: up/down bookkeeping, the pod network's `ip` calls and the
+runtime's sync loop, against fakes (no root, no bridge, no network namespaces)."""
+from __future__ import annotations
+
+import datetime
+import http.server
+import ipaddress
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from kubernetes.client import V1Container, V1ObjectMeta, V1Pod, V1PodList, V1PodSpec, V1PodStatus
+
+from kiln.local import build, cluster, demo, images, network, processes, runtime
+from kiln.local.network import PodNetwork
+from kiln.local.pod_spec import Probe
+
+pytestmark = pytest.mark.timeout(60)
+SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
+
+
+@pytest.fixture(autouse=True)
+def no_host_changes(tmp_path, monkeypatch):
+    """Locks and caches under tmp_path; podman never runs (a test that wants it fakes it)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(images, "remove_containers", lambda label: None)
+
+
+@pytest.fixture
+def sleeper():
+    """A process to stand for a test session or a pod's process."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+class FakeIp:
+    """network.ip: records the calls; answers `ip netns list`, `ip netns pids` and `ip link show`."""
+
+    def __init__(self, namespaces: dict[str, list[int]] | None = None, links: set[str] | None = None,
+                 routes: list[dict] | None = None) -> None:
+        self.namespaces = namespaces or {}  # name -> pids inside
+        self.links = links if links is not None else set()
+        self.routes = routes or []
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        self.calls.append(args)
+        out, rc = "", 0
+        if args[:2] == ("netns", "list"):
+            out = "".join(f"{n} (id: 0)\n" for n in self.namespaces)
+        elif args[:2] == ("netns", "pids"):
+            out = "".join(f"{pid}\n" for pid in self.namespaces.get(args[2], []))
+        elif args[:2] == ("netns", "del"):
+            self.namespaces.pop(args[2])
+        elif args[:2] == ("link", "show"):
+            rc = 0 if args[3] in self.links else 1
+        elif args[:3] == ("link", "add", "name"):
+            if args[3] in self.links:
+                raise RuntimeError(f"ip {' '.join(args)}: RTNETLINK answers: File exists")
+            self.links.add(args[3])
+        elif args[:2] == ("link", "del"):
+            self.links.discard(args[2])
+        elif args[:4] == ("-j", "-4", "route", "show"):
+            out = json.dumps(self.routes)
+        return subprocess.CompletedProcess(["ip", *args], rc, out, "")
+
+
+def write_state(directory: Path, **extra: object) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "state.json").write_text(json.dumps({"ports": {"apiserver": 1}, "processes": {}, **extra}))
+
+
+def register_user(directory: Path, pid: int) -> None:
+    (directory / "users").mkdir(exist_ok=True)
+    (directory / "users" / str(pid)).write_text(str(processes.start_ticks(pid)))
+
+
+def test_down_removes_nothing_from_a_directory_without_state(tmp_path):
+    project = tmp_path / "project"
+    for entry in ("logs", "certs", "pki", "src"):
+        (project / entry).mkdir(parents=True)
+        (project / entry / "important.txt").write_text("keep me")
+    assert cluster.down(project) is False
+    assert sorted(p.name for p in project.iterdir()) == ["certs", "logs", "pki", "src"]
+    assert all((project / e / "important.txt").exists() for e in ("logs", "certs", "pki", "src"))
+
+
+def pod(name: str, uid: str, ip: str, deleting: bool = False) -> V1Pod:
+    return V1Pod(metadata=V1ObjectMeta(namespace="ns", name=name, uid=uid,
+                                       annotations={"kiln.dev/readiness": "runtime"},
+                                       deletion_timestamp=datetime.datetime.now() if deleting else None),
+                 spec=V1PodSpec(node_name="kiln-gpu-0", automount_service_account_token=False,
+                                containers=[V1Container(name="engine", image="x", command=["kiln", "serve"])]),
+                 status=V1PodStatus(pod_ip=ip))
+
+
+def test_a_pod_that_fails_to_start_does_not_stall_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(network, "ip", FakeIp())
+    deleted, launched = [], []
+
+    class Core:
+        def list_pod_for_all_namespaces(self, **_):
+            return V1PodList(items=[pod("broken", "aaaaaaaa-1", "10.213.0.70"),
+                                    pod("deleted", "bbbbbbbb-2", "10.213.0.71", deleting=True),
+                                    pod("new", "cccccccc-3", "10.213.0.72")])
+
+        def delete_namespaced_pod(self, name, namespace, body):
+            deleted.append(name)
+
+    def launch(run):
+        launched.append(run.name)
+        if run.name == "broken":
+            raise FileNotFoundError("[Errno 2] No such file or directory: 'podman'")
+
+    rt = object.__new__(runtime.Runtime)
+    rt.core, rt.pods, rt.refused = Core(), {}, set()
+    rt.net = PodNetwork("kiln0", SUBNET, tmp_path)
+    rt.cluster = cluster.Cluster(tmp_path)
+    rt.launch = launch
+    monkeypatch.setattr(rt, "check", lambda run: None)
+    rt.sync()
+    assert deleted == ["deleted"] and launched == ["broken", "new"]
+    assert list(rt.pods) == ["cccccccc-3"]
+    # the failed start left no namespace behind (its pod may be deleted before a retry)
+    assert sorted(p.name for p in rt.net.records().iterdir()) == ["pcccccccc"]
+    rt.sync()  # the broken one is tried again
+    assert launched == ["broken", "new", "broken"]
+
+
+def test_a_stale_namespace_of_the_same_name_is_replaced(tmp_path, monkeypatch, sleeper):
+    """A runtime that crashed left the namespace (its pod's process still inside): the new
+    runtime's create kills that process and makes the namespace anew."""
+    fake = FakeIp({"kiln0-paaaaaaaa": [sleeper.pid]})
+    monkeypatch.setattr(network, "ip", fake)
+    PodNetwork("kiln0", SUBNET, tmp_path).create_namespace("paaaaaaaa", "10.213.0.70")
+    assert sleeper.wait(timeout=5) == -9
+    netns_calls = [c for c in fake.calls if c[:2] in (("netns", "pids"), ("netns", "del"), ("netns", "add"))]
+    assert netns_calls == [("netns", "pids", "kiln0-paaaaaaaa"), ("netns", "del", "kiln0-paaaaaaaa"),
+                           ("netns", "add", "kiln0-paaaaaaaa")]
+
+
+def test_teardown_kills_what_still_runs_in_a_namespace(tmp_path, monkeypatch, sleeper):
+    """After a runtime crash its pods' processes survive it: `down` must not leave them running."""
+    fake = FakeIp({"kiln0-a": [sleeper.pid]})
+    monkeypatch.setattr(network, "ip", fake)
+    write_state(tmp_path / "cl", bridge="kiln0", subnet=str(SUBNET))
+    (tmp_path / "cl" / "netns").mkdir()
+    (tmp_path / "cl" / "netns" / "a").write_text("kiln0-a 10.213.0.70\n")
+    cluster.teardown(cluster.Cluster(tmp_path / "cl"))
+    assert sleeper.wait(timeout=5) == -9
+    assert fake.calls.index(("netns", "pids", "kiln0-a")) < fake.calls.index(("netns", "del", "kiln0-a"))
+    assert not (tmp_path / "cl" / "netns").exists()
+
+
+def test_a_users_up_takes_a_test_started_cluster_over(tmp_path, monkeypatch, sleeper):
+    """A cluster that test sessions started, then `kiln local up`/`make up`: the last session to
+    leave must not take the user's cluster down."""
+    monkeypatch.setattr(cluster.Cluster, "is_up", lambda self: True)
+    monkeypatch.setattr(cluster, "ensure_runtime", lambda c, log: None)
+    directory = tmp_path / "cl"
+    write_state(directory, owner="tests")
+    register_user(directory, sleeper.pid)
+    c, started = cluster.up(directory, "kiln0", str(SUBNET))
+    assert not started and "owner" not in c.state()
+    assert cluster.leave(c, sleeper.pid) is False
+    assert c.state_file.exists()
+
+
+def test_runtime_readiness_ignores_the_log_of_an_earlier_launch(tmp_path, monkeypatch):
+    """runtime.log is appended to: "pod runtime up" from a runtime before must not make one that
+    exits right away (its log says nothing new) count as up."""
+    directory = tmp_path / "cl"
+    write_state(directory)
+    (directory / "logs").mkdir()
+    (directory / "logs" / "runtime.log").write_text("05:00:00 INFO pod runtime up; API relay at 10.213.0.1:40000\n")
+    launch = processes.launch
+    monkeypatch.setattr(processes, "launch", lambda argv, log, env=None: launch(
+        [sys.executable, "-c", "import time; time.sleep(1.5)"], log, env))
+    with pytest.raises(RuntimeError, match="runtime: process exited"):
+        cluster.ensure_runtime(cluster.Cluster(directory), sys.stderr)
+
+
+@pytest.fixture
+def http_server():
+    class Ok(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Ok)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port
+    server.shutdown()
+    server.server_close()
+
+
+def test_probes_and_health_checks_do_not_go_through_a_proxy(tmp_path, monkeypatch, http_server):
+    with socket.socket() as s:  # a proxy that is not there: reaching it fails at once
+        s.bind(("127.0.0.1", 0))
+        proxy = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, proxy)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert Probe(f"http://127.0.0.1:{http_server}/ready", 2.0, 3).check()
+    checks = cluster.health_checks(cluster.Cluster(tmp_path), {"ports": {"etcd": http_server, "kwok": http_server}})
+    assert checks["etcd"]() and checks["kwok"]()
+
+
+def test_check_free_reads_routes_of_every_type(tmp_path, monkeypatch):
+    """`ip route` lines may start with a route type or a nexthop, not a destination."""
+    routes = [{"dst": "default", "nexthops": [{"gateway": "192.168.1.1", "dev": "eth0"}]},
+              {"type": "blackhole", "dst": "10.244.1.0/24", "flags": []},
+              {"dst": "172.17.0.1", "dev": "eth0"}]
+    fake = FakeIp(routes=routes)
+    text = ("default proto static metric 100\n\tnexthop via 192.168.1.1 dev eth0 weight 1\n"
+            "blackhole 10.244.1.0/24 proto bird\n172.17.0.1 dev eth0\n")
+    monkeypatch.setattr(network, "ip", lambda *a, check=True: (
+        subprocess.CompletedProcess(["ip", *a], 0, text, "") if a == ("-4", "route", "show") else fake(*a)))
+    PodNetwork("kiln0", SUBNET, tmp_path).check_free()
+    with pytest.raises(RuntimeError, match="overlaps the host route to 10.244.1.0/24"):
+        PodNetwork("kiln0", ipaddress.IPv4Network("10.244.0.0/16"), tmp_path).check_free()
+
+
+@pytest.mark.parametrize("bridge, subnet, problem", [("kiln0", "8.8.8.0/24", "private"),
+                                                     ("a-very-long-bridge", "10.213.0.0/24", "--bridge")])
+def test_up_refuses_a_bad_bridge_or_subnet_from_any_caller(tmp_path, monkeypatch, bridge, subnet, problem):
+    """`make up` takes them from $KILN_LOCAL_BRIDGE/$KILN_LOCAL_SUBNET, without the CLI's check."""
+    def reached(**_):
+        raise AssertionError("up went on to build and start")
+    monkeypatch.setattr(build, "ensure_built", reached)
+    with pytest.raises(RuntimeError, match=problem):
+        cluster.up(tmp_path / "cl", bridge, subnet)
+    assert not (tmp_path / "cl").exists()
+
+
+def test_a_failed_bridge_add_leaves_the_bridge_alone(tmp_path, monkeypatch):
+    """A bridge of the name appears between check_free and the add (another cluster's `up`):
+    cleaning up the failed `up` must not delete that cluster's bridge."""
+    fake = FakeIp()
+    monkeypatch.setattr(network, "ip", fake)
+    monkeypatch.setattr(build, "ensure_built", lambda **_: {})
+    check_free = PodNetwork.check_free
+
+    def then_another_cluster_makes_it(self):
+        check_free(self)
+        fake.links.add(self.bridge)
+    monkeypatch.setattr(PodNetwork, "check_free", then_another_cluster_makes_it)
+    with pytest.raises(RuntimeError, match="File exists"):
+        cluster.up(tmp_path / "cl", "kiln0", str(SUBNET))
+    assert "kiln0" in fake.links
+    assert not [c for c in fake.calls if c[:2] == ("link", "del")]
+
+
+def test_a_half_made_bridge_is_removed(tmp_path, monkeypatch):
+    fake = FakeIp()
+
+    def addr_fails(*args, check=True):
+        if args[:2] == ("addr", "add"):
+            raise RuntimeError("ip addr add: RTNETLINK answers: Permission denied")
+        return fake(*args, check=check)
+    monkeypatch.setattr(network, "ip", addr_fails)
+    with pytest.raises(RuntimeError, match="Permission denied"):
+        PodNetwork("kiln0", SUBNET, tmp_path).create_bridge()
+    assert ("link", "del", "kiln0") in fake.calls and not fake.links
+
+
+def test_a_base_image_whose_tar_failed_is_not_kept(tmp_path, monkeypatch):
+    """podman import tags what it read before tar's exit status is known: a cut-short root
+    filesystem labelled as the recipe's would be taken for a good base from then on."""
+    fakes, imported = tmp_path / "bin", tmp_path / "imported"
+    fakes.mkdir()
+    scripts = {
+        "debootstrap": 'mkdir -p "$3/etc/dpkg/dpkg.cfg.d" "$3/etc/apt/apt.conf.d"',
+        "tar": 'echo "tar: ./usr/lib/libc.so.6: Cannot open: Input/output error" >&2; exit 2',
+        "podman": f'case "$1 $2" in\n'
+                  f'  "image exists") [ -f {imported} ] ;;\n'
+                  f'  "image inspect") echo {images.BASE_RECIPE} ;;\n'
+                  f'  "import "*) cat >/dev/null; touch {imported} ;;\n'
+                  f'  "rmi "*) rm -f {imported} ;;\n'
+                  f'esac',
+    }
+    for name, body in scripts.items():
+        (fakes / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fakes / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fakes}:/usr/bin:/bin")
+    with pytest.raises(RuntimeError, match="tar of the debootstrap root failed"):
+        images.ensure_base()
+    assert not images.exists(images.BASE)
+
+
+def test_make_down_can_force(tmp_path, monkeypatch, sleeper, capsys):
+    directory = tmp_path / "cl"
+    monkeypatch.setenv("KILN_LOCAL_DIR", str(directory))
+    write_state(directory, owner="tests")
+    register_user(directory, sleeper.pid)
+    assert demo.main(["down"]) == 1
+    assert "make down FORCE=1" in capsys.readouterr().err
+    assert (directory / "state.json").exists()
+    assert demo.main(["down", "--force"]) == 0
+    assert not (directory / "state.json").exists()
