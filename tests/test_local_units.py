@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 from kubernetes.client import V1Container, V1ObjectMeta, V1Pod, V1PodList, V1PodSpec, V1PodStatus
 
@@ -119,7 +120,7 @@ def test_a_pod_that_fails_to_start_does_not_stall_the_others(tmp_path, monkeypat
             raise FileNotFoundError("[Errno 2] No such file or directory: 'podman'")
 
     rt = object.__new__(runtime.Runtime)
-    rt.core, rt.pods, rt.refused = Core(), {}, set()
+    rt.core, rt.pods, rt.refused, rt.not_yet = Core(), {}, set(), {}
     rt.net = PodNetwork("kiln0", SUBNET, tmp_path)
     rt.cluster = cluster.Cluster(tmp_path)
     rt.launch = launch
@@ -184,6 +185,8 @@ def test_runtime_readiness_ignores_the_log_of_an_earlier_launch(tmp_path, monkey
         [sys.executable, "-c", "import time; time.sleep(1.5)"], log, env))
     with pytest.raises(RuntimeError, match="runtime: process exited"):
         cluster.ensure_runtime(cluster.Cluster(directory), sys.stderr)
+    # and reaped: a zombie left in this (test) process would trip whatever lists its children
+    assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture

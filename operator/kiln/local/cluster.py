@@ -157,6 +157,7 @@ def wait_for(what: str, check: Callable[[], object], timeout: float, record: dic
     last = None
     while time.monotonic() < deadline:
         if record is not None and not processes.alive(record):
+            processes.reap(record["pid"])  # no zombie left in a caller that lives on (a test session)
             raise RuntimeError(f"{what}: process exited\n{processes.log_tail(record)}")
         try:
             if check():
