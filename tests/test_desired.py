@@ -479,6 +479,23 @@ def test_a_failing_engine_says_why_in_model_loaded_and_ready():
         "ModelLoaded"] == ("True", "Loaded")
 
 
+def test_an_engine_that_cannot_start_says_why_as_its_kubelet_does():
+    """A typo in the image, a Secret the env names that is missing: not "Loading" for ever."""
+    spec = spec_of()
+    rev = revision_name("chat", spec)
+    for reason, message in (("ImagePullBackOff", 'Back-off pulling image "ghcr.io/kiln/engine:0.1.O"'),
+                            ("CreateContainerConfigError", 'secret "hf-token" not found')):
+        stuck = {"ready": False, "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}
+        status = status_for(spec, [deployment(rev), engine_pod("chat-a", rev, stuck)])
+        why = f"pod chat-a: the engine cannot start: {reason}: {message}"
+        model = next(c for c in status["conditions"] if c["type"] == "ModelLoaded")
+        assert (model["status"], model["reason"], model["message"]) == ("False", "EngineFailing", why)
+        assert conditions(status)["Ready"] == ("False", "EngineFailing")
+    creating = {"ready": False, "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}
+    assert conditions(status_for(spec, [deployment(rev), engine_pod("chat-a", rev, creating)]))[
+        "ModelLoaded"] == ("False", "Loading")  # on its way
+
+
 def test_transition_time_holds_while_status_holds():
     spec = spec_of()
     rev = revision_name("chat", spec)

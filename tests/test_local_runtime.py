@@ -68,18 +68,36 @@ def test_runs_a_pod_in_a_namespace_holding_its_ip_and_stops_it_on_deletion(local
     assert f"p{uid[:8]}" not in net.namespaces()
 
 
-def test_refuses_what_it_cannot_run_and_still_removes_it(local_cluster, core, namespace):
+def waiting(core: kubernetes.client.CoreV1Api, name: str, namespace: str) -> tuple[str, str] | None:
+    """The pod's container's waiting (reason, message), as `kubectl describe` shows it."""
+    for status in core.read_namespaced_pod(name, namespace).status.container_statuses or []:
+        if status.state and status.state.waiting:
+            return status.state.waiting.reason, status.state.waiting.message
+    return None
+
+
+def test_says_on_the_pod_why_it_cannot_run_it_and_still_removes_it(local_cluster, core, namespace):
     resource = {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}}
     config = {"name": "TOKEN", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
-    secret = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
-    runtime_log = local_cluster.cluster.dir / "logs" / "runtime.log"
-    for name, env, why in (("bad-env", resource, "env CPUS: only value, fieldRef, secretKeyRef and configMapKeyRef "
-                                                 "are supported"),
-                           ("no-configmap", config, "configmap c not found"),
-                           ("no-secret", secret, "secret s not found")):
+    for name, env, reason, why in (
+            ("bad-env", resource, "CreateContainerError",
+             "the local test runtime cannot run this pod: env CPUS: only value, fieldRef, secretKeyRef and "
+             "configMapKeyRef are supported"),
+            ("no-configmap", config, "CreateContainerConfigError", "configmap c not found")):
         core.create_namespaced_pod(namespace, pod(name, ["kiln", "router", "--endpoints", "127.0.0.1:9"], [env]))
-        eventually(lambda: f"cannot run {namespace}/{name}: {why}" in runtime_log.read_text(),
-                   "the runtime to say why it refused the pod")
+        eventually(lambda: waiting(core, name, namespace) == (reason, why), f"the pod to say {reason}: {why}")
         assert ready(core, name, namespace) == "False"
         core.delete_namespaced_pod(name, namespace)
-        eventually(lambda: gone(core, name, namespace), "the refused pod to be removed")
+        eventually(lambda: gone(core, name, namespace), "the pod that never ran to be removed")
+
+
+def test_a_pod_waits_for_its_secret_and_starts_once_it_is_there(local_cluster, core, namespace):
+    """As a kubelet: the pod is not refused for good; it starts when the Secret comes."""
+    secret = {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "k"}}}
+    core.create_namespaced_pod(namespace, pod("patient", ["kiln", "router", "--endpoints", "127.0.0.1:9"], [secret]))
+    eventually(lambda: waiting(core, "patient", namespace) == ("CreateContainerConfigError", "secret late not found"),
+               "the pod to say which Secret it waits for")
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "late"}, "stringData": {"k": "v"}})
+    eventually(lambda: ready(core, "patient", namespace) == "True", "the pod to start once its Secret is there")
+    core.delete_namespaced_pod("patient", namespace)
+    eventually(lambda: gone(core, "patient", namespace), "the pod to be removed")

@@ -95,9 +95,19 @@ class PodRun:
         return f"p{self.uid[:8]}"
 
 
+class NotYet(ValueError):
+    """The pod cannot start yet, for want of something that may come (a Secret, a ConfigMap, an
+    image): the runtime says why on the pod and tries again, as a kubelet does. Any other
+    ValueError is a spec the runtime will never run."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # the kubelet's waiting reason
+
+
 def key_value(core: Any, namespace: str, ref: Any, secret: bool) -> str | None:
-    """A Secret's or ConfigMap's key, as the kubelet gives it to an env var: a missing one
-    refuses the pod, unless the reference is optional (then the variable is unset)."""
+    """A Secret's or ConfigMap's key, as the kubelet gives it to an env var: a missing one holds
+    the pod back until it is there, unless the reference is optional (then the variable is unset)."""
     kind = "secret" if secret else "configmap"
     read = core.read_namespaced_secret if secret else core.read_namespaced_config_map
     try:
@@ -111,7 +121,7 @@ def key_value(core: Any, namespace: str, ref: Any, secret: bool) -> str | None:
     if ref.key not in data:
         if ref.optional:
             return None
-        raise ValueError(missing)
+        raise NotYet("CreateContainerConfigError", missing)
     return base64.b64decode(data[ref.key]).decode() if secret else data[ref.key]
 
 

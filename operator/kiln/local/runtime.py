@@ -37,7 +37,7 @@ from kubernetes.client.rest import ApiException
 from kiln.local import containers, images, kwok, processes
 from kiln.local.cluster import Cluster
 from kiln.local.network import PodNetwork
-from kiln.local.pod_spec import PodRun, Probe, pod_env
+from kiln.local.pod_spec import NotYet, PodRun, Probe, pod_env
 from kiln.local.relay import Relay
 from kiln.local.testing import api_client, service_account_kubeconfig
 
@@ -45,6 +45,7 @@ log = logging.getLogger("kiln.local.runtime")
 RUNNABLE = {("kiln", "serve"), ("kiln", "router")}
 TICK_S = 0.5
 RESTART_BACKOFF_S = 5.0
+NOT_YET_RETRY_S = 2.0  # a pod waiting for a Secret, ConfigMap or image: how often to look again
 SHUTDOWN_GRACE_S = 5.0  # when the runtime itself stops (kiln local down): within `down`'s 10 s for it
 TOKEN_SECONDS = 24 * 3600
 
@@ -67,7 +68,8 @@ class Runtime:
         self.core = kubernetes.client.CoreV1Api(self.admin)
         self.relay = Relay((self.net.gateway, 0), ("127.0.0.1", state["ports"]["apiserver"]))
         self.pods: dict[str, PodRun] = {}  # by uid
-        self.refused: set[str] = set()
+        self.refused: set[str] = set()  # pods whose spec this runtime will never run
+        self.not_yet: dict[str, tuple[float, str]] = {}  # uid -> (when to try again, why it waits)
         self.stopping = threading.Event()
         self.workdir = cluster.dir / "pods"
 
@@ -94,7 +96,8 @@ class Runtime:
             if pod.metadata.deletion_timestamp is not None:
                 if uid not in self.pods and kwok.EXTERNAL_READINESS in (pod.metadata.annotations or {}):
                     self.remove(pod)  # nothing (left) running: what a kubelet does after stopping it
-            elif uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip:
+            elif uid not in self.pods and uid not in self.refused and runnable(pod) and pod.status.pod_ip \
+                    and self.not_yet.get(uid, (0.0, ""))[0] <= time.monotonic():
                 # kwok may hand a terminating pod's address to its replacement while the old
                 # process still runs its preStop pause: two namespaces with one address would
                 # split that address's traffic between them. The new pod starts once it is free.
@@ -110,10 +113,14 @@ class Runtime:
     def start(self, pod: Any) -> None:
         try:
             run = self.plan(pod)
-        except (ValueError, ApiException) as exc:
-            log.warning("cannot run %s/%s: %s", pod.metadata.namespace, pod.metadata.name, exc)
-            self.refused.add(pod.metadata.uid)  # the spec will not change: no retry
+        except NotYet as exc:  # a Secret, ConfigMap or image that may yet come: try again
+            self.wait(pod, exc.reason, str(exc))
             return
+        except ValueError as exc:
+            self.refused.add(pod.metadata.uid)  # the spec will not change: no retry
+            self.wait(pod, "CreateContainerError", f"the local test runtime cannot run this pod: {exc}")
+            return
+        self.not_yet.pop(pod.metadata.uid, None)
         self.net.create_namespace(run.netns, run.ip)
         try:
             self.launch(run)
@@ -164,7 +171,7 @@ class Runtime:
         """`podman run` for the pod (container mode): its image as it is in local storage."""
         container = pod.spec.containers[0]
         if not images.exists(container.image):
-            raise ValueError(f"image {container.image} is not in local storage: build it (`make images`)")
+            raise NotYet("ErrImageNeverPull", f"image {container.image} is not in local storage: build it (`make images`)")
         image_user = images.inspect(container.image, "{{.Config.User}}")
         pod_sc, container_sc = containers.security(pod, container)
         uid = container_sc.get("run_as_user", pod_sc.get("run_as_user"))
@@ -259,6 +266,25 @@ class Runtime:
             processes.stop(run.record, grace=max(grace, 0.1))
         if run.container_id is not None:  # podman killed before its container
             images.podman("rm", "--force", "--time", "0", run.container_id, check=False)
+
+    def wait(self, pod: Any, reason: str, message: str) -> None:
+        """Say on the pod why its container does not start (`kubectl describe` shows it, and the
+        operator reads the reason), once per distinct message."""
+        uid = pod.metadata.uid
+        said = self.not_yet.get(uid, (0.0, ""))[1]
+        self.not_yet[uid] = (time.monotonic() + NOT_YET_RETRY_S, message)
+        if said == message:
+            return
+        log.warning("%s/%s waits: %s: %s", pod.metadata.namespace, pod.metadata.name, reason, message)
+        patch = {"status": {"containerStatuses": [
+            {"name": pod.spec.containers[0].name, "ready": False, "restartCount": 0,
+             "state": {"waiting": {"reason": reason, "message": message}}}]}}
+        try:
+            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, patch,
+                                                  _content_type="application/strategic-merge-patch+json")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def report(self, run: PodRun, ready: bool) -> None:
         if run.reported == (ready, run.restarts):  # an exit is news even to a pod never ready

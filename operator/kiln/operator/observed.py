@@ -88,3 +88,22 @@ def engine_failure(pods: list[dict[str, Any]], min_restarts: int = 0) -> str | N
             return (f"pod {pod['metadata']['name']}: the engine exited with code {exit_.get('exitCode')} "
                     f"({exit_.get('reason') or 'Error'}){said}")
     return None
+
+
+# A container waiting for one of these is failing, not loading: it may never start.
+FAILING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName",
+           "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+def engine_waiting(pods: list[dict[str, Any]]) -> str | None:
+    """The first engine container that cannot start, as its kubelet says it: an image that cannot
+    be pulled, a Secret or ConfigMap its env names that is missing. (A crash loop is told by
+    engine_failure, from the exit.)"""
+    for pod in pods:
+        for container in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in FAILING - {"CrashLoopBackOff"}:
+                said = f": {waiting['message'][:400]}" if waiting.get("message") else ""
+                return f"pod {pod['metadata']['name']}: the engine cannot start: {waiting['reason']}{said}"
+    return None
+

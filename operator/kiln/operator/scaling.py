@@ -10,7 +10,7 @@ from typing import Any
 
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
-from .observed import Observed, engine_failure, is_ready, replicas_of
+from .observed import FAILING, Observed, engine_failure, is_ready, replicas_of
 from .quantity import canonical
 from .render import LABEL_ISVC, LABEL_SERVING, PORT, ROUTER_PORT, Owner, metadata, template_pooled
 from .status import condition
@@ -46,11 +46,6 @@ def serves(pod: dict[str, Any]) -> bool:
     before the pool was added; its Service routes only "true") counts too: the pool promotes
     such pods first (they are its oldest) and the Deployment's rollout replaces them."""
     return (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
-
-
-# A container waiting for one of these is failing, not loading: it may never start.
-FAILING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
-           "CreateContainerError", "RunContainerError"}
 
 
 def failing(pod: dict[str, Any]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .desired import Desired, fully_ready
-from .observed import Observed, deployment_counts, engine_failure
+from .observed import Observed, deployment_counts, engine_failure, engine_waiting
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
@@ -51,7 +51,7 @@ def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dic
     ready = deployment_counts(current)[1] if current else 0
     if ready > 0:  # /ready answers only after weights load and kernels warm up
         return condition("ModelLoaded", True, "Loaded", f"the model is loaded on {ready} replica(s)")
-    failure = engine_failure(pods)
+    failure = engine_failure(pods) or engine_waiting(pods)
     if failure is not None:
         return condition("ModelLoaded", False, "EngineFailing", failure)
     return condition("ModelLoaded", False, "Loading", "no replica has loaded the model yet")
