@@ -4,21 +4,25 @@ runtime), the operator scraping their /metrics. Windows are short so the suite s
 - a burst of concurrent long requests scales a min 1 / max 3 service to 3, not one request
   fails, replicas never drop while the burst lasts (not even across an operator killed in the
   middle of it), and it returns to 1 once the load stops;
-- a min 0 service goes to zero and stays there without traffic (no flapping); a request sent
-  then is held by the router and answered with the engine's greedy text.
+- a min 0 service goes to zero and stays there without traffic (no flapping), and meanwhile the
+  operator's timer passes reuse their last read instead of calling the API server; a request
+  sent then is held by the router and answered with the engine's greedy text.
 """
 from __future__ import annotations
 
 import json
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target, Threads
+from kiln.local.cluster import free_port
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 pytestmark = pytest.mark.timeout(1800)
@@ -98,6 +102,15 @@ def test_a_burst_scales_out_and_back_without_losing_a_request(target: Target, na
     assert len(scaled_events(target, namespace, name)) >= 3  # 1->2, 2->3, 3->1 at least
 
 
+def passes(port: int, namespace: str, name: str) -> dict[str, float]:
+    """The operator's reconcile passes over one InferenceService so far, by what they read."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    return {s.labels["read"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
+            if s.name == "kiln_operator_reconcile_passes_total"
+            and (s.labels["namespace"], s.labels["inferenceservice"]) == (namespace, name)}
+
+
 def ready_condition(target: Target, namespace: str, name: str) -> tuple[str, str]:
     ready = next(c for c in isvc(target, namespace, name)["status"]["conditions"] if c["type"] == "Ready")
     return ready["status"], ready["reason"]
@@ -106,6 +119,9 @@ def ready_condition(target: Target, namespace: str, name: str) -> tuple[str, str
 def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
         target: Target, namespace: str, operator: OperatorProcess | None, base_url, reference) -> None:
     name = "sleepy"
+    port = free_port()
+    if operator is not None:  # the local one: with its metrics served, to count its passes
+        operator.restart(f"--metrics-port={port}", interval=5)
     apply(target, namespace, name, {"minReplicas": 0, "maxReplicas": 2, "targetQueueDepth": 4,
                                     "scaleDownDelay": "10s"})
     wait_ready(target, namespace, name)
@@ -117,8 +133,14 @@ def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
                "Ready True with reason ScaledToZero", timeout=60, ignore=(KubectlError, StopIteration))
     # No traffic for several stable windows: nothing moves (KubeAI #67 went 0->1->0 twelve times).
     events = scaled_events(target, namespace, name)
+    before = passes(port, namespace, name) if operator is not None else {}
     time.sleep(25)
     assert engine_replicas(target, namespace, name) == 0 and scaled_events(target, namespace, name) == events
+    if operator is not None:
+        # Passes every 0.5 s at zero; only a watch event or the resync (every 5 s here) reads afresh.
+        after = passes(port, namespace, name)
+        fresh, reused = (after.get(k, 0) - before.get(k, 0) for k in ("fresh", "reused"))
+        assert reused >= 20 and fresh <= reused / 3, (fresh, reused)
 
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=LOAD_TIMEOUT)
     completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)

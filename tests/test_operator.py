@@ -109,7 +109,8 @@ def test_a_serving_state_plans_nothing(operator, apis, ns, kubectl, local_cluste
     from kiln.operator.desired import desired
     from kiln.operator.models import InferenceServiceSpec
     from kiln.operator.plan import plan
-    from kiln.operator.reconcile import Api, observe
+    from kiln.operator.api import Api
+    from kiln.operator.reconcile import observe
     from kiln.operator.render import Owner
 
     body = smollm2("steady")

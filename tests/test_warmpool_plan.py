@@ -90,3 +90,14 @@ def test_pods_that_ended_for_good_or_terminate_are_neither_serving_nor_standby()
     evicted = pod("evicted", phase="Failed")  # a kubelet eviction: Failed, no deletionTimestamp
     terminating = pod("terminating", deleted="2026-01-01T00:00:00Z")
     assert [p.name for p in pods_of([evicted, terminating, pod("live")])] == ["live"]
+
+
+def test_pool_cost_is_brought_up_to_date_every_30_s_or_when_the_pool_changes():
+    """Accounting at every pass (each 0.5-2 s) would write the status each time."""
+    block, _ = pool_status(1, pods("w+"), None, 0, {}, gpus=1, now=1000.0)
+    for later in (1000.5, 1012.0, 1029.0):  # the same standby, ready: nothing changes
+        assert pool_status(1, pods("w+"), None, 0, block, gpus=1, now=later)[0] == block
+    later, _ = pool_status(1, pods("w+"), None, 0, block, gpus=1, now=1030.0)
+    assert (later["idleReplicaSeconds"], later["idleGPUSeconds"]) == (30.0, 30.0)  # none of it lost
+    grown, _ = pool_status(2, pods("w+", "w+"), None, 0, later, gpus=1, now=1031.0)  # a second standby
+    assert (grown["ready"], grown["idleReplicaSeconds"]) == (2, 31.0)

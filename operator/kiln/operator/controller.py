@@ -5,7 +5,8 @@ kopf delivers watch events (no finalizer, no bookkeeping annotations); each even
 the loop of the InferenceService it concerns. Wake-ups that arrive while a pass runs fold into
 one more pass, so a burst of pod updates costs a pass or two, never one each, and two passes
 over one object never overlap. Each pass says when the next one is due regardless (the
-builtin autoscaler's tick, or the resync). Passes run in threads (the Kubernetes client blocks), at most
+builtin autoscaler's tick, or the resync), and is told whether an event woke it or only its
+timer (a timer pass may reuse what the last pass read: reconcile.py). Passes run in threads (the Kubernetes client blocks), at most
 `workers` at once across all objects. With leader election, passes wait until this replica leads
 (`leading`, kept by leader.campaign); wake-ups seen meanwhile are kept, so the new leader passes
 over every object it has heard of at once."""
@@ -24,11 +25,12 @@ MAX_BACKOFF_S = 60.0
 
 
 class Controller:
-    def __init__(self, run_pass: Callable[[str, str], Optional[float]], workers: int = 4,
+    def __init__(self, run_pass: Callable[..., Optional[float]], workers: int = 4,
                  leading: Leadership | None = None) -> None:
-        """`run_pass(namespace, name)` reconciles once and returns the seconds until the next
-        pass is due even if nothing wakes it (None: the object is gone). `leading`: run passes
-        only while it is set (None: always)."""
+        """`run_pass(namespace, name, woken=...)` reconciles once and returns the seconds until the
+        next pass is due even if nothing wakes it (None: the object is gone); `woken` is False
+        for a pass only the timer asked for. `leading`: run passes only while it is set (None:
+        always)."""
         self._run_pass = run_pass
         self._leading = leading
         self._slots = asyncio.Semaphore(workers)
@@ -65,16 +67,18 @@ class Controller:
                 try:
                     await asyncio.wait_for(wake.wait(), delay)
                 except TimeoutError:
-                    pass  # resync, or retry after a failure
+                    pass  # resync, the autoscaler's tick, or retry after a failure
                 if self._wake.get(key) is not wake:
                     break
+                woken = wake.is_set()  # (a zero timeout raises even when it is set)
                 wake.clear()
-                if self._leading is not None:
+                if self._leading is not None and not self._leading.held():
                     await self._leading.wait()
+                    woken = True  # another replica led meanwhile: what this one read last is old
                 async with self._slots:
                     log.debug("%s/%s: pass starts", *key)
                     try:
-                        next_in = await asyncio.to_thread(self._run_pass, *key)
+                        next_in = await asyncio.to_thread(self._run_pass, *key, woken=woken)
                     except Exception as err:  # noqa: BLE001 - any failure: log, back off, retry
                         failures += 1
                         log.warning("%s/%s: pass failed (%s: %s); retrying in %.1fs", *key,

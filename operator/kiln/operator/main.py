@@ -24,7 +24,8 @@ import kubernetes
 from . import leader, metrics, placement
 from .controller import Controller
 from .models import GROUP, PLURAL, VERSION
-from .reconcile import DEFAULT_PROMETHEUS, Api, Settings, reconcile
+from .api import Api
+from .reconcile import DEFAULT_PROMETHEUS, Settings, reconcile
 from .render import LABEL_ISVC, engine_image
 
 CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services"),
@@ -61,6 +62,7 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
             controller.forget((namespace, name))
             settings.own_writes.pop((namespace, name), None)
             settings.samples.pop((namespace, name), None)
+            settings.reads.pop((namespace, name), None)
         elif settings.own_writes.get((namespace, name)) != meta.get("resourceVersion"):  # not our status write
             controller.trigger((namespace, name))
 

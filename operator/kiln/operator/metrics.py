@@ -1,10 +1,14 @@
-"""The operator's own Prometheus metrics (`kiln operator --metrics-port`): what its warm pools
-do and cost. Module-level, as the operator is one process; the routers and engines measure the
+"""The operator's own Prometheus metrics (`kiln operator --metrics-port`): its passes, and what
+its warm pools do and cost. Module-level, as the operator is one process; the routers and engines measure the
 request path."""
 from __future__ import annotations
 
 from prometheus_client import Counter, Histogram, start_http_server
 
+# "fresh": read the object and its children from the API server; "reused": a timer pass that reused
+# the last read (reconcile.reconcile), so its only API calls were writes.
+PASSES = Counter("kiln_operator_reconcile_passes", "Reconcile passes, by what they read",
+                 ["namespace", "inferenceservice", "read"])
 PROMOTIONS = Counter("kiln_operator_warm_pool_promotions", "Standby pods promoted to serving",
                      ["namespace", "inferenceservice"])
 # The operator's side of a promotion: the pod patch. Routing follows once the EndpointSlice updates.

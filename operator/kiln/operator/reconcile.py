@@ -9,14 +9,14 @@ import json
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
-import kubernetes
 import pydantic
 from kubernetes.client.rest import ApiException
 
 from . import metrics, standby
+from .api import Api
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
 from .desired import Desired, desired, desired_replicas, replicas_writer
@@ -40,66 +40,15 @@ APPLY = "application/apply-patch+yaml"
 log = logging.getLogger("kiln.operator")
 
 
-@dataclass(frozen=True)
-class Api:
-    """Typed clients over one connection, made once per operator process."""
-    client: kubernetes.client.ApiClient
-    core: kubernetes.client.CoreV1Api
-    apps: kubernetes.client.AppsV1Api
-    policy: kubernetes.client.PolicyV1Api
-    custom: kubernetes.client.CustomObjectsApi
-    rbac: kubernetes.client.RbacAuthorizationV1Api
-    autoscaling: kubernetes.client.AutoscalingV2Api
-    extensions: kubernetes.client.ApiextensionsV1Api
-    networking: kubernetes.client.NetworkingV1Api
-
-    @classmethod
-    def connect(cls) -> Api:
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()  # $KUBECONFIG or ~/.kube/config
-        return cls.of(kubernetes.client.ApiClient())
-
-    @classmethod
-    def of(cls, client: kubernetes.client.ApiClient) -> Api:
-        k = kubernetes.client
-        return cls(client, k.CoreV1Api(client), k.AppsV1Api(client), k.PolicyV1Api(client),
-                   k.CustomObjectsApi(client), k.RbacAuthorizationV1Api(client), k.AutoscalingV2Api(client),
-                   k.ApiextensionsV1Api(client), k.NetworkingV1Api(client))
-
-    def call(self, verb: str, kind: str) -> Callable[..., Any]:
-        """The client method for `verb` (list, patch, delete) on a namespaced child kind, all
-        called as (namespace or name, namespace, ...) like the typed clients' methods."""
-        if kind == "ScaledObject":  # a custom resource: group, version and plural go first
-            method = getattr(self.custom, f"{verb}_namespaced_custom_object")
-            if verb == "list":
-                return lambda ns, **kw: method("keda.sh", "v1alpha1", ns, "scaledobjects", **kw)
-            return lambda name, ns, *args, **kw: method("keda.sh", "v1alpha1", ns, "scaledobjects", name, *args, **kw)
-        where = {"Deployment": (self.apps, "deployment"), "Service": (self.core, "service"),
-                 "PodDisruptionBudget": (self.policy, "pod_disruption_budget"),
-                 "ServiceAccount": (self.core, "service_account"), "RoleBinding": (self.rbac, "role_binding"),
-                 "HorizontalPodAutoscaler": (self.autoscaling, "horizontal_pod_autoscaler"),
-                 "NetworkPolicy": (self.networking, "network_policy")}
-        api, name = where[kind]
-        return getattr(api, f"{verb}_namespaced_{name}")
-
-    def installed(self, crd: str) -> bool:
-        try:
-            self.extensions.read_custom_resource_definition(crd)
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
-        return True
-
-
 CHILD_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "RoleBinding",
                "HorizontalPodAutoscaler", "NetworkPolicy")
 AUTOSCALE_TICK_S = 2.0  # how often the builtin autoscaler decides
 # At zero serving replicas the only load is requests the router holds, and a client waits on
 # each tick: look more often (one router scrape each time).
 AT_ZERO_TICK_S = 0.5
+# A timer pass reuses the last pass's read (see reconcile); it reads afresh at least this often,
+# for changes no watch reports (the children not watched: PDB, ServiceAccount, RoleBinding, KEDA).
+REREAD_S = 30.0
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 
@@ -117,6 +66,18 @@ class Settings:
     baselines: dict[tuple[str, str], Baseline] = field(default_factory=dict)
     # Where engine pods go unless their spec says otherwise (--gpu-node-selector, ...).
     placements: Placements = field(default_factory=Placements)
+    # What each object's last pass read, for timer passes to reuse (memory of this process only).
+    reads: dict[tuple[str, str], Read] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a pass reads from the API server: the InferenceService, its children, and whether
+    KEDA is installed."""
+    body: dict[str, Any]
+    observed: Observed
+    keda: bool
+    until: float  # the monotonic time after which a timer pass reads afresh
 
 
 def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
@@ -222,15 +183,27 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
                     observed, stable)
 
 
-def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float | None:
+def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bool = True) -> float | None:
     """One pass; returns the seconds until the next pass is due (the autoscaler's tick or the
-    resync), None when the InferenceService is gone (its children go by garbage collection)."""
-    try:
-        body = api.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise
+    resync), None when the InferenceService is gone (its children go by garbage collection).
+
+    `woken`: a watch event asked for it, not the timer. What a pass reads (ten API calls) changes
+    only with an event, and every event wakes a pass that reads afresh; so a timer pass (the
+    autoscaler's tick: every 0.5 s at zero) reuses the last read, with the status that pass left,
+    and calls the API server only to write. A pass that wrote anything but status is not reused."""
+    key = (namespace, name)
+    read = settings.reads.pop(key, None)  # kept again only by a pass that ends well
+    if woken or read is None or time.monotonic() >= read.until:
+        read = None
+        try:
+            body = api.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+    else:
+        body = read.body
+    metrics.PASSES.labels(namespace, name, "reused" if read else "fresh").inc()
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return settings.interval
@@ -242,8 +215,11 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     except ValueError as err:
         report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()), settings)
         return settings.interval
-    keda = api.installed(KEDA_CRD)
-    observed = observe(api, owner, keda)
+    if read is None:
+        keda = api.installed(KEDA_CRD)
+        # Never past the next resync: that one reads afresh, as a safety net should.
+        read = Read(body, observe(api, owner, keda), keda, time.monotonic() + min(REREAD_S, settings.interval))
+    observed, keda = read.observed, read.keda
     rollout = roll(owner, spec, observed, meta.get("annotations") or {}, previous, settings.baselines, time.time())
     serving = split(spec, rollout)
     stable = serving.stable if serving else revision_name(name, spec)
@@ -252,7 +228,8 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
                    scaling.objects, serving)
     rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
-    for action in plan(want, observed):
+    actions = plan(want, observed)
+    for action in actions:
         log.info("%s/%s: %s", namespace, name, action)
         try:
             execute(api, owner, action)
@@ -271,7 +248,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
         if action.verb == SCALE and scaling.changed_from is not None and action.name == want.stable.name:
             post_event(api, body, "Normal", "Scaled", f"{action.name} from {scaling.changed_from} to "
                        f"{scaling.replicas} serving replica(s): {scaling.condition['message']}")
-    promoted = relabel(api, body, owner, want, observed, spec.warmPool is not None and spec.warmPool.sleep)
+    promoted, relabelled = relabel(api, body, owner, want, observed, spec.warmPool is not None and spec.warmPool.sleep)
     warm = None
     if want.stable.serving is not None and spec.warmPool is not None:
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
@@ -288,6 +265,8 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
     report(api, body, previous, status, settings)
     for event in rollout.events if rollout else []:
         post_event(api, body, event.type, event.reason, event.message)
+    if not actions and not relabelled:  # else what it read is out of date: the next pass reads
+        settings.reads[key] = replace(read, body={**body, "status": status})
     builtin_scaler = replicas_writer(spec) == "builtin"
     if builtin_scaler and scaling.replicas == 0:
         return AT_ZERO_TICK_S
@@ -296,15 +275,17 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings) -> float 
 
 
 def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, observed: Observed,
-            sleep: bool) -> int:
+            sleep: bool) -> tuple[int, bool]:
     """Promote, demote and put to sleep the pods of revisions with a warm pool (warmpool.py);
-    returns how many of the stable revision's standbys were promoted."""
-    promoted = 0
+    returns how many of the stable revision's standbys were promoted, and whether any pod was
+    patched."""
+    promoted, patched = 0, False
     for revision in want.revisions:
         if revision.serving is None:
             continue
         pool = plan_pool(revision.serving, pods_of(observed.pods(revision.name)), sleep)
         patches = pool.patches()
+        patched = patched or bool(pool.promote or pool.demote or pool.sleep)
         for pod in pool.promote + pool.demote:
             started = time.monotonic()
             woke = standby.call(pod, "/wake_up") if pod in pool.promote and pod.asleep else None
@@ -322,7 +303,7 @@ def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, obse
                 post_event(api, body, "Normal", "Demoted", f"{pod.name} of {revision.name} demoted to standby")
         for pod in standby.put_to_sleep(pool.sleep):
             patch_pod(api, owner, pod.name, {"metadata": {"annotations": {ASLEEP: str(pod.restarts)}}})
-    return promoted
+    return promoted, patched
 
 
 def patch_pod(api: Api, owner: Owner, name: str, patch: dict[str, Any]) -> bool:

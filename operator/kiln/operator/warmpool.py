@@ -26,6 +26,9 @@ from .status import condition
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 ASLEEP = "kiln.dev/asleep"
+# The pool's cost is brought up to date this often, or when its count changes: accounting every
+# pass (each 0.5-2 s) would write the status each time.
+ACCOUNT_EVERY_S = 30.0
 SERVING_COST, STANDBY_COST = "100", "0"
 
 
@@ -96,6 +99,8 @@ def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted:
     to pass at the count the previous pass saw."""
     ready = sum(1 for p in pods if p.ready and not p.serving)
     since = epoch(previous.get("accountedAt"))
+    if since is not None and 0 <= now - since < ACCOUNT_EVERY_S and ready == previous.get("ready") and not promoted:
+        now = since  # nothing to account yet: the status stays as it is, and is not written
     idle = max(now - since, 0.0) * previous.get("ready", 0) if since is not None else 0.0
     block = {"size": size, "ready": ready, "promotions": previous.get("promotions", 0) + promoted,
              "idleReplicaSeconds": round(previous.get("idleReplicaSeconds", 0.0) + idle, 1),
