@@ -92,7 +92,8 @@ def up() -> int:
     print("waiting for smollm2 to load and warm up (a minute or two on a CPU)...", flush=True)
     url = wait_until_serving(c.kubeconfig, "smollm2", "default")
     print(kubectl(c.kubeconfig, "get", "isvc").stdout)
-    body = json.dumps({"model": "smollm2-135m", "max_tokens": 32,
+    # Greedy: a 135M model sampled at the API's default temperature of 1 rambles.
+    body = json.dumps({"model": "smollm2-135m", "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     print(f"Kiln serves smollm2 through its router at {url}\n\n"
           f"  export KUBECONFIG={c.kubeconfig}\n  kubectl get isvc\n"
