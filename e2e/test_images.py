@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import openai
+import psutil
 import pytest
 import yaml
 
@@ -88,6 +89,11 @@ def test_an_inferenceservice_answers_from_pods_running_the_engine_image(containe
     isvc = yaml.safe_load((REPO / "examples" / "smollm2.yaml").read_text())
     isvc["metadata"]["name"] = name = f"img-{uuid.uuid4().hex[:4]}"
     isvc["spec"]["resources"]["gpus"] = 0
+    # A Secret's value in the engine's env: it must reach the container, and never podman's command line.
+    token = f"s3cret-{uuid.uuid4().hex}"
+    target.kubectl("create", "secret", "generic", f"{name}-token", "-n", namespace, f"--from-literal=token={token}")
+    isvc["spec"]["engine"]["env"] = [{"name": "KILN_TEST_TOKEN",
+                                      "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}]
     target.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(isvc))
     url = base_url(name)
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=LOAD_TIMEOUT)
@@ -116,3 +122,8 @@ def test_an_inferenceservice_answers_from_pods_running_the_engine_image(containe
             uid, *rest = probe.stdout.splitlines()
             assert uid == "10001", (component, probe.stdout, probe.stderr)
             assert "Read-only file system" in "\n".join(rest), (component, probe.stdout)
+    (engine,) = engine_pods(target, namespace, "engine")
+    inside = images.podman("exec", containers.container_name(engine["metadata"]["uid"]), "printenv",
+                           "KILN_TEST_TOKEN", "HOME")
+    assert inside.stdout.split() == [token, "/tmp"]  # the Secret's value, and the pod's HOME over podman's own
+    assert not [p.pid for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]

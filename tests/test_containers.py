@@ -77,7 +77,11 @@ def test_an_engine_pod_becomes_podman_run_with_its_command_security_and_limits()
     assert option(a, "--volume") == ["/vol/tmp:/tmp:rw", "/data/m:/m:ro",
                                      f"/state/pods/u/token:{containers.TOKEN_DIR}:ro"]
     assert option(a, "--mount") == ["type=tmpfs,destination=/dev/shm"]
-    assert option(a, "--env") == ["A=1", f"KUBECONFIG={containers.TOKEN_DIR}/kubeconfig"]
+    # a value comes from podman's environment, not its command line (`ps` shows that to anyone)
+    assert option(a, "--env") == ["A", f"KUBECONFIG={containers.TOKEN_DIR}/kubeconfig"]
+    collides = containers.podman_argv(p, {"A": "1", "HOME": "/tmp"}, "n", "10001", Path("/vol"), set(), None,
+                                      podman_env={"HOME": "/root", "PATH": "/bin"})
+    assert option(collides, "--env") == ["A", "HOME=/tmp"]  # podman keeps its own HOME; the pod's is given
     # command replaces the ENTRYPOINT, args follow the image name
     assert json.loads(option(a, "--entrypoint")[0]) == ["kiln", "serve", "--model", "smollm2-135m"]
     assert a[-3:] == ["ghcr.io/kiln/engine:0.1.0", "--port", "8000"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from kubernetes.utils import parse_quantity
 
@@ -120,8 +120,12 @@ def empty_dirs(pod: Any, container: Any) -> list[str]:
 
 
 def podman_argv(pod: Any, env: dict[str, str], netns: str, image_user: str, volume_dir: Path,
-                cgroup_controllers: set[str], kubeconfig: Path | None, cluster: str = "") -> list[str]:
-    """The `podman run` command line (without the leading `podman`) for the pod's only container."""
+                cgroup_controllers: set[str], kubeconfig: Path | None, cluster: str = "",
+                podman_env: Collection[str] = ()) -> list[str]:
+    """The `podman run` command line (without the leading `podman`) for the pod's only container.
+    The values of `env` are not on it: podman takes them from its own environment (`--env NAME`),
+    so a Secret's does not show in `ps`; but a name that podman's own environment (`podman_env`)
+    has (HOME...) keeps its value on the command line, as podman needs its own."""
     container = pod.spec.containers[0]
     argv = ["--runtime", "runc", "run", "--rm", "--name", container_name(pod.metadata.uid),
             "--label", f"{CLUSTER_LABEL}={cluster}",
@@ -129,11 +133,11 @@ def podman_argv(pod: Any, env: dict[str, str], netns: str, image_user: str, volu
             "--pull", "never",
             *user_option(pod, container, image_user), *security_options(pod, container),
             *resource_options(container, cgroup_controllers), *volume_options(pod, container, volume_dir)]
-    if kubeconfig is not None:
-        argv += ["--volume", f"{kubeconfig.parent}:{TOKEN_DIR}:ro"]
-        env = {**env, "KUBECONFIG": f"{TOKEN_DIR}/{kubeconfig.name}"}
     for name, value in env.items():
-        argv += ["--env", f"{name}={value}"]
+        argv += ["--env", f"{name}={value}" if name in podman_env else name]
+    if kubeconfig is not None:  # a path, no secret
+        argv += ["--volume", f"{kubeconfig.parent}:{TOKEN_DIR}:ro",
+                 "--env", f"KUBECONFIG={TOKEN_DIR}/{kubeconfig.name}"]
     if container.command:
         argv += ["--entrypoint", json.dumps(container.command)]
     argv.append(container.image)

@@ -184,7 +184,7 @@ class Runtime:
         env = {k: v for k, v in env.items() if k not in ("PATH", "HOSTNAME")}  # the image's own
         return ["podman", *containers.podman_argv(pod, env, self.net.netns_name(f"p{pod.metadata.uid[:8]}"),
                                                    image_user, volumes, containers.cgroup_controllers(),
-                                                   kubeconfig, str(self.cluster.dir))]
+                                                   kubeconfig, str(self.cluster.dir), images.podman_env())]
 
     def service_account_kubeconfig(self, pod: Any) -> Path:
         """What the kubelet's projected token volume gives a pod, as a kubeconfig."""
@@ -197,8 +197,9 @@ class Runtime:
     def launch(self, run: PodRun) -> None:
         if run.container_id is not None:  # one left by a killed podman would hold the name
             images.podman("rm", "--force", "--time", "0", run.container_id, check=False)
-        # podman runs with Kiln's containers.conf (runc; see kiln.local.images); the pod's env is in argv
-        env = images.podman_env() if run.container_id is not None else run.env
+        # podman runs with Kiln's containers.conf (runc; see kiln.local.images), and hands the pod's
+        # env on from its own (containers.podman_argv); where both have a name, podman's value wins.
+        env = {**run.env, **images.podman_env()} if run.container_id is not None else run.env
         run.record = processes.launch(run.argv, run.log_path, env=env)
         run.restart_at, run.failures, run.next_probe = None, 0, 0.0
         run.started, run.live_failures, run.next_live = run.startup is None, 0, 0.0
