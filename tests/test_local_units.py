@@ -134,6 +134,40 @@ def test_a_pod_that_fails_to_start_does_not_stall_the_others(tmp_path, monkeypat
     assert launched == ["broken", "new", "broken"]
 
 
+def test_the_runtime_forgets_pods_that_are_gone(tmp_path, monkeypatch):
+    """Refused and waiting pods are remembered only while they are listed: a long-lived runtime
+    must not grow with every pod ever deleted. One still listed keeps its entry (no retry storm)."""
+    monkeypatch.setattr(network, "ip", FakeIp())
+    listed = [pod("refused", "aaaaaaaa-1", "10.213.0.70"), pod("waiting", "bbbbbbbb-2", "10.213.0.71")]
+    patched = []
+
+    class Core:
+        def list_pod_for_all_namespaces(self, **_):
+            return V1PodList(items=list(listed))
+
+        def patch_namespaced_pod_status(self, name, namespace, body, **_):
+            patched.append((name, body["status"]["containerStatuses"][0]["state"]["waiting"]["reason"]))
+
+    def plan(p):
+        if p.metadata.name == "refused":
+            raise ValueError("hostPath volumes are not supported")
+        raise runtime.NotYet("CreateContainerConfigError", 'secret "token" not found')
+
+    rt = object.__new__(runtime.Runtime)
+    rt.core, rt.pods, rt.refused, rt.not_yet = Core(), {}, set(), {}
+    rt.net = PodNetwork("kiln0", SUBNET, tmp_path)
+    rt.plan = plan
+    rt.sync()
+    assert patched == [("refused", "CreateContainerError"), ("waiting", "CreateContainerConfigError")]
+    assert rt.refused == {"aaaaaaaa-1"} and set(rt.not_yet) == {"aaaaaaaa-1", "bbbbbbbb-2"}
+    rt.sync()  # both still listed: remembered, and nothing said twice
+    assert rt.refused == {"aaaaaaaa-1"} and set(rt.not_yet) == {"aaaaaaaa-1", "bbbbbbbb-2"}
+    assert len(patched) == 2
+    listed.clear()
+    rt.sync()
+    assert rt.refused == set() and rt.not_yet == {}
+
+
 def test_a_stale_namespace_of_the_same_name_is_replaced(tmp_path, monkeypatch, sleeper):
     """A runtime that crashed left the namespace (its pod's process still inside): the new
     runtime's create kills that process and makes the namespace anew."""

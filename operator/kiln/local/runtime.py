@@ -92,6 +92,8 @@ class Runtime:
             if not run.stopping and (pod is None or pod.metadata.deletion_timestamp is not None):
                 grace = run.grace if pod is None else float(pod.metadata.deletion_grace_period_seconds or run.grace)
                 self.stop_later(run, grace)
+        self.refused &= live.keys()  # forget pods that are gone, or a long-lived runtime grows
+        self.not_yet = {uid: entry for uid, entry in self.not_yet.items() if uid in live}
         for uid, pod in live.items():
             if pod.metadata.deletion_timestamp is not None:
                 if uid not in self.pods and kwok.EXTERNAL_READINESS in (pod.metadata.annotations or {}):
@@ -277,15 +279,9 @@ class Runtime:
         if said == message:
             return
         log.warning("%s/%s waits: %s: %s", pod.metadata.namespace, pod.metadata.name, reason, message)
-        patch = {"status": {"containerStatuses": [
+        self.patch_status(pod.metadata.name, pod.metadata.namespace, {"containerStatuses": [
             {"name": pod.spec.containers[0].name, "ready": False, "restartCount": 0,
-             "state": {"waiting": {"reason": reason, "message": message}}}]}}
-        try:
-            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, patch,
-                                                  _content_type="application/strategic-merge-patch+json")
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+             "state": {"waiting": {"reason": reason, "message": message}}}]})
 
     def report(self, run: PodRun, ready: bool) -> None:
         if run.reported == (ready, run.restarts):  # an exit is news even to a pod never ready
@@ -297,18 +293,21 @@ class Runtime:
         # Conditions only when readiness changes: their lastTransitionTime means that transition.
         conditions = [{"type": t, "status": value, "lastTransitionTime": now}
                       for t in ("Ready", "ContainersReady")] if run.ready != ready else []
-        patch = {"status": {
+        self.patch_status(run.name, run.namespace, {
             **({"conditions": conditions} if conditions else {}),
             "containerStatuses": [{"name": run.container, "ready": ready, "restartCount": run.restarts,
-                                   "state": state, **last}]}}
+                                   "state": state, **last}]})
+        run.ready, run.reported = ready, (ready, run.restarts)
+        log.info("%s ready=%s", run.key, ready)
+
+    def patch_status(self, name: str, namespace: str, status: dict[str, Any]) -> None:
+        """Merge into a pod's status; a pod deleted meanwhile has no status left to say."""
         try:
-            self.core.patch_namespaced_pod_status(run.name, run.namespace, patch,
+            self.core.patch_namespaced_pod_status(name, namespace, {"status": status},
                                                   _content_type="application/strategic-merge-patch+json")
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        run.ready, run.reported = ready, (ready, run.restarts)
-        log.info("%s ready=%s", run.key, ready)
 
     # -- stopping --
     def stop_later(self, run: PodRun, grace: float) -> None:
