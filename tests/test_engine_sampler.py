@@ -114,6 +114,20 @@ def test_top_k_top_p_over_candidates_match_a_whole_sort(candidates: tuple[int, .
     assert torch.isfinite(out[4]).sum() > 256  # a flat row: its top-p prefix is longer than 256 candidates
 
 
+def test_a_top_p_below_float32s_range_keeps_the_best_token() -> None:
+    """top_p=1e-300 passes validation but is 0 in float32: the best token must still stay, and be
+    the one sampled (before, every logit was cut and the NaN softmax drew token 0 each step)."""
+    torch.manual_seed(2)
+    logits = torch.randn(2, VOCAB)
+    logits[:, 0] = -5.0  # token 0 is no one's best
+    out = filter_logits(logits, torch.tensor([0, 0]), torch.tensor([1e-300, 1e-300], dtype=torch.float32),
+                        torch.zeros(2))
+    assert torch.isfinite(out).sum(dim=-1).tolist() == [1, 1]
+    assert out.argmax(-1).tolist() == logits.argmax(-1).tolist()
+    tokens, _ = Sampler(seed=0)(logits, make_seqs([SamplingParams(temperature=1.0, top_p=1e-300)] * 2))
+    assert tokens == logits.argmax(-1).tolist()
+
+
 def test_greedy_top_k_one_and_logprobs() -> None:
     torch.manual_seed(1)
     logits = torch.randn(3, VOCAB)

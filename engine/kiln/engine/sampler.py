@@ -116,8 +116,9 @@ def _cut_ranked(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     log_norm = torch.where(top_k > 0, ranked.logsumexp(dim=-1), log_norm)
     probs = (ranked - log_norm.unsqueeze(1)).exp()
     mass = probs.cumsum(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    cut = (mass - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays, even for a
+    # top_p that is 0 in float32 (1e-300 passes validation), or every logit would be -inf.
+    cut = (mass - probs >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1) & (ranks > 0)
     return ranked.masked_fill(cut, float("-inf")), mass[:, -1]
 
 
