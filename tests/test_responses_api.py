@@ -111,9 +111,17 @@ def test_text_format_json_schema_gives_json_of_the_schema(server):
     ({"input": ""}, "input"),
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),  # checked on the chat path
+    ({"input": "word " * 1100}, "input"),  # past --max-model-len
+    ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, "input.0.name"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {}}]}, "input.0.arguments"),
+    ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input.0.call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c1", "output": 3}]}, "input.0.output"),
 ])
 def test_what_it_cannot_take_is_a_400_naming_it(server, body, param):
     code, reply = post(server.url + "/v1/responses", {"model": MODEL, **body})
     assert code == 400 and reply["error"]["param"] == param, reply
+    # named as the client sent it, not as the chat request it becomes
+    assert not {"max_completion_tokens", "messages"} & set(reply["error"]["message"].replace(":", " ").split()), reply
     code, reply = post(server.url + "/v1/responses", {"model": "nobody", "input": "hi"})
     assert code == 404 and reply["error"]["code"] == "model_not_found"

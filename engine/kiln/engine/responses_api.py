@@ -67,30 +67,50 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message" and "role" in item:
-            messages.append({"role": item["role"], "content": _text(item.get("content"), i)})
+            messages.append({"role": item["role"], "content": _text(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            _strings(item, i, "call_id", "name", "arguments")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls") is None:
                 messages.append({"role": "assistant", "content": None, "tool_calls": []})
             messages[-1]["tool_calls"].append(call)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": _text(item.get("output"), i)})
+            _strings(item, i, "call_id")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output"), f"input.{i}.output")})
         else:
             raise APIError(400, f"input item of type {kind!r} is not supported (message, function_call and "
                                 "function_call_output are)", param=f"input.{i}")
     return messages
 
 
-def _text(content: Any, i: int) -> str:
+def _strings(item: dict[str, Any], i: int, *fields: str) -> None:
+    """A 400 naming the first of `fields` that the input item lacks or has as other than a string."""
+    for field in fields:
+        if not isinstance(item.get(field), str) or (field == "name" and not item[field]):
+            raise APIError(400, f"a {item['type']} input item needs {field} as a string", param=f"input.{i}.{field}")
+
+
+def _text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise APIError(400, "content must be text, or a list of input_text / output_text parts",
-                   param=f"input.{i}.content")
+    raise APIError(400, f"{param.rsplit('.', 1)[1]} must be text, or a list of input_text / output_text parts",
+                   param=param)
+
+
+# Chat's names for fields a responses request names otherwise: an error names the field sent.
+OUR_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _in_our_names(e: APIError) -> APIError:
+    if e.param not in OUR_NAMES:
+        return e
+    ours = OUR_NAMES[e.param]
+    return APIError(e.status, e.message.replace(e.param, ours), param=ours, code=e.code, type_=e.type)
 
 
 class ResponsesServing:
@@ -100,7 +120,10 @@ class ResponsesServing:
     async def create(self, request: web.Request) -> web.StreamResponse:
         req: ResponsesRequest = parse_request(ResponsesRequest, await request.read())
         chat = chat_request(req)
-        ids, params, tools, lora = self.serving.chat_inputs(chat)
+        try:
+            ids, params, tools, lora = self.serving.chat_inputs(chat)
+        except APIError as e:
+            raise _in_our_names(e) from None
         answer = Answer(req, lora or self.serving.model_name, len(ids), ChatShape(None, False, 0, tools))
         (stream,) = await self.serving.submit([(answer.id, ids, params)], lora)
         try:
