@@ -147,6 +147,13 @@ def test_completion_logprobs(server):
         assert len(top) <= 3 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob, abs=1e-4)  # greedy picks the top token
         assert token in top
+    # Sampled, a token outside the top 1 is still in its position's top_logprobs (OpenAI: up to
+    # logprobs+1 entries), with its own logprob, as an echoed prompt token is.
+    sampled = server.client.completions.create(model=MODEL, prompt="The sky is", max_tokens=24, logprobs=1,
+                                               temperature=1.5, seed=7).choices[0].logprobs
+    assert all(top[token] == logprob and len(top) <= 2
+               for token, logprob, top in zip(sampled.tokens, sampled.token_logprobs, sampled.top_logprobs))
+    assert any(len(top) == 2 for top in sampled.top_logprobs)  # some token drawn was not the best
 
 
 def test_chat_logprobs(server):

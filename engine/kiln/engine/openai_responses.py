@@ -46,14 +46,15 @@ def chat_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str
 def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str],
                         text_offset: int) -> dict[str, Any]:
     """Engine logprob entries -> a completion choice's legacy `logprobs` object; `text_offset`
-    is where the first of these tokens starts in the generated text."""
-    tokens, offsets = [], []
+    is where the first of these tokens starts in the generated text. Each position's top_logprobs
+    holds the token taken too, as OpenAI's do ("up to logprobs+1 elements") and an echoed prompt's."""
+    tokens, offsets, tops = [], [], []
     for e in entries:
         tokens.append(token_text(e["token_id"]))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["top"] is None else {token_text(t): lp for t, lp in e["top"]} for e in entries],
+        tops.append(None if e["top"] is None else {tokens[-1]: e["logprob"]} | {token_text(t): lp for t, lp in e["top"]})
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
 
 
