@@ -26,10 +26,10 @@ from kiln.router.proxy import Limits, build_app
 from kiln.router.traffic import TrafficSource
 
 
-def on_event_loop(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+def on_event_loop(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
     @functools.wraps(test)
-    def run() -> None:
-        asyncio.run(test())
+    def run(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
     return run
 
 
@@ -202,12 +202,14 @@ class FirstRefuses(FakeEngine):
 
 class CrashesOnPoison:
     """A raw HTTP/1.1 engine that keeps connections open between requests and closes one,
-    unanswered, on a request whose body holds b"poison": an engine crashing on what it read."""
+    unanswered, on a request whose body holds b"poison": an engine crashing on what it read.
+    `server` set: its process dies of it too, and the port refuses connections from then on."""
 
     def __init__(self) -> None:
         self.answered = 0
         self.poisoned = 0
         self.connections = 0
+        self.server: asyncio.Server | None = None
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -218,6 +220,8 @@ class CrashesOnPoison:
                 body = await reader.readexactly(int(length.group(1)) if length else 0)
                 if b"poison" in body:
                     self.poisoned += 1
+                    if self.server is not None:
+                        self.server.close()
                     break
                 answer = b'{"engine": "crasher"}'
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"

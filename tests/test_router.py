@@ -209,11 +209,16 @@ async def test_dead_keep_alive_connection_is_retried_on_the_same_replica() -> No
 
 
 @on_event_loop
-async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next() -> None:
+@pytest.mark.parametrize("process_dies", [False, True])
+async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next(process_dies: bool) -> None:
     """An engine closing a reused connection on reading a request looks like one that closed
-    it idle; the free retry stays on that replica, so one request cannot crash them all."""
+    it idle; the free retry stays on that replica, so one request cannot crash them all. Where
+    the process died of it (the retry's connection refused), it is not passed on either."""
     crashers = [CrashesOnPoison(), CrashesOnPoison()]
     servers = [await asyncio.start_server(c.handle, "127.0.0.1", 0) for c in crashers]
+    if process_dies:
+        for crasher, server in zip(crashers, servers):
+            crasher.server = server
     try:
         ports = [s.sockets[0].getsockname()[1] for s in servers]
         async with service(0, also=[Endpoint("127.0.0.1", p) for p in ports]) as svc:
@@ -225,9 +230,10 @@ async def test_a_request_that_crashes_a_replica_is_not_passed_on_to_the_next() -
             response = await svc.client.post("/v1/completions", json={"prompt": "poison"})
             assert response.status == 502
             # Its pooled connection, then one new one: never once per pooled connection.
-            assert sorted(c.poisoned for c in crashers) == [0, 2]
+            assert sorted(c.poisoned for c in crashers) == ([0, 1] if process_dies else [0, 2])
             samples = await svc.metrics()
             assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 1
+            assert metric(samples, "kiln_router_errors_total", revision="", reason="connect") == process_dies
             assert metric(samples, "kiln_router_retries_total", revision="") == 1
     finally:
         for server in servers:

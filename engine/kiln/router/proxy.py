@@ -202,6 +202,7 @@ class Router:
         not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
         sent_to: Endpoint | None = None  # the replica of the last attempt (retries are counted by its revision)
         again: Endpoint | None = None  # the replica a dead pooled connection was to
+        suspect: Endpoint | None = None  # ... which may have died of reading this request
         fresh = False  # the next attempt takes a new connection
         keys = prefix_keys(request.path, body) if self.limits.prefix_slack >= 0 else []
         while len(tried) < ATTEMPTS:
@@ -238,8 +239,15 @@ class Router:
                     # on to the next replica as a free retry nor run it once per pooled connection.
                     fresh = True
                     tried.pop()
-                    again = endpoint
+                    again = suspect = endpoint
                     continue
+                if retry.reason == "connect" and endpoint == suspect:
+                    # Its connection broke on reading the request, then it refused a new one: the
+                    # replica died, maybe of this request. Passed on, it could kill them all.
+                    exchange.revision = endpoint.revision
+                    return error_response(502, f"replica {endpoint} closed the connection on reading the "
+                                          "request and is gone: not passed on to another", "bad_gateway",
+                                          "upstream_error")
                 failed.append(endpoint)
                 not_served = retry.answer or not_served
         if not_served is not None:

@@ -27,6 +27,7 @@ class Retryable(Exception):
 
     def __init__(self, reason: str, answer: web.Response | None = None) -> None:
         super().__init__(reason)
+        self.reason = reason
         self.stale = reason == "stale_connection"
         self.answer = answer  # the replica's refusal, for when no other replica takes it
 
