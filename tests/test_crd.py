@@ -141,6 +141,14 @@ INVALID = [
      "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
     ("host-root-as-source", "bad", with_spec(model__source="hostpath:////"),  # would mount the node's / over the pod's
      "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
+    ("parent-in-host-path", "bad", with_spec(model__source="hostpath:///models/../etc"),  # refused in a pod
+     "without a .. segment"),
+    ("parent-in-adapter-claim", "bad", with_spec(engine__adapters=[{"name": "a", "source": "pvc://loras/../x"}]),
+     "without a .. segment"),
+    ("progress-deadline-zero", "bad", with_spec(rollout={"steps": [{"weight": 10}], "progressDeadline": "0s"}),
+     "rollout.progressDeadline must be at least 1s"),
+    ("analysis-interval-zero", "bad", with_spec(rollout={"steps": [{"weight": 10}], "analysis": {"interval": "0s"}}),
+     "rollout.analysis.interval must be at least 1s"),
     ("ratio-below-one", "bad", with_spec(rollout__steps=[{"weight": 10}],
                                          rollout__analysis={"maxTimeToFirstTokenP95Ratio": 0.8}),
      "maxTimeToFirstTokenP95Ratio in body should be greater than or equal to 1"),

@@ -69,6 +69,20 @@ def test_quantities_are_checked_by_the_operator_too():
     assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
 
 
+def test_sources_and_durations_are_checked_by_the_operator_too():
+    # The same: a source that would have been a hostPath of the node's root, its /etc, or an
+    # unknown scheme read as a host path; a duration the autoscaler could not parse.
+    for source in ("hostpath:////", "hostpath://etc", "s3://bucket/llama", "pvc://", "models/llama",
+                   "hostpath:///models/../etc"):
+        with pytest.raises(ValueError, match="must be builtin://<name>, pvc://<claim>/<path> or hostpath"):
+            spec_of(model={"source": source})
+    with pytest.raises(ValueError, match="must be pvc://<claim>/<path> or hostpath"):
+        spec_of(engine={"adapters": [{"name": "a", "source": "hostpath:////"}]})
+    with pytest.raises(ValueError, match="must be a duration such as 30s"):
+        spec_of(autoscaling={"stableWindow": "abc"})
+    assert spec_of(model={"source": "hostpath:///models/a..b"}).model.source == "hostpath:///models/a..b"
+
+
 def test_children_carry_owner_labels_and_matching_selectors():
     wanted = want(spec_of(replicas=2))
     for obj in wanted.objects():

@@ -44,13 +44,30 @@ Quantity = Annotated[
     Field(json_schema_extra={"maxLength": 64, **rules(cel(
         f"type(self) == int ? self >= 0 : self.matches('{QUANTITY_RE}')", QUANTITY_MESSAGE))}),
 ]
+def matching(pattern: str, message: str, max_length: int, refused: str | None = None) -> Any:
+    """A string the API server checks by regex (CEL's RE2: `pattern` must match, `refused` must
+    not be found) and the operator checks again: a spec stored under an older CRD, or kept through
+    CRD validation ratcheting, must become InvalidSpec, not a crash or an object never meant (a
+    model source of hostpath://// mounting the node's root)."""
+    def check(value: str) -> str:
+        if not re.search(pattern, value) or (refused and re.search(refused, value)):
+            raise ValueError(message)
+        return value
+    rule = f"self.matches('{pattern}')" + (f" && !self.matches('{refused}')" if refused else "")
+    return Annotated[str, AfterValidator(check), Field(max_length=max_length, json_schema_extra=rules(cel(rule, message)))]
+
+
 # Go-style durations limited to what a person writes: 500ms, 30s, 5m, 1h, 1h30m.
-Duration = Annotated[
-    str,
-    Field(max_length=32, json_schema_extra=rules(cel(
-        "self.matches('^([0-9]+(ms|s|m|h))+$')",
-        "must be a duration such as 30s, 5m or 1h (units: ms, s, m, h)"))),
-]
+Duration = matching("^([0-9]+(ms|s|m|h))+$", "must be a duration such as 30s, 5m or 1h (units: ms, s, m, h)", 32)
+# No `..` segment: Kubernetes refuses such a hostPath, and a claim's path must stay in the claim.
+CLAIM = "pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?"
+PARENT = "(^|/)[.][.](/|$)"
+ModelSource = matching(f"^(builtin://[a-z0-9][a-z0-9._-]*|{CLAIM}|hostpath:///[^/].*)$",
+                       "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>, "
+                       "without a .. segment", 512, PARENT)
+AdapterSource = matching(f"^({CLAIM}|hostpath:///[^/].*)$",
+                         "must be pvc://<claim>/<path> or hostpath:///<absolute path>, without a .. segment",
+                         512, PARENT)
 Ratio = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
@@ -78,12 +95,8 @@ class ModelSpec(Spec):
 
     name: str | None = Field(None, max_length=128, description=(
         "The name clients send as the OpenAI `model`; defaults to the last part of the source."))
-    source: str = Field(max_length=512, description=(
-        "builtin://<name>, pvc://<claim>/<path> (HF folder or .gguf) or hostpath:///<absolute path>."),
-        json_schema_extra=rules(cel(
-            "self.matches('^(builtin://[a-z0-9][a-z0-9._-]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?"
-            "|hostpath:///[^/].*)$')",
-            "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>")))
+    source: ModelSource = Field(description=(
+        "builtin://<name>, pvc://<claim>/<path> (HF folder or .gguf) or hostpath:///<absolute path>."))
 
     @property
     def served_name(self) -> str:
@@ -132,10 +145,7 @@ class Adapter(Spec):
     serve beside the model, under its own name."""
     name: str = Field(max_length=128, pattern=r"^[A-Za-z0-9][-._A-Za-z0-9]*$", description=(
         "The name clients send as the OpenAI `model` to run with this adapter."))
-    source: str = Field(max_length=512, description="pvc://<claim>/<path> or hostpath:///<absolute path>.",
-                        json_schema_extra=rules(cel(
-                            "self.matches('^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/].*)?|hostpath:///[^/].*)$')",
-                            "must be pvc://<claim>/<path> or hostpath:///<absolute path>")))
+    source: AdapterSource = Field(description="pvc://<claim>/<path> or hostpath:///<absolute path>.")
 
 
 # Kubernetes refuses these names for env variables and Secret/ConfigMap keys.
@@ -283,6 +293,8 @@ class Quality(Spec):
 
 
 class Analysis(Spec):
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "!has(self.interval) || duration(self.interval) >= duration('1s')", "rollout.analysis.interval must be at least 1s")))
     interval: Duration = "1m"
     failureLimit: int = Field(2, ge=0, le=100, description=(
         "Failed checks that roll the canary back (0 and 1 both: the first)."))
@@ -298,6 +310,9 @@ class Rollout(Spec):
     """Canary steps for a new revision: each step sends `weight` percent of requests to it for
     `pause` (no pause: hold until the kiln.dev/resume-rollout annotation changes), analysed
     against the stable revision every interval; then promotion, or a rollback on failures."""
+    model_config = ConfigDict(json_schema_extra=rules(cel(
+        "!has(self.progressDeadline) || duration(self.progressDeadline) >= duration('1s')",
+        "rollout.progressDeadline must be at least 1s (0s would roll back every canary)")))
     steps: list[RolloutStep] = Field(min_length=1, max_length=20, json_schema_extra=rules(cel(
         "self.map(s, s.weight).isSorted() && self.all(a, self.exists_one(b, b.weight == a.weight))",
         "rollout.steps weights must be strictly increasing")))
