@@ -13,7 +13,7 @@ import sys
 import openai
 import pytest
 
-from kiln.router.auth import ApiKeys
+from kiln.router.auth import ApiKeys, parse_keys
 from kiln_process import REPO, RouterProcess
 from router_fakes import on_event_loop, raw_post, service
 from test_server import MODEL, ServerProcess, get, post
@@ -144,3 +144,14 @@ async def test_a_salted_body_stays_compact_and_keeps_what_the_client_sent() -> N
             assert status == 200 and json.loads(received)["prompt"] == prompt
             salt = json.loads(received)["cache_salt"]
             assert len(received) <= len(sent) + len(salt) + len(',"cache_salt":""')
+
+
+def test_a_key_file_is_one_whole_key_a_line():
+    """A '#' or ',' inside a key is part of it (generated keys have them): cut there, the key
+    itself was refused and its first part let in. Comments start a line or follow a space."""
+    text = "key-a  # team a\n# rotated out: old-key\n\nTenant#A-s3cr3t-9f8e\nsk-live,Zq\n"
+    assert parse_keys(text) == ["key-a", "Tenant#A-s3cr3t-9f8e", "sk-live,Zq"]
+    keys = ApiKeys(parse_keys(text))
+    assert keys.salts.keys() == {b"key-a", b"Tenant#A-s3cr3t-9f8e", b"sk-live,Zq"}
+    with pytest.raises(ValueError, match="one key a line"):
+        parse_keys("key-a key-b")

@@ -5,14 +5,16 @@ or miss shows in the time to first token: PromptPeek, NDSS 2025). `kiln serve --
 checks keys the same way (no salt: as vLLM's, its keys only authenticate).
 
 Keys come from `--api-key` (repeatable) or the KILN_API_KEYS environment variable (one per
-line or comma-separated; '#' starts a comment), which the operator fills from
-`spec.auth.apiKeySecretRef`."""
+line; '#' at the start of a line or after a space starts a comment), which the operator fills from
+`spec.auth.apiKeySecretRef`. A '#' or ',' inside a key is part of it: generated keys have them,
+and a key cut there would let its first part in."""
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
 import os
+import re
 from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
@@ -26,12 +28,11 @@ def parse_keys(text: str) -> list[str]:
     """Keys from the environment variable's text; ValueError on a key with spaces inside."""
     keys = []
     for line in text.splitlines():
-        for key in line.split("#", 1)[0].split(","):
-            key = key.strip()
-            if any(c.isspace() for c in key):
-                raise ValueError("an API key must not contain whitespace")
-            if key:
-                keys.append(key)
+        key = re.split(r"(?:^|\s)#", line, maxsplit=1)[0].strip()
+        if any(c.isspace() for c in key):
+            raise ValueError("an API key must not contain whitespace (one key a line)")
+        if key:
+            keys.append(key)
     return keys
 
 
