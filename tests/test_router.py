@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 
 import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, ReadyEndpoints, parse_endpoints
+from kiln.operator.render import ROUTER_GRACE_PERIOD_S, ROUTER_PRESTOP_SLEEP_S
+from kiln.router import main as router_main
 from kiln.router.main import serving
 from kiln.router.proxy import Limits, build_app
 from router_fakes import (
@@ -649,3 +652,29 @@ def test_cli_requires_a_source_of_endpoints(capsys: pytest.CaptureFixture[str]) 
 def test_endpoints_take_names_ipv4_and_bracketed_ipv6() -> None:
     assert parse_endpoints("engine-0.engines:8000, 10.0.0.7:8000,[::1]:8000") == [
         Endpoint("engine-0.engines", 8000), Endpoint("10.0.0.7", 8000), Endpoint("::1", 8000)]
+
+
+@on_event_loop
+async def test_a_stopping_router_cuts_a_stream_that_never_ends_within_its_shutdown_time(monkeypatch) -> None:
+    """The pod's grace period must not run out first (SIGKILL, no stream closed, no metrics):
+    aiohttp waits its timeout twice before it cancels a handler still running."""
+    # The operator's router pods: preStop pause, then the router's whole shutdown, in the grace period.
+    assert ROUTER_PRESTOP_SLEEP_S + router_main.SHUTDOWN_SECONDS < ROUTER_GRACE_PERIOD_S
+    monkeypatch.setattr(router_main, "SHUTDOWN_SECONDS", 3.0)
+
+    async def endless(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(request)
+        while True:
+            await response.write(b"data: {}\n\n")
+            await asyncio.sleep(0.05)
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/completions", endless)
+    async with aiohttp.ClientSession() as client:
+        async with serving(app, "127.0.0.1", 0) as port:
+            stream = await client.post(f"http://127.0.0.1:{port}/v1/completions")
+            assert await stream.content.readline()
+            stopping = time.monotonic()
+        took = time.monotonic() - stopping
+    assert 1.0 < took < 4.5, took  # about 3 s; twice that before
