@@ -303,6 +303,7 @@ def kiln(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     "args, message",
     [
         (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--system", "Be brief."], "--system needs --chat"),
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", "hi", "--model", "no-such-model"], "not found"),

@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
             repetition_penalty=args.repetition_penalty, structured_outputs=structured_outputs(args),
         )
+        if args.system is not None and not args.chat:  # a plain prompt has no system turn
+            raise ValueError("--system needs --chat")
         if args.prompt == "-":
             try:
                 args.prompt = sys.stdin.buffer.read().decode()
