@@ -150,11 +150,19 @@ class Adapter(Spec):
 
 # Kubernetes refuses these names for env variables and Secret/ConfigMap keys.
 NOT_DOTS = rules(cel("self != '.' && !self.startsWith('..')", "must not be '.' or start with '..'"))
+# Kubernetes' own grammars, so a bad value is refused with the InferenceService, not by every
+# Deployment the operator applies: an object's name (DNS subdomain), a Secret or ConfigMap key,
+# a label key (taint keys too) and a label value.
+OBJECT_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+DATA_KEY = r"^[-._a-zA-Z0-9]+$"
+# (a toleration's empty key, with Exists, tolerates every taint)
+LABEL_KEY = r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 
 class KeySelector(Spec):
-    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", json_schema_extra=NOT_DOTS)
+    name: str = Field(max_length=253, pattern=OBJECT_NAME)
+    key: str = Field(max_length=253, pattern=DATA_KEY, json_schema_extra=NOT_DOTS)
     optional: bool = False
 
 
@@ -223,9 +231,9 @@ class Toleration(Spec):
         "a toleration without key must have operator Exists (it then tolerates every taint)"), cel(
         "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
         "a toleration with tolerationSeconds must have effect NoExecute")))
-    key: str | None = Field(None, max_length=317)
+    key: str | None = Field(None, max_length=317, pattern=LABEL_KEY)
     operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = Field(None, max_length=63)
+    value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     tolerationSeconds: int | None = None
 
@@ -235,7 +243,8 @@ class Resources(Spec):
     gpus: int = Field(0, ge=0, le=64, description="nvidia.com/gpu per replica; 0 runs on CPU.")
     cpu: Quantity = "1"
     memory: Quantity = "4Gi"
-    nodeSelector: dict[str, str] = Field(default_factory=dict, max_length=32)
+    nodeSelector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
+        default_factory=dict, max_length=32)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
 
 
@@ -323,8 +332,8 @@ class Rollout(Spec):
 
 
 class SecretKeyRef(Spec):
-    name: str = Field(max_length=253, description="A Secret in the InferenceService's namespace.")
-    key: str = Field("api-keys", max_length=253, description=(
+    name: str = Field(max_length=253, pattern=OBJECT_NAME, description="A Secret in the InferenceService's namespace.")
+    key: str = Field("api-keys", max_length=253, pattern=DATA_KEY, json_schema_extra=NOT_DOTS, description=(
         "Its key holding the API keys: one per line (one per tenant); '#' starts a comment."))
 
 
@@ -335,8 +344,7 @@ class Auth(Spec):
 
 
 class LocalObjectReference(Spec):
-    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                      description="A Secret in the InferenceService's namespace.")
+    name: str = Field(max_length=253, pattern=OBJECT_NAME, description="A Secret in the InferenceService's namespace.")
 
 
 class RouterSpec(Spec):
