@@ -334,7 +334,8 @@ class Rollout(Spec):
 class SecretKeyRef(Spec):
     name: str = Field(max_length=253, pattern=OBJECT_NAME, description="A Secret in the InferenceService's namespace.")
     key: str = Field("api-keys", max_length=253, pattern=DATA_KEY, json_schema_extra=NOT_DOTS, description=(
-        "Its key holding the API keys: one per line (one per tenant); '#' starts a comment."))
+        "Its key holding the API keys: one whole key a line (one per tenant); '#' at the start of a "
+        "line or after a space starts a comment."))
 
 
 class Auth(Spec):
