@@ -5,8 +5,11 @@ streamed whole."""
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models
 
-from kiln.engine.tokenizer import IncrementalDetokenizer
+from kiln.engine.openai_responses import chat_logprobs
+from kiln.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from test_server import MODEL, ServerProcess
 
 ROCKETS = "🚀🚀🚀🚀🚀🚀"  # 🚀 is three tokens in SmolLM2 (F0 9F | 9A | 80): easy to cut in half
@@ -77,3 +80,21 @@ def test_a_prompt_ending_in_half_a_character_streams_it_whole(server, tokenizer)
     # Greedy SmolLM2 finishes the rocket (the premise; the assertion shows what it did if not).
     assert tokenizer.decode(prompt_ids + token_ids).endswith(ROCKETS), token_ids
     assert texts == ["🚀"]  # was nothing: the two continuation bytes alone never decode
+
+
+def test_chat_logprob_bytes_join_into_the_text(tokenizer) -> None:
+    """OpenAI's logprob `bytes` let a client rebuild a character split over tokens, whose text alone
+    is U+FFFD: byte-level BPE pieces (SmolLM2's) and SentencePiece byte fallbacks (Llama 2's)."""
+    text = "Grüße 🚀🚀 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    content = chat_logprobs([{"token_id": i, "logprob": -0.5, "top": [(i, -0.5)]} for i in ids], tokenizer)["content"]
+    assert any(entry["token"] == "\ufffd" for entry in content)  # the rocket is split
+    assert b"".join(bytes(entry["bytes"]) for entry in content) == text.encode()
+    assert all(entry["top_logprobs"][0]["bytes"] == entry["bytes"] for entry in content)
+
+    vocab = {"<unk>": 0, "<0xF0>": 1, "<0x9F>": 2, "<0x9A>": 3, "<0x80>": 4, "▁a": 5}
+    fallback = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    fallback.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    llama2 = Tokenizer(fallback, [], None, None)
+    assert [llama2.decode_token(i) for i in (1, 5)] == ["\ufffd", " a"]
+    assert b"".join(llama2.token_bytes(i) for i in (5, 1, 2, 3, 4)) == " a🚀".encode()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from kiln.engine.tokenizer import Tokenizer
 
 
 def new_id(prefix: str) -> str:
@@ -30,16 +33,16 @@ def envelope(id_: str, object_: str, model: str, choices: list[dict[str, Any]], 
             "model": model, "choices": choices, **extra}
 
 
-def _token_entry(token_text: Callable[[int], str], token_id: int, logprob: float) -> dict[str, Any]:
-    text = token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": tokenizer.decode_token(token_id), "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token_id))}
 
 
-def chat_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int], str]) -> dict[str, Any]:
+def chat_logprobs(entries: list[dict[str, Any]], tokenizer: Tokenizer) -> dict[str, Any]:
     """Engine logprob entries -> a chat choice's `logprobs` ({"content": [...]})."""
     return {"content": [
-        {**_token_entry(token_text, e["token_id"], e["logprob"]),
-         "top_logprobs": [_token_entry(token_text, t, lp) for t, lp in e["top"]]}
+        {**_token_entry(tokenizer, e["token_id"], e["logprob"]),
+         "top_logprobs": [_token_entry(tokenizer, t, lp) for t, lp in e["top"]]}
         for e in entries]}
 
 

@@ -20,6 +20,7 @@ from kiln.engine.openai_protocol import (
 from kiln.engine.openai_responses import (
     chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
 from kiln.engine.output_streams import merged, new_entries
+from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -73,8 +74,9 @@ class ChatShape:
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, token_text, want_logprobs: bool, index: int, tools: ToolCalls | None = None) -> None:
-        self.token_text, self.want_logprobs, self.index, self.tools = token_text, want_logprobs, index, tools
+    def __init__(self, tokenizer: Tokenizer | None, want_logprobs: bool, index: int,
+                 tools: ToolCalls | None = None) -> None:
+        self.tokenizer, self.want_logprobs, self.index, self.tools = tokenizer, want_logprobs, index, tools
         self.held, self.sent = "", 0  # with tools: the text so far, and how much of it went out as content
 
     def opening(self) -> list[dict[str, Any]]:
@@ -82,7 +84,7 @@ class ChatShape:
                  "finish_reason": None}]
 
     def _logprobs(self, entries: list[dict]) -> dict | None:
-        return chat_logprobs(entries, self.token_text) if self.want_logprobs else None
+        return chat_logprobs(entries, self.tokenizer) if self.want_logprobs else None
 
     def delta(self, text: str, entries: list[dict], finish_reason: str | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
@@ -158,7 +160,7 @@ class OpenAIServing:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
         ids, params, tools, lora = self.chat_inputs(req)
         return await self._generate(request, req, [ids], [params], lambda index: ChatShape(
-            self.token_text, req.logprobs, index, tools), False, lora)
+            self.tokenizer, req.logprobs, index, tools), False, lora)
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls | None, str | None]:
         """A conversation's prompt ids, sampling parameters, tool calls and LoRA adapter; a 400 or

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,17 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> the byte it stands for: printable bytes are
+    themselves, the others are shifted to 256 and up (Ġ is the space)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+BYTE_OF = _byte_level_alphabet()
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
                  chat_template: str | None, template_source: str | Path = "the model") -> None:
@@ -88,6 +100,19 @@ class Tokenizer:
         # responses decode the same few thousand tokens over and over.
         self.decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob `bytes`): where it holds part of a UTF-8
+        character its text alone is U+FFFD, and only its bytes let a client join the character."""
+        text = self.decode_token(token_id)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if fallback := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):  # SentencePiece's byte fallback
+            return bytes([int(fallback[1], 16)])
+        if piece and all(c in BYTE_OF for c in piece):  # a byte-level BPE piece
+            return bytes(BYTE_OF[c] for c in piece)
+        return text.encode()
 
     def with_chat_template(self, template: str, source: str = "--chat-template") -> Tokenizer:
         """This tokenizer with another chat template (the model's may be missing or unwanted)."""
