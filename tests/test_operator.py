@@ -218,7 +218,7 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)
     body = smollm2("refused")
-    body["spec"]["resources"]["nodeSelector"] = {"pool": "not a label value!"}  # the CRD cannot tell
+    body["spec"]["resources"]["nodeSelector"] = {"not a label key!": "x"}  # the CRD checks values, not keys
     apply(kubectl, ns, body)
     cond = until(lambda: condition(isvc(apis, ns, "refused"), "Ready").get("reason") == "Rejected"
                  and condition(isvc(apis, ns, "refused"), "Ready"), "Ready=False Rejected")
