@@ -270,6 +270,13 @@ def test_abort_frees_blocks(llm: LLM) -> None:
     assert engine.stats().kv_cache_usage == 0.0
 
 
+def test_max_tokens_none_runs_to_the_end_of_the_context(tiny_llama_dir) -> None:
+    # vLLM's offline None: as many tokens as max_model_len leaves after the prompt.
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=40)
+    (out,) = llm.generate(["w1 w2 w3"], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 40
+
+
 def test_bad_requests_are_refused(llm: LLM, small_llm: LLM) -> None:
     engine = llm.engine
     with pytest.raises(ValueError, match="empty"):
@@ -396,6 +403,23 @@ def test_cli_chat_template_refusal_is_one_line(tmp_path, tiny_llama_dir) -> None
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == ("kiln generate: error: the model's chat template rejected "
                                                     "the messages: System role not supported")
+
+
+def test_a_tokenizer_bigger_than_the_model_is_one_line(tmp_path, tiny_llama_dir) -> None:
+    # Text whose ids pass the model's vocab_size reached the embedding: an IndexError traceback.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    folder = tmp_path / "big-tokenizer"
+    shutil.copytree(tiny_llama_dir, folder)
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(2 * vocab)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    done = kiln("--model", str(folder), "--prompt", f"w3 w{vocab + 5}", "--dtype", "float32", "--max-tokens", "2")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"kiln generate: error: the tokenizer gave token ids [{vocab + 8}] that the model does not have (its "
+        f"vocab_size is {vocab}): the tokenizer does not belong to this model")
 
 
 def test_cli_ctrl_c_exits_130_without_a_traceback() -> None:

@@ -32,7 +32,11 @@ def make_seqs(params: list[SamplingParams], prompt: list[int] | None = None, out
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": -0.1}, "temperature"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": True}, "top_k"),  # bools are ints to Python: True passed as 1
+        ({"seed": True}, "seed"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stop_token_ids": [False]}, "stop_token_ids"),
         ({"min_p": 2.0}, "min_p"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
@@ -49,6 +53,11 @@ def make_seqs(params: list[SamplingParams], prompt: list[int] | None = None, out
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(max_tokens=None, min_tokens=10**6).max_tokens is None  # until the context ends
 
 
 def test_penalties_match_definition() -> None:

@@ -106,6 +106,14 @@ def test_completion_stream_reassembles_to_greedy_text_with_usage(server, tokeniz
     assert not chunks[-1].choices and chunks[-1].usage == full.usage
     assert all(c.usage is None for c in chunks[:-1])
     assert len({(c.id, c.created) for c in chunks}) == 1  # one response: one id and one creation time
+    # vLLM's continuous_usage_stats: the usage so far on every chunk, two choices' tokens together.
+    chunks = list(server.client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=12, n=2, extra_body={"ignore_eos": True},
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    made = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in chunks)
+    assert made == sorted(made) and made[0] <= 2 and made[-1] == 24 and made[-2] == 24
+    assert chunks[-1].usage.total_tokens == full.usage.prompt_tokens + 24
 
 
 def test_chat_stream_matches_nonstream(server, tokenizer):
@@ -478,6 +486,21 @@ def test_response_format_and_structured_outputs_through_the_openai_client(server
         assert isinstance(json.loads(bare.choices[0].message.content), dict)
     else:  # cut by max_tokens: still the beginning of an object
         assert bare.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_a_constraint_that_fails_while_generating_is_a_400_not_a_stop(server):
+    # It compiles, then outgrows llguidance's lexer after a token: the client hears why, streamed
+    # or not, instead of a "stop" with text that does not follow the regex.
+    body = {"model": MODEL, "prompt": "Write the letter a many times:", "max_tokens": 20, "temperature": 0,
+            "structured_outputs": {"regex": "(a{1000}){1000}"}}
+    status, answer = post(server.url + "/v1/completions", body)
+    assert status == 400 and "constraint failed while generating" in answer["error"]["message"], answer
+    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [json.loads(line[len(b"data: "):]) for line in r if line.startswith(b"data: {")]
+    assert "constraint failed while generating" in events[-1]["error"]["message"], events
+    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-1])
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",

@@ -129,11 +129,34 @@ def test_constrained_drafts_give_the_tokens_plain_decoding_gives(llm):
         jsonschema.validate(json.loads(out.text), TEAM)
 
 
+def test_a_oneof_whose_branches_overlap_is_served_as_anyof(llm):
+    # llguidance cannot prove these disjoint and refused the schema (a 400) without coerce_one_of.
+    schema = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 10}]}},
+              "required": ["n"], "additionalProperties": False}
+    out = llm.generate("A number as JSON:", constrained("json", schema, temperature=0.0, max_tokens=30))[0]
+    assert out.finish_reason == "stop", out
+    assert isinstance(json.loads(out.text)["n"], (int, float))
+
+
 def test_max_tokens_cuts_a_constrained_output_short(llm):
     out = llm.chat(ASK, constrained("json", PERSON, temperature=0.0, max_tokens=5))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("{")
     with pytest.raises(ValueError):
         json.loads(out.text)
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("regex", "(a{1000}){1000}"),
+    ("json", {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(ab{500}){500}$"}},
+              "required": ["s"]}),
+], ids=["regex", "json-pattern"])
+def test_a_constraint_that_fails_while_generating_ends_in_error_not_stop(llm, kind, value):
+    # These compile, then outgrow llguidance's lexer as tokens come: its mask then allows only EOS,
+    # which must not end the request as a "stop" whose text claims to follow the constraint.
+    out = llm.generate("Write the letter a many times:", constrained(kind, value, temperature=0.0, max_tokens=20))[0]
+    assert out.finish_reason == "error" and "constraint failed while generating" in out.error, out
+    assert "too many expressions" in out.error
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
 
 
 @pytest.mark.parametrize("spec,message", [

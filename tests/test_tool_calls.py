@@ -13,9 +13,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kiln.cli import main as cli_main
+from kiln.engine.api_errors import APIError
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_serving import ChatShape
-from kiln.engine.tool_calls import tool_calls
+from kiln.engine.tool_calls import NO_PARAMETERS, tool_calls
 from kiln.engine.tool_parsers import PARSERS
 from test_server import CLOCK, MODEL, WEATHER, ServerProcess, post
 
@@ -41,6 +42,9 @@ OSLO = ("get_weather", '{"city": "Oslo", "unit": "celsius"}')
     (PYTHONIC, '[get_weather(city="Oslo", unit=\'celsius\'), get_time()]', (None, [OSLO, ("get_time", "{}")])),
     (PYTHONIC, '<|python_start|>[f(a=[1, 2.5], b={"k": None}, c=True)]<|python_end|>',
      (None, [("f", '{"a": [1, 2.5], "b": {"k": null}, "c": true}')])),
+    (HERMES, '<tool_call>{"name": "f", "arguments": null}</tool_call>', (None, [("f", "{}")])),
+    (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"city\\": \\"Z\\u00fcrich\\"}"}</tool_call>',
+     (None, [("f", '{"city": "Zürich"}')])),  # a JSON string of the object; the text as written
 ])
 def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, parsed) -> None:
     assert parser.parse(text) == parsed
@@ -57,6 +61,13 @@ def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, pars
     (PYTHONIC, "[f(x=1)] and then text"), (PYTHONIC, "[f(1)]"), (PYTHONIC, "[f(x=open('/etc/passwd'))]"),
     (PYTHONIC, "[os.system(x='ls')]"), (PYTHONIC, "[f(**kw)]"), (PYTHONIC, "[f(x={1, 2})]"), (PYTHONIC, "[1, 2]"),
     (PYTHONIC, "[f(x=" + "[" * 5000 + "]" * 5000 + ")]"),
+    # Arguments a client could not json.loads into an object: not a call either.
+    (HERMES, '<tool_call>{"name": "f", "arguments": "city=Oslo"}</tool_call>'),
+    (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"city\\": \\"Os"}</tool_call>'),
+    (HERMES, '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>'),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    (LLAMA, '{"name": "f", "parameters": {"x": Infinity}}'), (PYTHONIC, "[f(x=1e999)]"), (PYTHONIC, "[f(x=b'ab')]"),
+    (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": "oops"}]'),
 ])
 def test_output_that_makes_no_whole_call_is_not_parsed(parser, text) -> None:
     assert parser.parse(text) is None
@@ -212,6 +223,30 @@ def test_a_function_without_parameters_is_called_with_none(server, tool_choice) 
         tool_choice=tool_choice).choices[0]
     (call,) = choice.message.tool_calls
     assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+
+
+@pytest.mark.parametrize("tools,message", [
+    ([WEATHER, CLOCK, WEATHER], "tools name the function 'get_weather' twice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+     r'tools\[0\].function.parameters: a function\'s parameters are a JSON schema of type "object"'),
+])
+def test_tools_that_cannot_be_called_as_sent_are_a_400(tools, message) -> None:
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                "tool_choice": "required"})
+    with pytest.raises(APIError, match=message) as e:
+        tool_calls(req)
+    assert e.value.status == 400 and e.value.param.startswith("tools")
+
+
+@pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer"}}}])
+def test_arguments_are_always_an_object(parameters) -> None:
+    # {} is no parameters, as when left out; a schema without a type still takes only objects
+    # (a bare {} let a named call's "arguments" be "hello" or [1]).
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    schema = tool_calls(req).structured_outputs().json
+    assert schema["type"] == "object" and (parameters or schema == NO_PARAMETERS)
 
 
 def test_with_a_parser_special_tokens_stay_in_the_text_it_reads(server) -> None:

@@ -41,7 +41,8 @@ class RequestOutput:
         # of them from a request's first output on (kiln.engine.prompt_logprobs); never changed again.
         self.prompt_logprobs: list[PromptLogprob | None] | None = seq.prompt_logprobs
         self.finished = seq.is_finished
-        self.finish_reason = seq.finish_reason  # "stop" | "length" | "abort" | None
+        self.finish_reason = seq.finish_reason  # "stop" | "length" | "abort" | "error" | None
+        self.error = seq.error  # with "error": what went wrong; the text so far is not a whole answer
         self.num_cached_tokens = seq.num_cached_tokens
         self._seq, self._num_tokens, self._text, self._visible = seq, len(seq), seq.text, visible_chars
         self._num_logprobs = None if seq.logprobs is None else len(seq.logprobs)
@@ -177,6 +178,8 @@ class LLMEngine:
         if lora is not None and lora not in self.loras:
             raise LoRANotLoadedError(f"no LoRA adapter named {lora!r} is loaded")
         token_ids = self._tokenize(prompt)
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.config.max_model_len - len(token_ids))
         vocab = self.model_config.vocab_size
         if params.logit_bias and not all(t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
@@ -226,10 +229,14 @@ class LLMEngine:
             runner.release_kv_cache()
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt) if prompt else []
+            bad = [t for t in token_ids if t >= vocab]
+            if bad:  # an embedding lookup out of range: an IndexError from torch
+                raise ValueError(f"the tokenizer gave token ids {bad[:5]} that the model does not have "
+                                 f"(its vocab_size is {vocab}): the tokenizer does not belong to this model")
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            vocab = self.model_config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
@@ -359,6 +366,12 @@ class LLMEngine:
         params = seq.params
         if seq.matcher is not None:
             seq.matcher.consume_token(token)
+            if seq.matcher.is_error():  # e.g. llguidance's lexer limit, met only as the output grows:
+                # its mask then lets only EOS through, which must not pass for a complete answer
+                seq.error = f"structured outputs: the constraint failed while generating: " \
+                            f"{seq.matcher.get_error().strip()}"
+                seq.finish("error")
+                return
         if seq.may_stop and token in seq.stop_token_ids:
             if params.include_stop_str_in_output:  # its text, if it has any once decoded
                 seq.text += seq.detokenizer.add([token])

@@ -44,6 +44,7 @@ _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
 class StreamOptions(BaseModel):
     model_config = STRICT_NUMBERS
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 def _nullable_optionals(schema: dict[str, Any]) -> None:
@@ -178,7 +179,7 @@ class _SamplingFields(_Request):
         structured = self.structured_outputs.params() if self.structured_outputs is not None else \
             self.response_format.params() if self.response_format is not None else None
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
@@ -191,6 +192,10 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):

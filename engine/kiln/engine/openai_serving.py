@@ -335,19 +335,24 @@ class OpenAIServing:
                       prompt_tokens: int) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        extra: dict[str, Any] = {"created": int(time.time()), **({"usage": None} if req.include_usage else {})}
+        extra: dict[str, Any] = {"created": int(time.time())}
+        if req.include_usage:  # null on the chunks before the last, unless continuous
+            extra["usage"] = usage(prompt_tokens, 0) if req.continuous_usage else None
 
         def chunk(choices: list[dict[str, Any]], **fields: Any) -> bytes:
             return sse(envelope(request_id, object_chunk, model, choices, **{**extra, **fields}))
 
         object_chunk = choices[0].shape.object_chunk
-        completion_tokens = 0
+        completion_tokens = made = 0  # made: the tokens so far, for continuous usage
         try:
             for c in choices:
                 for opening in c.shape.opening():
                     await resp.write(chunk([{**opening, **c.fields.prompt(c.prompt_ids, None)}]))
             async with contextlib.aclosing(merged(choices)) as outputs:
                 async for c, out in outputs:
+                    made += len(out.new_token_ids)
+                    if req.continuous_usage:
+                        extra["usage"] = usage(prompt_tokens, made)
                     text, entries = c.echoed(out, out.new_text, new_entries(out))
                     # A chunk for every step that made a token, even when its text is empty (a special
                     # token, text held back as it may begin a stop string, half a character), as vLLM

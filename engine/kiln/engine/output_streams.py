@@ -47,6 +47,9 @@ async def until_finished(outputs: asyncio.Queue) -> AsyncIterator[RequestOutput]
         if isinstance(out, Exception):  # EngineDeadError: the engine loop failed
             raise APIError(500, f"the engine failed while generating: {out}", type_="server_error",
                            code="engine_dead")
+        if out.finish_reason == "error":  # the request's own fault, met while generating: the same
+            # request fails again, so a 4xx; its text so far is not sent as if it were an answer
+            raise APIError(400, out.error, code="generation_failed")
         yield out
         if out.finished:
             return

@@ -55,7 +55,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until the context ends (max_model_len), as vLLM takes it
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -82,22 +82,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.top_k == -1 and _is_int(self.top_k):  # vLLM's "off", its old default: scripts pass it
+            self.top_k = 0
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the allowed range."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
-                not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or math.inf):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         # NaN passes every comparison (`nan < 0` is False): it sampled from NaN probabilities.
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.repetition_penalty < math.inf:
@@ -106,24 +107,24 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         k = self.prompt_logprobs
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if self.logit_bias is not None and any(
-            not isinstance(t, int) or isinstance(t, bool) or t < 0 or not -100.0 <= b <= 100.0
+            not _is_int(t) or t < 0 or not -100.0 <= b <= 100.0
             for t, b in self.logit_bias.items()
         ):
             raise ValueError(f"logit_bias maps token ids (>= 0) to numbers in [-100, 100], got {self.logit_bias!r}")
         if self.stop_token_ids is not None and any(
-            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+            not _is_int(t) or t < 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
@@ -138,3 +139,8 @@ class SamplingParams:
         return (
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(x: object) -> bool:
+    """An int that is not a bool (True is an int to Python, and would pass as 1)."""
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -41,6 +41,7 @@ class Sequence:
         # With a draft model: its K/V of token_ids[:num_draft_cached] sit in its cache (kiln.engine.draft_model).
         self.num_draft_cached = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why, when finish_reason is "error"
         # Tokens that end it: the request's stop_token_ids and, unless ignore_eos, the model's EOS
         # (set by the engine, which knows the tokenizer).
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())

@@ -7,7 +7,9 @@ the engine feeds the chosen token back to the matcher. The request ends ("stop")
 constraint is complete and nothing can follow, so the text parses whenever max_tokens leaves room.
 This is vLLM's `guidance` backend: the same library, computing a mask in about a millisecond a
 token. Grammars are checked when a request arrives, and llguidance bounds what compiling one
-may cost, so a bad or huge constraint is a 400 rather than a stalled engine."""
+may cost, so a bad or huge constraint is a 400 rather than a stalled engine. One that compiles
+and outgrows those bounds only as tokens come ends its request in error (a 400 too), never as a
+"stop" whose text would claim to follow it."""
 from __future__ import annotations
 
 import json
@@ -34,8 +36,11 @@ def to_grammar(spec: StructuredOutputs) -> str:
         # A Lark string literal takes JSON's escapes, so json.dumps quotes any text safely.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
     schema = {"type": "object"} if spec.json_object else _schema(spec.json)
+    # oneOf is taken as anyOf: llguidance cannot prove most oneOf branches disjoint, and refused
+    # such schemas with a 400 ("Enable 'coerce_one_of'").
     return llguidance.LLMatcher.grammar_from_json_schema(
-        schema, overrides={"whitespace_flexible": False} if spec.disable_any_whitespace else None)
+        schema, defaults={"coerce_one_of": True},
+        overrides={"whitespace_flexible": False} if spec.disable_any_whitespace else None)
 
 
 def _schema(schema: dict[str, Any] | str) -> dict[str, Any]:

@@ -32,10 +32,12 @@ class ToolCalls:
         self.named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         self.parser = PARSERS[parser] if parser is not None and choice in (None, "auto") else None
         self.call_id = PARSERS[parser].call_id if parser is not None else openai_call_id
-        # Left out, parameters mean none (OpenAI's "an empty parameter list"): any object let a model
-        # write keys until max_tokens cut the call short, so it was never made.
-        self.parameters = {t.function.name: NO_PARAMETERS if t.function.parameters is None else t.function.parameters
-                           for t in req.tools}
+        self.parameters = {t.function.name: _arguments_schema(t.function.parameters, f"tools[{i}].function.parameters")
+                           for i, t in enumerate(req.tools)}
+        if len(self.parameters) < len(req.tools):  # one would shadow the other's schema
+            names = [t.function.name for t in req.tools]
+            raise APIError(400, f"tools name the function {next(n for n in names if names.count(n) > 1)!r} twice: "
+                                "each function's name must be unique", param="tools")
         self.parallel = req.parallel_tool_calls
         if self.named is not None and self.named not in self.parameters:
             raise APIError(400, f"tool_choice names the function {self.named!r}, which is not among the tools "
@@ -80,7 +82,7 @@ class ToolCalls:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             try:
-                calls = [(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
+                calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in json.loads(text)]
             except ValueError:  # cut short by max_tokens
                 return {"content": text}, finish_reason
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -89,6 +91,18 @@ class ToolCalls:
         if streamed:  # a stream's calls carry their place, as OpenAI's chunks do
             tool_calls = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         return {"content": content, "tool_calls": tool_calls}, finish_reason
+
+
+def _arguments_schema(parameters: dict[str, Any] | None, param: str) -> dict[str, Any]:
+    """The schema a call's arguments follow: always an object, as clients json.loads them into one.
+    Left out or {}, parameters mean none (OpenAI's "an empty parameter list"): any object let a
+    model write keys until max_tokens cut the call short, so it was never made."""
+    if not parameters:
+        return NO_PARAMETERS
+    if parameters.get("type", "object") != "object":
+        raise APIError(400, f"{param}: a function's parameters are a JSON schema of type \"object\", "
+                            f"got type {parameters['type']!r}", param=param)
+    return {"type": "object", **parameters}
 
 
 def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:

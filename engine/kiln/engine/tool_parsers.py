@@ -30,8 +30,15 @@ def _call(obj: object, arguments_key: str) -> tuple[str, str]:
     """(name, arguments as a JSON string) of one parsed call; ValueError if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)
+    arguments = obj.get(arguments_key, obj.get("arguments"))
+    if isinstance(arguments, str):  # some models write the object as a JSON string
+        arguments = json.loads(arguments)
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments are not an object")
+    # A client runs json.loads / JSON.parse on them: strict JSON (no NaN), the text as written.
+    return obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
 
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
