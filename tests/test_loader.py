@@ -15,6 +15,7 @@ from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.gguf_loader import dequantize, open_gguf, read_model_config, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
+from kiln.engine.tokenizer import build_gguf_tokenizer
 
 Q = gguf.GGMLQuantizationType
 
@@ -239,6 +240,12 @@ def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir
     (folder / "model.safetensors.index.json").write_text("[]")
     with pytest.raises(ModelLoadError, match="not a safetensors index"):
         load_model(Config(model=str(folder), dtype="float32"))
+    # Without an index, two files that both hold a tensor: the last one read won, in silence.
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "consolidated.safetensors").unlink()
+    shutil.copy(folder / "model.safetensors", folder / "model-copy.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor '.*' is also in model-copy\.safetensors"):
+        load_model(Config(model=str(folder), dtype="float32"))
 
 
 @pytest.mark.parametrize("file, text, message", [
@@ -248,7 +255,20 @@ def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir
     ("config.json", {"rms_norm_eps": "abc"}, r"config\.json: rms_norm_eps must be a positive number, got 'abc'"),
     ("config.json", {"rms_norm_eps": float("nan")}, r"config\.json: rms_norm_eps must be a positive number, got nan"),
     ("config.json", {"tie_word_embeddings": "yes"}, r"config\.json: tie_word_embeddings must be true or false"),
-    ("config.json", {"eos_token_id": "abc"}, r"config\.json: invalid literal for int"),
+    ("config.json", {"eos_token_id": "abc"}, r"config\.json: eos_token_id must be a token id or a list of them"),
+    ("generation_config.json", json.dumps({"eos_token_id": [2, "x"]}),  # was blamed on config.json
+     r"generation_config\.json: eos_token_id must be a token id or a list of them, got \[2, 'x'\]"),
+    # rope: a KeyError, a TypeError, or NaN logits from llama3's 1 / (high - low)
+    ("config.json", {"rope_parameters": [1, 2]}, r"config\.json: rope_parameters / rope_scaling must be an object"),
+    ("config.json", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+     r"config\.json: rope_scaling\.factor must be a positive number, got None"),
+    ("config.json", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 1.0, "original_max_position_embeddings": 64}},
+     r"config\.json: rope_scaling: high_freq_factor \(1\.0\) must be greater than low_freq_factor"),
+    ("config.json", {"rope_parameters": {"rope_type": "linear", "factor": "2"}},
+     r"rope_scaling\.factor must be a positive number, got '2'"),
+    ("config.json", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+     r"config\.json: unsupported rope_scaling type 'yarn'"),
     ("tokenizer_config.json", "{bad", r"tokenizer_config\.json: invalid JSON"),
     ("tokenizer_config.json", json.dumps({"chat_template": "{{ x | no_such_filter }}"}),
      r"tokenizer_config\.json: the chat template does not compile"),
@@ -279,6 +299,21 @@ def test_gguf_metadata_out_of_range_is_named() -> None:
     with pytest.raises(ModelLoadError, match=r"rms_norm_eps must be a positive number, got inf"):
         read_model_config({**meta, "llama.attention.head_count": 4,
                            "llama.attention.layer_norm_rms_epsilon": float("inf")}, [], "x.gguf")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tokenizer.ggml.tokens": None}, r"tokenizer\.ggml\.tokens must be a list of strings"),
+    ({"tokenizer.ggml.merges": ["ab"]}, r"tokenizer\.ggml\.merges must be strings 'left right'"),
+    ({"tokenizer.ggml.bos_token_id": 3}, r"tokenizer\.ggml\.bos_token_id 3 is not a token id \(the vocabulary has 3\)"),
+    ({"tokenizer.ggml.eos_token_id": -1}, r"tokenizer\.ggml\.eos_token_id -1 is not a token id"),
+])
+def test_gguf_tokenizer_metadata_out_of_range_is_named(change: dict, message: str) -> None:
+    # A KeyError, a TypeError and an IndexError before.
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.add_bos_token": True}
+    assert build_gguf_tokenizer(meta, "x.gguf").encode("ab").ids == [0, 2]
+    with pytest.raises(ModelLoadError, match=r"x\.gguf: GGUF metadata " + message):
+        build_gguf_tokenizer({**meta, **change}, "x.gguf")
 
 
 @pytest.mark.parametrize("kwargs,message", [

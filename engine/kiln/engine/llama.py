@@ -67,9 +67,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    if kind == "freq_factors":  # GGUF's rope_freqs: the scaled frequencies, as divisors
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ModelLoadError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, freq_factors)")
+    # freq_factors (ModelConfig admits no other kind): GGUF's rope_freqs, the scaled frequencies as divisors
+    return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
 
 
 class RotaryEmbedding(nn.Module):

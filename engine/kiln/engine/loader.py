@@ -75,12 +75,15 @@ def _read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _eos_ids(*values: Any) -> list[int]:
+def _eos_ids(*sources: tuple[Path, Any]) -> list[int]:
+    """The eos_token_id values of (file, value) pairs, each a token id or a list of them."""
     ids: list[int] = []
-    for value in values:
+    for path, value in sources:
         for i in value if isinstance(value, list) else [value]:
+            if i is not None and (not isinstance(i, int) or isinstance(i, bool) or i < 0):
+                raise ModelLoadError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
             if i is not None and i not in ids:
-                ids.append(int(i))
+                ids.append(i)
     return ids
 
 
@@ -98,7 +101,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
     if raw.get("use_sliding_window") or (not qwen2 and raw.get("sliding_window")):
         raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     # transformers >= 5 writes rope_parameters (theta included); older versions rope_scaling + rope_theta.
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{path}: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    rope = dict(rope)
     rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     # Before head_dim's default divides by them; absent or null: a default or a KeyError below.
@@ -108,6 +114,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
     gen_path = folder / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos_token_ids = _eos_ids((path, raw.get("eos_token_id")), (gen_path, gen.get("eos_token_id")))
     try:
         heads = raw["num_attention_heads"]
         return ModelConfig(
@@ -122,11 +129,11 @@ def read_hf_config(folder: Path) -> ModelConfig:
             attention_bias=qwen2 or bool(raw.get("attention_bias")),
             o_proj_bias=not qwen2 and bool(raw.get("attention_bias")),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
+            eos_token_ids=eos_token_ids,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing key {e.args[0]!r}") from None
-    except (ValueError, TypeError) as e:  # ModelConfig's checks, an eos_token_id that is no integer
+    except (ValueError, TypeError) as e:  # ModelConfig's checks
         raise ModelLoadError(f"{path}: {e}") from None
 
 
@@ -134,10 +141,15 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = weight_files(folder)
     if not files:
         raise ModelLoadError(f"{folder}: no *.safetensors files")
+    seen: dict[str, Path] = {}  # two shards with one tensor: the last one read won, in silence
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
+                    if name in seen:
+                        raise ModelLoadError(f"{path}: tensor {name!r} is also in {seen[name].name}; "
+                                             "a folder's *.safetensors files must hold each tensor once")
+                    seen[name] = path
                     yield name, f.get_tensor(name)
         except ModelLoadError:
             raise

@@ -150,7 +150,14 @@ def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, di
     big_b = torch.zeros(sum(out_sizes), cols, dtype=torch.float32)
     for row, col, b in b_blocks:
         big_b[row:row + b.shape[0], col:col + b.shape[1]] = b.float() * scale
-    a, b = torch.cat(a_rows).to(weight.dtype), big_b.to(weight.dtype)
+    a = torch.cat(a_rows).float()
+    # An AWQ-quantized model divided the norm before qkv / gate_up by s: those projections see
+    # x / s, so A takes diag(s) to give the adapter's update on x (it was off by 1/s per channel).
+    norm = {"qkv_proj": "input_layernorm", "gate_up_proj": "post_attention_layernorm"}.get(fused)
+    folded = getattr(getattr(layers[layer], norm), "folded_scale", None) if norm else None
+    if folded is not None:
+        a = a * folded.to(a.device)
+    a, b = a.to(weight.dtype), big_b.to(weight.dtype)
     # Checked in the model's dtype (a scaled B may overflow float16): a NaN or inf would only give
     # its requests garbage text, sampled from logits the sampler had to clamp.
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):

@@ -189,6 +189,9 @@ class Int8Linear(QuantLinear):
     def __init__(self, qweight, scales, bias=None, act_scale=None, dtype=torch.float32,
                  kernel: str | None = None, *, scale_dtype: torch.dtype | None = None) -> None:
         super().__init__(qweight.shape[1], qweight.shape[0], bias, act_scale, dtype)
+        if qweight.data_ptr() % 64:  # read in place from a safetensors file, it may sit 8 bytes off
+            # a 16-byte line, and torch's int8 kernel with bf16 activations crashed the process on it
+            qweight = qweight.clone()
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(scale_dtype or dtype).contiguous())
         self.group_size = qweight.shape[1] // scales.shape[1] if scales.dim() == 2 else None
@@ -320,7 +323,9 @@ class Quantizer:
 
     The state dict holds, per quantized Linear `name`: `name.qweight` (+ `name.scales`, `name.zeros`
     for int4; fp8's weight is `name.qweight` too), `name.bias` if any, `name.act_scale` where AWQ
-    kept a multiplier; and, for AWQ, the rescaled norm weights under their own names."""
+    kept a multiplier; and, for AWQ, the rescaled norm weights under their own names, with the
+    `norm.folded_scale` s each was divided by: the projections after it see x / s, and a LoRA
+    adapter's A, made for x, is scaled by s to match (kiln.engine.lora)."""
 
     def __init__(self, model: nn.Module, method: str, *, group_size: int | None = None,
                  calibration_ids: list[int] | None = None, tokenizer: Any = None) -> None:
@@ -345,6 +350,7 @@ class Quantizer:
                 if norm is not None:
                     norm_w = self.model.get_submodule(norm).weight
                     out[f"{norm}.weight"] = (norm_w.float() / s).to(norm_w.dtype)
+                    out[f"{norm}.folded_scale"] = s.float()
                 else:
                     act_scales[name] = 1.0 / s
         for name, module in quantizable_linears(self.model):
@@ -389,6 +395,9 @@ class Quantizer:
         for key, tensor in state_dict.items():
             if key in params:
                 params[key].data.copy_(tensor)
+            elif key.endswith(".folded_scale"):
+                norm = self.model.get_submodule(key.removesuffix(".folded_scale"))
+                norm.folded_scale = tensor.to(norm.weight.device, torch.float32)
         return self.model
 
 

@@ -41,9 +41,11 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: unreadable: {e}") from None
     if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
-        raise ModelLoadError(f"{path}: not a format-version-{FORMAT_VERSION} Kiln quantized folder")
+        raise ModelLoadError(f"{path}: not a format-version-{FORMAT_VERSION} Kiln quantized folder (one written by "
+                             "another Kiln version is quantized again with kiln quantize)")
     try:
-        check_method(marker.get("method"))
+        if check_method(marker.get("method")) == "none":
+            raise ValueError("method 'none' is no quantized variant")
     except ValueError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     return marker
@@ -114,7 +116,9 @@ def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], mark
                              f"(leave it out or ask for {method!r})")
     linears = dict(quantizable_linears(model))
     floats = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
-    missing = [f"{n}.qweight" for n in linears if f"{n}.qweight" not in state] + [n for n in floats if n not in state]
+    parts = ("qweight", "scales", "zeros") if method.startswith("int4") else ("qweight", "scales")
+    missing = [f"{n}.{part}" for n in linears for part in parts if f"{n}.{part}" not in state]
+    missing += [n for n in floats if n not in state]
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for name, param in floats.items():
@@ -125,4 +129,16 @@ def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], mark
         if state[f"{name}.qweight"].shape[0] != linear.weight.shape[0]:
             raise ModelLoadError(f"{source}: tensor {name}.qweight has {state[f'{name}.qweight'].shape[0]} rows, "
                                  f"the model expects {linear.weight.shape[0]}")
-    Quantizer(model, method).convert_for_runtime(state)
+    try:
+        Quantizer(model, method).convert_for_runtime(state)
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        raise ModelLoadError(f"{source}: the {method} tensors do not fit the model: {e}") from None
+    for name, linear in linears.items():  # a row through each: codes or scales of the wrong size or
+        # kind fail here, named, not in the first request (a hand-edited or mixed-up folder)
+        quantized = model.get_submodule(name)
+        try:
+            out = quantized(torch.zeros(1, linear.weight.shape[1], dtype=quantized.dtype, device=linear.weight.device))
+            if out.shape != (1, linear.weight.shape[0]):
+                raise ValueError(f"it gives {out.shape[1]} outputs, the model expects {linear.weight.shape[0]}")
+        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+            raise ModelLoadError(f"{source}: the {method} tensors of {name} do not fit the model: {e}") from None

@@ -225,8 +225,13 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
     if pre not in _GGUF_PRE_SPLITS:
         raise ModelLoadError(f"{source}: GGUF pre-tokenizer {pre!r} is not supported "
                              f"(supported: {sorted(_GGUF_PRE_SPLITS)})")
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.tokens must be a list of strings")
+    merges = metadata.get("tokenizer.ggml.merges", [])
+    if not all(isinstance(m, str) and " " in m for m in merges):
+        raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.merges must be strings 'left right'")
+    merges = [tuple(m.split(" ", 1)) for m in merges]
     tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _GGUF_PRE_SPLITS[pre]]
@@ -238,6 +243,10 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                           for i, t in enumerate(types) if t == _USER_DEFINED])
     specials = [(name, metadata.get(f"tokenizer.ggml.{name}_token_id")) for name in ("bos", "eos")]
+    for name, i in specials:
+        if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
+            raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.{name}_token_id {i!r} is not a token id "
+                                 f"(the vocabulary has {len(tokens)})")
     added = [(tokens[i], i) for name, i in specials
              if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token")]
     if added:

@@ -42,7 +42,7 @@ from kiln.engine.quantization import ACTIVATION_AWARE, Quantizer, check_method
 
 log = logging.getLogger("kiln.engine")
 
-FORMAT_VERSION = 2  # 2: int8 and fp8 activation-aware too
+FORMAT_VERSION = 3  # 2: int8 and fp8 activation-aware too; 3: AWQ's folded norm scales kept (LoRA needs them)
 # Variants computed (not read from a cache) by this process, per method: what tests and
 # operators look at to tell a calibration from a cache hit.
 COMPUTED: collections.Counter[str] = collections.Counter()
