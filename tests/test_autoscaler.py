@@ -2,10 +2,16 @@
 it (every 2 s), with its state carried from one decision to the next exactly as status keeps it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kiln.operator.autoscaler import MAX_SCALE_UP_RATE, PANIC_THRESHOLD, Decision, Sample, ScalerState, decide, seconds
 from kiln.operator.models import Autoscaling
+from kiln.operator.scaling import iso, scaler_state
+from kiln.operator.scrape import scrape
 
 TICK = 2.0
 
@@ -193,6 +199,27 @@ def test_a_scale_down_goes_to_the_most_demand_asked_for_during_the_delay():
     assert sorted(set(replicas)) == [3, 4] and replicas[-1] == 3
 
 
+def test_each_step_down_lands_on_the_most_asked_within_the_delay_before_it():
+    # 10 replicas; demand asks 8 for 100 s, then 5 for 100 s, then 3. One remembered peak lost
+    # the 5 when the step to 8 was taken, and went 8 -> 3 a delay later with 5 asked within it.
+    delay = seconds("300s")
+    run = Run(spec(maxReplicas=20, scaleDownDelay="300s", stableWindow="6s", panicWindow="6s"), replicas=10)
+    asks = [8] * 50 + [5] * 50 + [3] * 300
+    replicas = run.run([4.0 * ask for ask in asks])
+    steps = [(i, r) for i, (q, r) in enumerate(zip(replicas, replicas[1:]), 1) if r != q]
+    assert steps and replicas[-1] == 3
+    for i, r in steps:
+        assert r >= max(asks[max(0, i - int(delay / TICK) + 1): i + 1]), (i, r)
+    assert 5 in replicas and 8 in replicas
+    # The asks survive an operator restart: the status holds them as the autoscaler reads them back.
+    run = Run(spec(maxReplicas=20, scaleDownDelay="300s", stableWindow="6s", panicWindow="6s"), replicas=10)
+    run.run([32.0] * 50 + [20.0] * 10)
+    saved = {"replicas": 10, "scaleDownSince": iso(run.state.lower_since),
+             "scaleDownAsks": [{"replicas": ask, "time": iso(at)} for ask, at in run.state.lower_asks]}
+    assert [ask for ask, _ in run.state.lower_asks][:1] == [8]
+    assert scaler_state({"autoscaling": saved}, 1) == replace(run.state, last_scale=None, panic_until=None)
+
+
 def test_pods_beyond_the_last_decision_do_not_hold_a_scale_down():
     # 3 serving and ready; one more pod loads that is no serving capacity on its way (a warm
     # pool refilling after a promotion, or a crash-looping standby): the delay alone holds.
@@ -317,31 +344,43 @@ def test_the_builtin_autoscaler_starts_from_the_serving_replicas_of_a_pooled_rev
     assert current_replicas(builtin, observed, revision_name("chat", builtin), 1) == 1
 
 
-def test_a_router_that_does_not_answer_counts_at_the_average_of_those_that_did():
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from kiln.operator.scrape import scrape
-
+@contextlib.contextmanager
+def metrics_pages(*bodies: str) -> Iterator[list[str]]:
+    """A real HTTP server per page, each answering GET with its metrics text; their URLs."""
     class Metrics(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = (b"kiln_router_held_requests 10\n" if self.server.server_port == routers[0].server_port
-                    else b"kiln:num_requests_waiting 4\nkiln:num_requests_running 10\n")
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(self.server.body.encode())
 
         def log_message(self, *_: object) -> None:
             pass
-    routers = [ThreadingHTTPServer(("127.0.0.1", 0), Metrics)]
-    engine = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    for server in (*routers, engine):
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers = []
+    for body in bodies:
+        servers.append(ThreadingHTTPServer(("127.0.0.1", 0), Metrics))
+        servers[-1].body = body
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
     try:
-        silent = "http://127.0.0.1:9/metrics"  # nothing listens on the discard port
-        urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in routers]
-        taken = scrape([f"http://127.0.0.1:{engine.server_port}/metrics"], urls + [silent], 1000.0)
-        assert taken.sample.load == 14.0 + 2 * 10.0  # the silent router holds what the other does
+        yield [f"http://127.0.0.1:{s.server_port}/metrics" for s in servers]
     finally:
-        for server in (*routers, engine):
+        for server in servers:
             server.shutdown()
+
+
+def test_a_router_that_does_not_answer_counts_at_the_average_of_those_that_did():
+    with metrics_pages("kiln_router_held_requests 10\n", "kiln:num_requests_waiting 4\nkiln:num_requests_running 10\n") \
+            as (router, engine):
+        silent = "http://127.0.0.1:9/metrics"  # nothing listens on the discard port
+        taken = scrape([engine], [router, silent], 1000.0)
+        assert taken.sample.load == 14.0 + 2 * 10.0  # the silent router holds what the other does
+
+
+def test_every_engine_answering_sums_exactly_at_a_multiple_of_the_target():
+    # 7 engines with 116 requests between them, 29 replicas' worth at 4 each: averaged then
+    # multiplied back, the sample was 116.00000000000001 and ceil() ordered 30.
+    engines = [f"kiln:num_requests_waiting {load}\nkiln:num_requests_running 0\n" for load in [16] * 3 + [17] * 4]
+    with metrics_pages(*engines, "kiln_router_held_requests 0\n") as urls:
+        sample = scrape(urls[:7], urls[7:], 1000.0).sample
+    assert sample.load == 116
+    decision, _ = decide([sample], spec(maxReplicas=100), ScalerState(29), 29, 0, 1000.0)
+    assert decision.replicas == 29

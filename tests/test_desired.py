@@ -69,7 +69,7 @@ def test_quantities_are_checked_by_the_operator_too():
     assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
 
 
-def test_sources_and_durations_are_checked_by_the_operator_too():
+def test_sources_durations_and_replica_bounds_are_checked_by_the_operator_too():
     # The same: a source that would have been a hostPath of the node's root, its /etc, or an
     # unknown scheme read as a host path; a duration the autoscaler could not parse.
     for source in ("hostpath:////", "hostpath://etc", "s3://bucket/llama", "pvc://", "models/llama",
@@ -80,6 +80,9 @@ def test_sources_and_durations_are_checked_by_the_operator_too():
         spec_of(engine={"adapters": [{"name": "a", "source": "hostpath:////"}]})
     with pytest.raises(ValueError, match="must be a duration such as 30s"):
         spec_of(autoscaling={"stableWindow": "abc"})
+    # The builtin autoscaler ran minReplicas 5 above maxReplicas 2 (an HPA runs 2).
+    with pytest.raises(ValueError, match="minReplicas must not be greater than autoscaling.maxReplicas"):
+        spec_of(autoscaling={"minReplicas": 5, "maxReplicas": 2})
     assert spec_of(model={"source": "hostpath:///models/a..b"}).model.source == "hostpath:///models/a..b"
 
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kiln.operator.analysis import FAIL, INCONCLUSIVE, PASS, Check, Figures, check, figures, quantile
+from kiln.operator.canary import split as split_of
 from kiln.operator.desired import Split, desired
 from kiln.operator.models import Analysis, InferenceServiceSpec, Rollout
 from kiln.operator.observed import Observed, engine_failure
+from kiln.operator.plan import plan
 from kiln.operator.render import Owner, revision_name
-from kiln.operator.rollout import (FAILED_STARTS, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Facts, State, advance, dump,
-                                  load)
+from kiln.operator.rollout import (FAILED_STARTS, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Decision, Facts, State,
+                                  advance, dump, load)
+from test_desired import deployment
 
 ROLLOUT = Rollout.model_validate({
     "steps": [{"weight": 20, "pause": "30s"}, {"weight": 50, "pause": "30s"}], "progressDeadline": "2m",
@@ -121,6 +124,27 @@ def test_failed_checks_roll_back_and_the_same_revision_is_not_retried_until_aske
     retried = run(d.state, "canary-b", Facts(0, False, retry_token="1"), None, 50)
     assert (retried.state.phase, retried.canary, retried.state.retry_token) == (PROGRESSING, "canary-b", "1")
     assert run(d.state, "canary-c", READY, None, 60).canary == "canary-c"  # another change: a new rollout
+    # The spec went back to stable, and later asks for canary-b again: that is a new rollout.
+    reverted = run(d.state, "stable-a", READY, None, 70)
+    assert (reverted.state.phase, reverted.state.rolled_back) == (ROLLED_BACK, None)
+    assert run(reverted.state, "canary-b", READY, None, 3600).canary == "canary-b"
+
+
+def test_a_failed_check_never_moves_traffic_on_in_the_same_pass():
+    # A pass earlier in the step, then a failure (one of two allowed) with the pause over: it
+    # went from 20% to 50% along with its AnalysisFailed event.
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(d.state, "canary-b", READY, verdict(PASS), 11)
+    d = run(d.state, "canary-b", READY, verdict(FAIL), 50)
+    assert (d.state.step, d.weight(ROLLOUT), [e.reason for e in d.events]) == (1, 20, ["AnalysisFailed"])
+    d = run(d.state, "canary-b", READY, verdict(PASS), 60)  # a pass after the failure carries it on
+    assert d.state.step == 2
+    # Nor is a canary promoted at full size in a pass whose check failed.
+    d = run(d.state, "canary-b", READY, verdict(PASS), 100)
+    assert d.full_size(ROLLOUT)
+    failed_rollout = ROLLOUT.model_copy(update={"analysis": ROLLOUT.analysis.model_copy(update={"failureLimit": 3})})
+    held = advance(failed_rollout, d.state, "stable-a", "canary-b", FULL, verdict(FAIL), 110)
+    assert held.state.phase == PROGRESSING and held.canary == "canary-b"
 
 
 def test_a_canary_that_never_gets_ready_is_rolled_back_after_the_deadline():
@@ -205,11 +229,26 @@ def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weig
     assert full.revisions[1].replicas == 4
     # A stable revision scaled to zero: the canary keeps one replica, or it could never be promoted.
     at_zero = spec_of("int8").model_copy(update={"replicas": 0})
-    for split in (Split(stable, canary, 20), Split(stable, canary, 50, full_size=True)):
-        want = desired(owner, at_zero, observed, "img", split=split)
+    for at_zero_split in (Split(stable, canary, 20), Split(stable, canary, 50, full_size=True)):
+        want = desired(owner, at_zero, observed, "img", split=at_zero_split)
         assert [(r.role, r.replicas) for r in want.revisions] == [("stable", 0), ("canary", 1)]
     rolled_back = desired(owner, spec_of("int8"), observed, "img", split=Split(stable))
     assert [(r.role, r.weight) for r in rolled_back.revisions] == [("stable", 100)]
+
+
+def test_a_dropped_canary_goes_at_once_even_while_the_stable_revision_is_short():
+    # Stable asked 4, 3 ready (a pod with no GPU free, the failed canary holding them): the
+    # rolled-back canary was kept as an old revision, at full size, until stable was ready.
+    owner = Owner("chat", "ns", "uid")
+    stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    observed = Observed.of(deployment(stable, ready=3, replicas=4), deployment(canary, ready=4, replicas=4))
+    decision = Decision(State(ROLLED_BACK, stable, rolled_back=canary))
+    want = desired(owner, spec_of("int8"), observed, "img", split=split_of(spec_of("int8"), decision))
+    assert [r.name for r in want.revisions] == [stable]
+    assert ("delete", canary) in [(a.verb, a.name) for a in plan(want, observed) if a.kind == "Deployment"]
+    # Without a rollout's end behind it, an old revision still waits for the new one to be whole.
+    replaced = desired(owner, spec_of("int4").model_copy(update={"rollout": None}), observed, "img")
+    assert {r.name for r in replaced.revisions} == {revision_name("chat", spec_of("int4")), stable, canary}
 
 
 def test_status_patch_removes_keys_dropped_at_any_depth():
@@ -318,3 +357,8 @@ def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revisi
     assert kept.state.phase == PROGRESSING and key in baselines
     aborted = roll(owner, spec_of("none"), observed, {}, previous, baselines, 70)
     assert aborted.state.phase == ROLLED_BACK and key not in baselines
+    # Nor the requests of an attempt that another spec replaced before the same canary came back.
+    other = revision_name("chat", spec_of("int4"))
+    baselines[key] = Baseline(50, canary, {"router-uid": {canary: Figures(requests=20, errors=20)}})
+    replaced = roll(owner, spec_of("int4"), observed, {}, previous, baselines, 55)
+    assert replaced.state.canary == other and key not in baselines

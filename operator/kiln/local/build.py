@@ -2,7 +2,7 @@
 
 Four Go modules live in gobuild/: `kube` (kube-apiserver, kube-controller-manager,
 kube-scheduler, kubectl and etcd at the version Kubernetes pins), `kwok`, `kube-score` (the
-linter tests/test_lint.py runs) and `helm` (tests/test_helm.py renders charts/kiln). Binaries land
+linter tests/test_lint.py runs) and `helm` (tests/test_install.py renders charts/kiln). Binaries land
 in ~/.cache/kiln/<module>-<version>/bin; a folder that exists is complete, because builds
 go to a temporary folder that is renamed only after every binary linked.
 """
@@ -23,7 +23,7 @@ KUBE_VERSION = "v1.37.1"
 KUBE_COMMIT, KUBE_DATE = "f78e722310e50bcaca9276be22276d9e91d91308", "2026-09-23T17:06:22Z"
 KWOK_VERSION = "v0.8.0"
 KUBE_SCORE_VERSION = "v1.20.0"  # the linter the security tests run (tests/test_lint.py)
-HELM_VERSION = "v3.22.0"  # lints and renders charts/kiln (tests/test_helm.py)
+HELM_VERSION = "v3.22.0"  # lints and renders charts/kiln (tests/test_install.py)
 GOBUILD = Path(__file__).parent / "gobuild"
 # The version variables Kubernetes' own release build sets (hack/lib/version.sh); without
 # them the apiserver reports v0.0.0-master and kubectl/clients refuse skew checks.

@@ -29,7 +29,7 @@ from .models import Autoscaling
 PANIC_THRESHOLD = 2.0
 # Knative allows 1000x up per decision, fit for containers that start in a second. An LLM
 # replica takes a GPU and minutes to load: at most double the ready replicas per decision
-# (one more from zero or one), so a spike cannot order a fleet before the first one serves.
+# (two from zero or one), so a spike cannot order a fleet before the first one serves.
 MAX_SCALE_UP_RATE = 2.0
 
 
@@ -44,8 +44,9 @@ class ScalerState:
     replicas: int  # the last decision
     panic_until: float | None = None
     lower_since: float | None = None  # when demand fell below `replicas` (the scale-down timer)
-    lower_peak: int | None = None  # the most replicas demand asked for in the last scaleDownDelay
-    lower_peak_at: float | None = None  # when demand last asked for lower_peak
+    # The last scaleDownDelay's asks below `replicas` as a running maximum: (replicas, when last
+    # asked), the asks decreasing and the times increasing. Its first is where a scale-down goes.
+    lower_asks: tuple[tuple[int, float], ...] = ()
     last_scale: float | None = None
 
 
@@ -81,16 +82,16 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
         state = replace(state, panic_until=now + stable_window)
     if state.lower_since is not None and state.lower_since > now:
         state = replace(state, lower_since=now)
+    if any(at > now for _, at in state.lower_asks):
+        state = replace(state, lower_asks=tuple((ask, min(at, now)) for ask, at in state.lower_asks))
     # A maxReplicas lowered below the last decision applies at once, as an HPA's does: the
     # scale-down delay waits out demand, not a limit.
     if state.replicas > spec.maxReplicas:
-        state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None, lower_peak=None,
-                        lower_peak_at=None)
+        state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None, lower_asks=())
     fresh = [s for s in samples if now - stable_window <= s.time <= now]
     stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
     if state.replicas < spec.minReplicas:  # a minReplicas raised applies at once too, metrics or not
-        state = replace(state, replicas=spec.minReplicas, last_scale=now, lower_since=None, lower_peak=None,
-                        lower_peak_at=None)
+        state = replace(state, replicas=spec.minReplicas, last_scale=now, lower_since=None, lower_asks=())
     current = state.replicas
     if panic_load is None or stable_load is None:  # nothing recent: hold, never guess zero
         return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.panicWindow}; "
@@ -119,14 +120,14 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     if capped < current:
         # The delay ends at the most that demand asked for within the last scaleDownDelay, as
         # Knative and the HPA take the highest recommendation in their window, not at the last
-        # sample's ask. One peak and when it was last asked stand in for the window: a peak
-        # older than the delay gives way to the ask of now.
+        # sample's ask: an ask of now replaces the lower ones before it, and asks older than the
+        # delay drop out, so every step down lands where the window says (one remembered peak
+        # lost the asks between it and the step: 8 then 5 then 3 went 8 -> 3 in one step).
         since = state.lower_since if state.lower_since is not None else now
-        peak, peak_at = state.lower_peak, state.lower_peak_at
-        if peak is None or peak_at is None or capped >= peak or now - peak_at >= seconds(spec.scaleDownDelay):
-            peak, peak_at = capped, now
-        state = replace(state, lower_since=since, lower_peak=peak, lower_peak_at=peak_at)
-        capped = peak
+        delay = seconds(spec.scaleDownDelay)
+        asks = tuple((ask, at) for ask, at in state.lower_asks if ask > capped and now - at < delay)
+        state = replace(state, lower_since=since, lower_asks=asks + ((capped, now),))
+        capped = state.lower_asks[0][0]
         if loading > 0:
             capped, waiting = current, f"{loading} replica(s) still loading"
         elif now - since < seconds(spec.scaleDownDelay):
@@ -136,13 +137,13 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
         if capped == current:
             return (Decision(current, "ScaleDownDelayed", f"load {stable_load:.1f} asks for {max(want, 0)}; "
                              f"holding {current}: {waiting}", "stable", stable_load), state)
-    state = replace(state, lower_since=None, lower_peak=None, lower_peak_at=None) if capped >= current else state
+    state = replace(state, lower_since=None, lower_asks=()) if capped >= current else state
     mode = "panic" if panicking else "stable"
     if capped != current:
-        # Down to the peak: every ask since it was lower still, so the next step's delay runs
-        # from the peak's time (as a sliding window would), not from now.
-        since = state.lower_peak_at if capped < current else None
-        state = replace(state, replicas=capped, last_scale=now, lower_since=since, lower_peak=None, lower_peak_at=None)
+        # Down to the window's most: every ask since was lower still, so the next step's delay
+        # runs from when it was last asked (as a sliding window would), not from now.
+        since, asks = (state.lower_asks[0][1], state.lower_asks[1:]) if capped < current else (None, ())
+        state = replace(state, replicas=capped, last_scale=now, lower_since=since, lower_asks=asks)
     message = (f"load {stable_load:.1f} (panic window {panic_load:.1f}) at {target} per replica "
                f"asks for {want}; {capped} replica(s)")
     if want > spec.maxReplicas and capped == spec.maxReplicas:  # not merely held back by the rate limit

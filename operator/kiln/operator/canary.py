@@ -13,7 +13,8 @@ from .desired import Split, fully_ready
 from .models import InferenceServiceSpec
 from .observed import Observed, engine_failure, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name
-from .rollout import FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, Decision, Facts, State, advance, load
+from .rollout import (FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, ROLLED_BACK, Decision, Facts, State,
+                      advance, load)
 from .scaling import epoch, serving_replicas
 from .scrape import read_all
 
@@ -110,9 +111,9 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
     decision = advance(spec.rollout, state, stable, target, facts, result, now)
-    if not decision.state.active:
-        # The rollout ended (promoted, rolled back, aborted): one that starts later, even of the
-        # same revision, must not count this one's requests in its first interval.
+    if not decision.state.active or any(e.reason == "RolloutStarted" for e in decision.events):
+        # The rollout ended (promoted, rolled back, aborted) or another began: one that starts
+        # later, even of the same revision, must not count this one's requests in its first interval.
         baselines.pop((owner.namespace, owner.name), None)
     return decision
 
@@ -121,4 +122,4 @@ def split(spec: InferenceServiceSpec, decision: Decision | None) -> Split | None
     if decision is None or spec.rollout is None:
         return None
     return Split(decision.state.stable, decision.canary, decision.weight(spec.rollout),
-                 decision.full_size(spec.rollout))
+                 decision.full_size(spec.rollout), dropped=decision.state.phase == ROLLED_BACK)

@@ -43,6 +43,9 @@ class Split:
     canary: str | None = None
     weight: int = 0  # the canary's percent of requests
     full_size: bool = False  # the canary gets the stable revision's replicas (just before promotion)
+    # The rollout ended by dropping its canary (rolled back, or the spec went back to stable):
+    # the stable revision never changed, so nothing old has requests to finish.
+    dropped: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,9 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
                                   render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
                                   size if pooled(spec) else None))
     # Old revisions keep serving until the stable one is at full strength; during a rollout
-    # (a dropped canary) they go at once.
-    keep = [] if fully_ready(current, replicas + pool) or (split and split.canary) else olds
+    # (a canary replaced by a newer one) and after one dropped its canary, they go at once: a
+    # rolled-back canary kept its replicas, GPUs and all, while the stable revision was short.
+    keep = [] if fully_ready(current, replicas + pool) or (split and (split.canary or split.dropped)) else olds
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]

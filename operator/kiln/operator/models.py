@@ -274,6 +274,14 @@ class Autoscaling(Spec):
     panicWindow: Duration = "6s"
     scaleDownDelay: Duration = "5m"
 
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> Autoscaling:
+        # Also when the CEL rule did not see the object (stored before it, or a CRD without it):
+        # the builtin autoscaler ran minReplicas, above maxReplicas, where an HPA runs the max.
+        if self.minReplicas > self.maxReplicas:
+            raise ValueError("autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")
+        return self
+
 
 class WarmPool(Spec):
     """Replicas of the stable revision loaded and warmed but not routed, beyond those that serve;
@@ -340,7 +348,7 @@ class SecretKeyRef(Spec):
 
 class Auth(Spec):
     """Who may use the model: the router demands `Authorization: Bearer <key>` on every path but
-    its probes and /metrics, and salts each key's prefix cache apart from the others'."""
+    its probes, /metrics and /openapi.json, and salts each key's prefix cache apart from the others'."""
     apiKeySecretRef: SecretKeyRef
 
 

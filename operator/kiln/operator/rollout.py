@@ -104,7 +104,8 @@ def advance(rollout: Rollout, previous: State | None, stable: str, target: str, 
         return start(state, target, facts, now, f"the spec changed mid-rollout: {target} replaces canary "
                                                 f"{state.canary}")
     if target == state.stable:
-        return Decision(state)
+        # The spec no longer asks for a rolled-back revision: asked for again later, it is a new rollout.
+        return Decision(replace(state, rolled_back=None))
     if state.rolled_back == target and facts.retry_token == state.retry_token:
         return Decision(state)
     return start(state, target, facts, now, f"canary {target} starts beside stable {state.stable}")
@@ -121,8 +122,8 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     if check is not None:
         state = replace(state, analysis={"time": now, "verdict": check.verdict, **check.figures,
                                          "failed": check.failed})
-        if check.verdict == FAIL:
-            state = replace(state, failed=state.failed + 1)
+        if check.verdict == FAIL:  # the step's earlier passes no longer carry it on
+            state = replace(state, failed=state.failed + 1, passed=0)
             if state.failed >= max(1, rollout.analysis.failureLimit):
                 return roll_back(state, f"analysis failed {state.failed} time(s): {check.summary()}")
             events.append(Event("Warning", "AnalysisFailed", f"canary {state.canary}: {check.summary()} "
@@ -150,7 +151,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
     state = replace(state, unready_since=None)
     if state.step > len(steps):
-        if facts.canary_full:
+        if facts.canary_full and not (check is not None and check.verdict == FAIL):
             return promote(state)
         return Decision(replace(state, message=f"scaling canary {state.canary} to the stable revision's "
                                                f"size before promotion; {analysis_words(state)}"), events)

@@ -96,8 +96,9 @@ def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
     saved = previous.get("autoscaling") or {}
     if "replicas" not in saved:
         return ScalerState(initial)
+    asks = tuple((a["replicas"], epoch(a["time"])) for a in saved.get("scaleDownAsks") or ())
     return ScalerState(saved["replicas"], epoch(saved.get("panicUntil")), epoch(saved.get("scaleDownSince")),
-                       saved.get("scaleDownTo"), epoch(saved.get("scaleDownToTime")), epoch(saved.get("lastScaleTime")))
+                       asks, epoch(saved.get("lastScaleTime")))
 
 
 def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previous: dict[str, Any],
@@ -111,7 +112,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
-              "scaleDownTo": new.lower_peak, "scaleDownToTime": iso(new.lower_peak_at),
+              "scaleDownAsks": [{"replicas": ask, "time": iso(at)} for ask, at in new.lower_asks] or None,
               "lastScaleTime": iso(new.last_scale)}
     last_cold = cold_start
     if last_cold is None:

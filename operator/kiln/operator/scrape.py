@@ -86,5 +86,7 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     cold_start = max(cold) if cold else None
     if not held or (engines and not loads):
         return Scrape(None, cold_start)
-    engine_load = sum(loads) / len(loads) * len(engines) if engines else 0.0
-    return Scrape(Sample(now, engine_load + sum(held) / len(held) * len(routers)), cold_start)
+    # Multiplied before dividing: with every pod answering the sum comes back exact (116 / 7 * 7
+    # is 116.00000000000001, and ceil() ordered a replica more at an exact multiple of the target).
+    engine_load = sum(loads) * len(engines) / len(loads) if engines else 0.0
+    return Scrape(Sample(now, engine_load + sum(held) * len(routers) / len(held)), cold_start)

@@ -70,6 +70,11 @@ class RolloutStatus(BaseModel):
     message: str = ""
 
 
+class ScaleDownAsk(BaseModel):
+    replicas: int
+    time: str = Field(json_schema_extra={"format": "date-time"}, description="When demand last asked for them.")
+
+
 class AutoscalingStatus(BaseModel):
     """The builtin autoscaler's last decision and the state it needs after an operator restart."""
     replicas: int = Field(0, description="Replicas the autoscaler decided for the serving revision.")
@@ -79,10 +84,9 @@ class AutoscalingStatus(BaseModel):
     panicUntil: str | None = Field(None, json_schema_extra={"format": "date-time"})
     scaleDownSince: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                        description="Since when demand is lower (the scale-down delay runs).")
-    scaleDownTo: int | None = Field(None, description="The most replicas demand asked for in the last "
-                                                      "scaleDownDelay: where the scale-down goes when the delay ends.")
-    scaleDownToTime: str | None = Field(None, json_schema_extra={"format": "date-time"},
-                                        description="When demand last asked for scaleDownTo.")
+    scaleDownAsks: list[ScaleDownAsk] | None = Field(
+        None, description="The last scaleDownDelay's asks below replicas, each with when it was last made, as a "
+                          "running maximum (asks decreasing): a scale-down goes to the first.")
     lastScaleTime: str | None = Field(None, json_schema_extra={"format": "date-time"})
     lastColdStartSeconds: float | None = Field(None, description="Request held at zero replicas -> first byte.")
 
