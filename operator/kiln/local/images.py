@@ -229,11 +229,13 @@ def remove_containers(label: str) -> None:
 
 def build_all(components: tuple[str, ...] = images.COMPONENTS, torch: str | None = None,
               force: bool = False) -> list[Built]:
-    ensure_tools()
     lock = build.cache_root() / "images.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # one build at a time: test sessions may ask at once
+        # One build at a time: test sessions may ask at once. The tools' install is under the
+        # lock too, or the second session's apt-get fails on the first one's dpkg lock.
+        fcntl.flock(held, fcntl.LOCK_EX)
+        ensure_tools()
         ensure_base()
         return [build_image(c, torch if c == "engine" else None, force) for c in components]
 
