@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +34,11 @@ CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "servi
 
 
 def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | None = None,
-                   on_lost: Callable[[], None] = lambda: None) -> kopf.OperatorRegistry:
+                   on_lost: Callable[[], None] = lambda: None,
+                   on_stopped: Callable[[], None] = lambda: None) -> kopf.OperatorRegistry:
     """kopf's handlers; with `elector`, reconcile passes run only while this replica holds the
-    Lease, and `on_lost` is called if it stops holding it."""
+    Lease, and `on_lost` is called if it stops holding it. `on_stopped` is called last when the
+    operator stops."""
     registry = kopf.OperatorRegistry()
     leading = leader.Leadership() if elector else None
     controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading)
@@ -56,6 +59,7 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
                 await asyncio.to_thread(elector.release)
             except Exception as err:  # noqa: BLE001 - the Lease then expires on its own
                 logging.getLogger("kiln.operator").warning("leader election: release failed: %s", err)
+        on_stopped()
 
     async def on_service(event: kopf.RawEvent, namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
         if event["type"] == "DELETED":
@@ -179,12 +183,20 @@ def run(args: argparse.Namespace) -> int:
     # standalone: no kopf peering (it needs its own CRDs); replicas elect a leader on a Lease.
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack: for a stuck pass
     settings = Settings(args.engine_image, pod_annotations, args.interval, args.prometheus_url, placements=where)
-    lost = asyncio.Event()  # kopf waits on a threading.Event in a thread that would outlive its loop
+    # kopf stops when this is set (an asyncio.Event: it waits on a threading.Event in a thread that
+    # would outlive its loop). A lost Lease sets it; so does the cleanup after a signal, as kopf
+    # otherwise waits 5 s for the task that watches it before it cancels that task.
+    stop_flag, lost = asyncio.Event(), threading.Event()
+
+    def on_lost() -> None:
+        lost.set()
+        stop_flag.set()
+
     elector = None
     if args.leader_elect:
         elector = leader.LeaseElector(kubernetes.client.CoordinationV1Api(api.client), args.lease_namespace,
                                       args.lease_name, f"{socket.gethostname()}-{os.getpid()}")
-    kopf.run(registry=build_registry(api, settings, elector, lost.set), stop_flag=lost,
+    kopf.run(registry=build_registry(api, settings, elector, on_lost, stop_flag.set), stop_flag=stop_flag,
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     if lost.is_set():
