@@ -571,6 +571,35 @@ def test_scaled_to_zero_is_ready_to_serve():
     assert conditions(status)["Ready"] == ("True", "Serving")
 
 
+def test_a_short_warm_pool_keeps_nothing_from_serving_and_a_failing_one_is_said_at_zero():
+    # A promotion took a standby; its replacement loads: 2 serve, the pool is 1 of 2.
+    spec = spec_of(replicas=2, warmPool={"size": 2})
+    rev = revision_name("chat", spec)
+    status = status_for(spec, [deployment(rev, replicas=4, ready=3)])
+    assert conditions(status)["Ready"] == ("True", "Serving") and status["desiredReplicas"] == 2
+    assert conditions(status_for(spec, [deployment(rev, replicas=4, ready=1)]))["Ready"] == (
+        "False", "ReplicasNotReady")
+    # The old revision goes once the new one serves at full strength, not once its pool is full too
+    # (the pool may need the GPUs the old revision holds).
+    fresh = want(spec, Observed.of(deployment(rev, replicas=4, ready=2), deployment("chat-0ld0ld00", replicas=2,
+                                                                                     ready=2)))
+    assert [r.name for r in fresh.revisions] == [rev]
+    short = want(spec, Observed.of(deployment(rev, replicas=4, ready=1), deployment("chat-0ld0ld00", replicas=2,
+                                                                                     ready=2)))
+    assert [r.name for r in short.revisions] == [rev, "chat-0ld0ld00"]
+    # At zero, a standby that cannot load is what the first request would meet: said now.
+    pooled = spec_of(replicas=0, warmPool={"size": 1})
+    rev = revision_name("chat", pooled)
+    crashed = {"ready": False, "restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": "no such model\n"}}}
+    status = status_for(pooled, [deployment(rev, replicas=1), engine_pod("chat-s", rev, crashed)])
+    assert conditions(status)["ModelLoaded"] == ("False", "EngineFailing")
+    assert conditions(status)["Ready"] == ("False", "EngineFailing")
+    going = engine_pod("chat-s", rev, crashed)
+    going["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"  # a scale-down's pod: no news
+    assert conditions(status_for(pooled, [deployment(rev, replicas=0), going]))["Ready"] == ("True", "ScaledToZero")
+
+
 def test_an_error_is_news_once_per_message():
     from kiln.operator.status import invalid
     first = invalid({}, 1, "InvalidSpec", "bad field x", "t1")

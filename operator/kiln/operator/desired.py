@@ -125,10 +125,11 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
         revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
                                   render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
                                   size if pooled(spec) else None))
-    # Old revisions keep serving until the stable one is at full strength; during a rollout
-    # (a canary replaced by a newer one) and after one dropped its canary, they go at once: a
-    # rolled-back canary kept its replicas, GPUs and all, while the stable revision was short.
-    keep = [] if fully_ready(current, replicas + pool) or (split and (split.canary or split.dropped)) else olds
+    # Old revisions keep serving until the stable one is at full serving strength (its pool may
+    # need the GPUs they hold); during a rollout (a canary replaced by a newer one) and after one
+    # dropped its canary, they go at once: a rolled-back canary kept its replicas, GPUs and all,
+    # while the stable revision was short.
+    keep = [] if fully_ready(current, replicas) or (split and (split.canary or split.dropped)) else olds
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]

@@ -46,14 +46,18 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
 
 def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dict[str, Any]]) -> dict[str, Any]:
     """pods: the revision's engine pods, whose failed exits say why none has loaded."""
+    ready = deployment_counts(current)[1] if current else 0
+    if ready == 0:
+        # At zero too: a warm pool's standbys load the model, and one that cannot is the failure
+        # the first request would meet (pods going away at a scale-down are no such news).
+        staying = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        failure = engine_failure(staying) or engine_waiting(staying)
+        if failure is not None:
+            return condition("ModelLoaded", False, "EngineFailing", failure)
     if desired == 0:
         return condition("ModelLoaded", None, "ScaledToZero", "no replica serves")
-    ready = deployment_counts(current)[1] if current else 0
     if ready > 0:  # /ready answers only after weights load and kernels warm up
         return condition("ModelLoaded", True, "Loaded", f"the model is loaded on {ready} replica(s)")
-    failure = engine_failure(pods) or engine_waiting(pods)
-    if failure is not None:
-        return condition("ModelLoaded", False, "EngineFailing", failure)
     return condition("ModelLoaded", False, "Loading", "no replica has loaded the model yet")
 
 
@@ -108,9 +112,10 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     WarmPoolReady condition."""
     stable = desired.stable
     current = observed.engine(stable.name)
-    # Standbys alone are no serving replica: at zero the router holds requests (and the first one
-    # promotes a standby); WarmPoolReady tells how the pool stands.
-    target = 0 if stable.serving == 0 else stable.replicas or 0
+    # Ready counts serving replicas only: standbys alone are none (at zero the router holds requests
+    # and the first one promotes a standby), and a pool still refilling after a promotion, or one no
+    # node has room for, keeps nothing from serving. WarmPoolReady tells how the pool stands.
+    target = stable.replicas or 0 if stable.serving is None else stable.serving
     workload = workload_condition(current, target)
     model = model_condition(current, target, observed.pods(stable.name))
     route = route_condition(observed.router())
