@@ -12,7 +12,7 @@ from aiohttp import web
 from kiln.router.mirror import Credit, agreement, greedy_request
 from kiln.router.traffic import Mirror, StaticTraffic, Traffic, WeightedChoice, traffic_of
 from kiln.router.endpoints import ReadyEndpoints
-from router_fakes import ChangingEndpoints, FakeEngine, metric, on_event_loop, service, until, until_held
+from router_fakes import ChangingEndpoints, FakeEngine, FirstRefuses, metric, on_event_loop, service, until, until_held
 
 PROMPT_IDS = [5, 6, 7]
 OUTPUT_IDS = [11, 12, 13, 14]
@@ -100,6 +100,18 @@ async def test_a_revision_at_weight_zero_takes_nothing_and_requests_wait_for_a_w
         assert svc.hits() == [1, 1]
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_cold_start_seconds_count") == 2
+
+
+@on_event_loop
+async def test_a_refusal_is_never_retried_on_a_revision_at_weight_zero() -> None:
+    """A stable replica that refuses (dead or draining before its EndpointSlice says so) leaves
+    its request to the other stable replicas, never to a canary the split gives nothing."""
+    traffic = split({"stable": 100, "canary": 0})
+    async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=FirstRefuses) as svc:
+        for code in ("engine_dead", "not_ready"):
+            answer = await svc.client.post("/v1/completions", json={"prompt": "x", "refuse_code": code})
+            assert answer.status == 503 and (await answer.json())["error"]["code"] == code
+        assert svc.hits() == [2, 0]
 
 
 @on_event_loop

@@ -200,6 +200,7 @@ class Router:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
         not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
+        elsewhere = False  # a revision lacks the model named: then one at weight 0 may answer it
         sent_to: Endpoint | None = None  # the replica of the last attempt (retries are counted by its revision)
         again: Endpoint | None = None  # the replica a dead pooled connection was to
         suspect: Endpoint | None = None  # ... which may have died of reading this request
@@ -209,7 +210,7 @@ class Router:
             if again is not None and again in self.source.ready().all:
                 endpoint = again
             else:
-                endpoint = self._pick(failed, keys, anywhere=not_served is not None)
+                endpoint = self._pick(failed, keys, anywhere=elsewhere)
             again = None
             if endpoint is None and not_served is not None:  # no other revision to ask
                 return not_served
@@ -228,7 +229,7 @@ class Router:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange, fresh)
             except NotServedHere as e:
-                not_served = e.answer
+                not_served, elsewhere = e.answer, True
                 failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
             except Retryable as retry:
                 if retry.stale and not fresh:
