@@ -115,6 +115,23 @@ async def test_a_refusal_is_never_retried_on_a_revision_at_weight_zero() -> None
 
 
 @on_event_loop
+async def test_a_held_request_tried_twice_is_one_cold_start() -> None:
+    """Held at zero, then asked of the revision without its model (a 404) and answered by the
+    other: one cold start, timed to the answer the client got."""
+    traffic = split({"stable": 100, "canary": 0})
+    async with service(2, revisions=["stable", "canary"], traffic=traffic, source=ChangingEndpoints) as svc:
+        assert isinstance(svc.source, ChangingEndpoints)
+        svc.engines[0].serves, svc.engines[1].serves = {"base"}, {"base", "sql"}
+        svc.source.set(ReadyEndpoints.of([]))
+        pending = asyncio.create_task(svc.client.post("/v1/completions", json={"model": "sql", "prompt": "x"}))
+        await until_held(svc.client, 1)
+        svc.source.set(ReadyEndpoints.of(svc.endpoints))
+        answer = await pending
+        assert answer.status == 200 and svc.hits() == [1, 1]
+        assert metric(await svc.metrics(), "kiln_router_cold_start_seconds_count") == 1
+
+
+@on_event_loop
 async def test_a_model_only_one_revision_serves_is_answered_there() -> None:
     """A LoRA adapter the canary adds (or the stable revision still has) is never a 404 for the
     share of requests the split sends to the revision without it."""

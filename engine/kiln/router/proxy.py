@@ -307,8 +307,7 @@ class Router:
                                       "upstream_timeout")
             return error_response(502, f"replica {endpoint} failed before answering",
                                   "bad_gateway", "upstream_error")
-        if exchange.held is not None:  # its status line: the first byte after the wait
-            self.metrics.cold_started(time.monotonic() - exchange.held)
+        answer = None
         if upstream.status in (404, 503) and upstream.content_type == "application/json":
             answer = web.Response(status=upstream.status, body=error_body, headers=response_headers(upstream.headers))
             if upstream.status == 404 and error_code(answer.body) == "model_not_found":
@@ -317,6 +316,9 @@ class Router:
                 log.warning("%s refused the request: %s", endpoint, error_code(answer.body))
                 self.metrics.errors.labels(endpoint.revision, "refused").inc()
                 raise Retryable("refused", answer)
+        if exchange.held is not None:  # the status line of what the client gets: the first byte after the wait
+            self.metrics.cold_started(time.monotonic() - exchange.held)
+        if answer is not None:
             return answer
         async with upstream:
             response = web.StreamResponse(
