@@ -41,6 +41,26 @@ def test_an_answer_is_the_chat_answer_to_the_same_conversation(server):
     assert answer.object == "response" and answer.id.startswith("resp") and answer.model == MODEL
     assert (answer.output[0].type, answer.output[0].role) == ("message", "assistant")
     assert answer.usage.total_tokens == answer.usage.input_tokens + answer.usage.output_tokens
+    # The same conversation again (the API is stateless: each turn resends it) hits the prefix cache.
+    again = server.client.responses.create(model=MODEL, instructions="Answer in one short sentence.",
+                                           input="What is the capital of France?", max_output_tokens=24,
+                                           temperature=0)
+    assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
+
+
+def test_a_call_after_the_text_of_its_turn_joins_that_turn():
+    """An answer with text and a call comes out as a message item and a function_call item; sent
+    back as input they are one assistant turn again, as the model wrote it."""
+    from kiln.engine.responses_api import _messages
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    messages = _messages([{"role": "user", "content": "weather?"},
+                          {"type": "message", "role": "assistant", "content": [
+                              {"type": "output_text", "text": "Let me check."}]},
+                          call, {**call, "call_id": "c2"},
+                          {"type": "function_call_output", "call_id": "c1", "output": "sunny"}, call])
+    assert [(m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls", [])]) for m in messages] == [
+        ("user", "weather?", []), ("assistant", "Let me check.", ["c1", "c2"]), ("tool", "sunny", []),
+        ("assistant", None, ["c1"])]
 
 
 def test_a_stream_is_assembled_into_the_same_answer(server):

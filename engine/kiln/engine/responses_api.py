@@ -72,9 +72,10 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             _strings(item, i, "call_id", "name", "arguments")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls") is None:
-                messages.append({"role": "assistant", "content": None, "tool_calls": []})
-            messages[-1]["tool_calls"].append(call)
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None})
+            # One turn, as the model wrote it: its text (an output message item) and its calls.
+            messages[-1].setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             _strings(item, i, "call_id")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
@@ -129,6 +130,7 @@ class ResponsesServing:
         try:
             if not req.stream:
                 async for out in until_finished(stream.outputs):
+                    answer.cached_tokens = out.num_cached_tokens
                     if out.finished:
                         answer.finish(out.text, out.finish_reason, len(out.token_ids))
                 return web.json_response(answer.response())
@@ -144,6 +146,7 @@ class ResponsesServing:
                 await resp.write(event)
             async with contextlib.aclosing(until_finished(stream.outputs)) as outputs:
                 async for out in outputs:
+                    answer.cached_tokens = out.num_cached_tokens
                     for event in answer.step(out.new_text, out.finish_reason, len(out.token_ids)):
                         await resp.write(event)
         except APIError as e:  # headers are gone: an error event, as OpenAI sends one
@@ -162,6 +165,7 @@ class Answer:
         self.id, self.message_id, self.created = new_id("resp"), new_id("msg"), int(time.time())
         self.text, self.output, self.sequence = "", [], 0
         self.status, self.incomplete, self.output_tokens, self.opened = "in_progress", None, 0, False
+        self.cached_tokens = 0  # of the prompt, found in the prefix cache
 
     def finish(self, text: str, finish_reason: str | None, output_tokens: int) -> None:
         message = self.shape.full(text, [], finish_reason)["message"]
@@ -203,7 +207,7 @@ class Answer:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()], "user": req.user,
             "metadata": req.metadata or {}, "reasoning": {"effort": None, "summary": None},
             "usage": None if self.status == "in_progress" else {
-                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.prompt_tokens + self.output_tokens}}
 
