@@ -366,8 +366,26 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server, tokenizer):
                                                  extra_body={"return_token_ids": True})
     assert code == 200 and reply["tokens"] == chat.choices[0].model_extra["prompt_token_ids"]
     assert reply["token_strs"] is None and reply["count"] == chat.usage.prompt_tokens
+    chat_ids = reply["tokens"]
     code, reply = post(server.url + "/detokenize", {"model": MODEL, "tokens": ids})
     assert code == 200 and reply == {"prompt": tokenizer.decode(ids)}
+    # The template's special tokens are text too: /detokenize inverts /tokenize.
+    code, reply = post(server.url + "/detokenize", {"tokens": chat_ids})
+    assert code == 200 and "<|im_start|>user" in reply["prompt"]
+    assert tokenizer.encode(reply["prompt"], add_special_tokens=False) == chat_ids
+    # A tool request's prompt counted beforehand: the tools as the template writes them.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    code, reply = post(server.url + "/tokenize", {"messages": messages, "tools": tools})
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=1,
+                                                 tools=tools, tool_choice="required")
+    assert code == 200 and reply["count"] == chat.usage.prompt_tokens  # (SmolLM2's template writes no tools)
+    # OpenAI's metadata, store and service_tier are taken; a completion is not kept, though.
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=1,
+                                                 metadata={"team": "search"}, store=False, service_tier="auto")
+    assert chat.usage.completion_tokens == 1
+    code, reply = post(server.url + "/v1/chat/completions", {"messages": messages, "store": True})
+    assert code == 400 and reply["error"]["param"] == "store" and "keeps no completions" in reply["error"]["message"]
     for path, body, status, param in (
             ("/tokenize", {"prompt": "x", "messages": messages}, 400, None),
             ("/tokenize", {}, 400, None),

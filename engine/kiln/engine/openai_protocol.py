@@ -320,6 +320,17 @@ class ChatCompletionRequest(_SamplingFields, _TemplateFields):
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's, accepted and not used: one tier here, and no completion is kept.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("this server keeps no completions: leave store out or send false")
+        return store
 
     def template_messages(self) -> list[dict[str, str]]:
         return template_messages(self.messages)
@@ -341,6 +352,7 @@ class TokenizeRequest(_Request, _TemplateFields):
     # Default: a prompt gets the tokenizer's special tokens, messages none (their template writes them).
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=128)  # as the template writes them
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeRequest:

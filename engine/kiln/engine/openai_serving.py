@@ -197,7 +197,9 @@ class OpenAIServing:
         """vLLM's POST /detokenize: token ids back to text."""
         req: DetokenizeRequest = parse_request(DetokenizeRequest, await request.read())
         self._check_model(req.model)
-        return web.json_response({"prompt": self.tokenizer.decode(self._in_vocabulary(req.tokens, "tokens"))})
+        # Special tokens kept (as vLLM's): the text of /tokenize's ids, which a chat template wrote.
+        text = self.tokenizer.decode(self._in_vocabulary(req.tokens, "tokens"), skip_special_tokens=False)
+        return web.json_response({"prompt": text})
 
     def _chat_text(self, messages: list[dict[str, Any]], req: TokenizeRequest | ChatCompletionRequest) -> str:
         tools = getattr(req, "tools", None)  # to the template, which may describe them to the model
