@@ -353,6 +353,28 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server, tokenizer):
         server, ids, max_tokens=4).choices[0].text
 
 
+def test_echo_with_max_tokens_zero_is_the_prompt_alone_scored(server, tokenizer):
+    """OpenAI's legacy way (and vLLM's, lm-eval's older backends') to score a prompt: echo, logprobs,
+    max_tokens 0. The answer is the prompt and its logprobs, no completion token."""
+    prompts = ["The capital of France is Paris", "Two plus two is four"]
+    out = server.client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=0)
+    one = server.client.completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1, max_tokens=1,
+                                           temperature=0)
+    assert out.usage.completion_tokens == 0
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    for prompt, choice, longer in zip(prompts, out.choices, one.choices):
+        n = len(tokenizer.encode(prompt))
+        assert (choice.text, choice.finish_reason) == (prompt, "length")
+        assert choice.logprobs.tokens == longer.logprobs.tokens[:n]
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(longer.logprobs.token_logprobs[1:n], abs=1e-4)
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompts[0], echo=True, max_tokens=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompts[0]
+    assert chunks[-1].usage.completion_tokens == 0
+    code, reply = post(server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 0})
+    assert code == 400 and reply["error"]["param"] == "max_tokens" and "echo" in reply["error"]["message"]
+
+
 def test_tokenize_and_detokenize_as_vllm_answers_them(server, tokenizer):
     prompt = "The capital of France is Paris."
     code, reply = post(server.url + "/tokenize", {"prompt": prompt, "return_token_strs": True})

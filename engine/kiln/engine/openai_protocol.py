@@ -200,6 +200,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
+    # 0 with echo: the prompt alone, scored (OpenAI's legacy and vLLM's way to get its logprobs).
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension (completions only): score every prompt token, with this many alternatives.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

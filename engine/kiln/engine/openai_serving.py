@@ -119,6 +119,10 @@ class _Choice:
     fields: _TokenFields
     echo: str | None = None  # the prompt's text, to send before the first of the choice's own
     stream: RequestStream | None = None
+    prompt_only: bool = False  # echo with max_tokens 0: what the engine generates is not sent
+
+    def seen(self, out: RequestOutput) -> RequestOutput:
+        return _PromptOnly(out) if self.prompt_only else out  # type: ignore[return-value]
 
     def echoed(self, out: RequestOutput, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
         """`text` and `entries` with the echoed prompt before them, the first time only."""
@@ -128,6 +132,22 @@ class _Choice:
         if out.prompt_logprobs is not None:  # asked for with logprobs (completions() saw to it)
             entries = echoed_entries(self.prompt_ids, out.prompt_logprobs) + entries
         return echo + text, entries
+
+
+class _PromptOnly:
+    """An output without what was generated: vLLM's echo without generation (max_tokens 0 with
+    echo: the prompt, scored, and no completion). The engine makes one token, which is dropped."""
+    text = new_text = ""
+    token_ids: list[int] = []
+    new_token_ids: list[int] = []
+    logprobs = None
+    finish_reason = "length"  # the budget of 0 is spent
+
+    def __init__(self, out: RequestOutput) -> None:
+        self._out = out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._out, name)
 
 
 class OpenAIServing:
@@ -144,17 +164,22 @@ class OpenAIServing:
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
         prompt_ids = [self._prompt_ids(p) for p in prompts]
+        prompt_only = req.max_tokens == 0
+        if prompt_only and not req.echo:
+            raise APIError(400, "max_tokens=0 generates nothing: it is for echo (the prompt, with logprobs its "
+                                "scores)", param="max_tokens")
         # Echoed logprobs are the prompt's: scored with as many alternatives as the output's.
         scored = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             scored = max(scored or 0, req.logprobs)
-        params = [_sampling(req, self._max_tokens(len(ids), "prompt", req.max_tokens, "max_tokens",
-                                                  COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, scored)
+        params = [_sampling(req, self._max_tokens(len(ids), "prompt", 1 if prompt_only else req.max_tokens,
+                                                  "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, scored)
                   for ids in prompt_ids]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
                 for p in prompts] if req.echo else None
         return await self._generate(request, req, prompt_ids, params, lambda index: _CompletionShape(
-            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, lora, echo)
+            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, lora, echo,
+            prompt_only)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
@@ -276,13 +301,14 @@ class OpenAIServing:
 
     async def _generate(self, request: web.Request, req, prompts: list[list[int]], params: list[SamplingParams],
                         shape: Callable[[int], Any], prompt_logprobs: bool, lora: str | None,
-                        echo: list[str] | None = None) -> web.StreamResponse:
+                        echo: list[str] | None = None, prompt_only: bool = False) -> web.StreamResponse:
         """Choices n at a time per prompt, indexed prompt by prompt as OpenAI and vLLM do; with a
         seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible.
         prompt_logprobs: the client asked for them; lora: the adapter they run with; echo: each
-        prompt's text, to send first."""
+        prompt's text, to send first; prompt_only: that alone (max_tokens 0)."""
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
-                           _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None)
+                           _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None,
+                           prompt_only=prompt_only)
                    for i, ids in enumerate(prompts) for j in range(req.n)]
         request_id = new_id(choices[0].shape.id_prefix)
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
@@ -320,6 +346,7 @@ class OpenAIServing:
         completion_tokens = 0
         async with contextlib.aclosing(merged(choices)) as outputs:
             async for choice, out in outputs:
+                out = choice.seen(out)
                 echo, new = choice.echoed(out, "", new_entries(out))
                 echoes[choice.index] += echo
                 entries[choice.index] += new
@@ -352,6 +379,7 @@ class OpenAIServing:
                     await resp.write(chunk([{**opening, **c.fields.prompt(c.prompt_ids, None)}]))
             async with contextlib.aclosing(merged(choices)) as outputs:
                 async for c, out in outputs:
+                    out = c.seen(out)
                     made += len(out.new_token_ids)
                     if req.continuous_usage:
                         extra["usage"] = usage(prompt_tokens, made)
