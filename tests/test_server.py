@@ -213,6 +213,9 @@ BAD = [
      "logit_bias.1"),
     ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 1}},
      400, "logit_bias.a"),
+    ("logit_bias key beyond the vocabulary", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"9999999999": 5}}, 400,
+     "logit_bias"),
     ("n of 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("n over the bound", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
@@ -489,7 +492,7 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, toke
 def test_bad_input_through_openai_client(server):
     with pytest.raises(openai.BadRequestError, match="unsupported parameter: guided_json"):
         server.client.completions.create(model=MODEL, prompt="hi", extra_body={"guided_json": {}})
-    with pytest.raises(openai.BadRequestError, match=r"logit_bias token ids must be in \[0, 49152\)"):
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias: token ids must lie in \[0, 49152\)"):
         server.client.completions.create(model=MODEL, prompt="hi", logit_bias={"49152": 5})
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="nope", prompt="hi")

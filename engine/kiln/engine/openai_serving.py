@@ -164,6 +164,7 @@ class OpenAIServing:
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
         prompt_ids = [self._prompt_ids(p) for p in prompts]
+        self._check_bias(req)
         prompt_only = req.max_tokens == 0
         if prompt_only and not req.echo:
             raise APIError(400, "max_tokens=0 generates nothing: it is for echo (the prompt, with logprobs its "
@@ -192,6 +193,7 @@ class OpenAIServing:
         404 (APIError) for what the engine cannot take."""
         lora = self._check_model(req.model)
         self._check_choices(1, req.n)
+        self._check_bias(req)
         tools = tool_calls(req, self.tool_call_parser)
         # The template already wrote the special tokens.
         ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
@@ -249,6 +251,10 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise APIError(400, f"{param}: token ids must lie in [0, {self.vocab_size})", param=param)
         return ids
+
+    def _check_bias(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.logit_bias:  # before the engine, whose ValueError would not name the field
+            self._in_vocabulary([int(t) for t in req.logit_bias], "logit_bias")
 
     def _check_choices(self, prompts: int, n: int) -> None:
         """Every choice is an engine request, admitted together: more than the engine holds at
