@@ -90,7 +90,9 @@ def test_a_burst_shorter_than_the_stable_window_does_not_scale_down_before_the_d
     quiet = run.run([4.0] * int(seconds("5m") / TICK - 10))
     assert set(quiet) == {peak}  # lower demand, but not for scaleDownDelay yet
     assert run.decisions[-1].reason == "ScaleDownDelayed"
-    later = run.run([4.0] * 40)
+    # (One pass more than the delay: an ask that gave way to a lower one is taken as asked until
+    # that pass, as the last ask's time is its run's start, kept so status is not rewritten.)
+    later = run.run([4.0] * 41)
     assert later[-1] == 1 and run.decisions[-1].reason == "Scaled"
 
 
@@ -218,6 +220,18 @@ def test_each_step_down_lands_on_the_most_asked_within_the_delay_before_it():
              "scaleDownAsks": [{"replicas": ask, "time": iso(at)} for ask, at in run.state.lower_asks]}
     assert [ask for ask, _ in run.state.lower_asks][:1] == [8]
     assert scaler_state({"autoscaling": saved}, 1) == replace(run.state, last_scale=None, panic_until=None)
+
+
+def test_a_steady_lower_demand_does_not_rewrite_the_status_while_the_delay_runs():
+    # Every field of status.autoscaling comes from the state and the decision's message: were they
+    # to change on every pass, the operator would PATCH status every 2 s for the whole delay.
+    run = Run(spec(scaleDownDelay="5m", stableWindow="6s", panicWindow="6s"), replicas=4)
+    run.run([4.0] * 10)  # one replica's worth: lower demand from now on
+    seen = set()
+    for _ in range(60):
+        run.tick(4.0)
+        seen.add((run.state, run.decisions[-1].message))
+    assert len(seen) == 1 and run.decisions[-1].reason == "ScaleDownDelayed"
 
 
 def test_pods_beyond_the_last_decision_do_not_hold_a_scale_down():

@@ -46,6 +46,8 @@ class ScalerState:
     lower_since: float | None = None  # when demand fell below `replicas` (the scale-down timer)
     # The last scaleDownDelay's asks below `replicas` as a running maximum: (replicas, when last
     # asked), the asks decreasing and the times increasing. Its first is where a scale-down goes.
+    # The last is the latest pass's ask, asked until now: it keeps the time its run began, so
+    # status is not rewritten on every pass while the delay runs.
     lower_asks: tuple[tuple[int, float], ...] = ()
     last_scale: float | None = None
 
@@ -125,13 +127,17 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
         # lost the asks between it and the step: 8 then 5 then 3 went 8 -> 3 in one step).
         since = state.lower_since if state.lower_since is not None else now
         delay = seconds(spec.scaleDownDelay)
-        asks = tuple((ask, at) for ask, at in state.lower_asks if ask > capped and now - at < delay)
-        state = replace(state, lower_since=since, lower_asks=asks + ((capped, now),))
+        asked = state.lower_asks[:-1] + ((state.lower_asks[-1][0], now),) if state.lower_asks else ()
+        asks = tuple((ask, at) for ask, at in asked if ask > capped and now - at < delay)
+        last = state.lower_asks[-1] if state.lower_asks else None
+        state = replace(state, lower_since=since,
+                        lower_asks=asks + (last if last and last[0] == capped else (capped, now),))
         capped = state.lower_asks[0][0]
         if loading > 0:
             capped, waiting = current, f"{loading} replica(s) still loading"
         elif now - since < seconds(spec.scaleDownDelay):
-            capped, waiting = current, f"demand lower since {now - since:.0f}s of {spec.scaleDownDelay}"
+            capped, waiting = current, f"demand lower for less than {spec.scaleDownDelay} (since " \
+                                       "status.autoscaling.scaleDownSince)"
         else:
             waiting = ""
         if capped == current:
@@ -142,7 +148,9 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     if capped != current:
         # Down to the window's most: every ask since was lower still, so the next step's delay
         # runs from when it was last asked (as a sliding window would), not from now.
-        since, asks = (state.lower_asks[0][1], state.lower_asks[1:]) if capped < current else (None, ())
+        since, asks = None, ()
+        if capped < current:  # the ask it lands on was asked until now if it is the latest one
+            since, asks = now if len(state.lower_asks) == 1 else state.lower_asks[0][1], state.lower_asks[1:]
         state = replace(state, replicas=capped, last_scale=now, lower_since=since, lower_asks=asks)
     message = (f"load {stable_load:.1f} (panic window {panic_load:.1f}) at {target} per replica "
                f"asks for {want}; {capped} replica(s)")

@@ -85,8 +85,9 @@ class AutoscalingStatus(BaseModel):
     scaleDownSince: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                        description="Since when demand is lower (the scale-down delay runs).")
     scaleDownAsks: list[ScaleDownAsk] | None = Field(
-        None, description="The last scaleDownDelay's asks below replicas, each with when it was last made, as a "
-                          "running maximum (asks decreasing): a scale-down goes to the first.")
+        None, description="The last scaleDownDelay's asks below replicas, each with when it was last made (the "
+                          "last, still asked, with when it was first made), as a running maximum (asks "
+                          "decreasing): a scale-down goes to the first.")
     lastScaleTime: str | None = Field(None, json_schema_extra={"format": "date-time"})
     lastColdStartSeconds: float | None = Field(None, description="Request held at zero replicas -> first byte.")
 
