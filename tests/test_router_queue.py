@@ -80,3 +80,46 @@ async def test_without_a_line_the_429_comes_at_once_with_retry_after() -> None:
 def test_cli_rejects_a_negative_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert kiln_main(["router", "--endpoints", "a:1", "--max-queue", "-1"]) == 2
     assert "--max-queue must be 0 or more" in capsys.readouterr().err
+
+
+@on_event_loop
+async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_timeout() -> None:
+    """A client whose receive window stays shut never hangs up: the router's writes to it wait
+    for ever, with its place in flight and the engine's generation held, unless the stream's idle
+    timeout counts the client's side too (as Envoy's does)."""
+    import socket
+
+    from aiohttp import web
+
+    from kiln.router.endpoints import Endpoint, StaticEndpoints
+    from kiln.router.main import serving
+    from kiln.router.proxy import build_app
+
+    streaming = asyncio.Event()
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.json_response({"choices": [{"text": "ok"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        streaming.set()
+        while True:  # an endless stream, as fast as it can be taken
+            await response.write(b"data: " + b"x" * 65536 + b"\n\n")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", engine)
+    async with serving(app, "127.0.0.1", 0) as engine_port:
+        limits = Limits(max_in_flight=1, max_queue=1, stream_idle_timeout=0.5)
+        router = build_app(StaticEndpoints([Endpoint("127.0.0.1", engine_port)]), limits)
+        async with serving(router, "127.0.0.1", 0) as port, aiohttp.ClientSession() as client:
+            with socket.socket() as stalled:
+                stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                stalled.connect(("127.0.0.1", port))
+                body = b'{"prompt": "x", "stream": true}'
+                stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await streaming.wait()
+                # It never reads. The next request waits in line for its place (bounded by the
+                # test's timeout), and gets it once the router gave up on the stalled client.
+                answer = await client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "y"})
+                assert answer.status == 200 and (await answer.json())["choices"][0]["text"] == "ok"

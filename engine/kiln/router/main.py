@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "limit; a non-streaming request gets them only once its whole "
                              "generation is done (default: %(default)s)")
     parser.add_argument("--stream-idle-timeout", type=float, default=DEFAULTS.stream_idle_timeout,
-                        help="seconds a response may go without a byte once it has begun, then it "
-                             "is broken off (a replica gone without a reset), 0 for no limit "
+                        help="seconds a response may go without a byte once it has begun, from the "
+                             "replica or to the client, then it is broken off (a replica gone without a "
+                             "reset, a client that stopped reading), 0 for no limit "
                              "(default: %(default)s)")
     parser.add_argument("--max-in-flight", type=int, default=DEFAULTS.max_in_flight,
                         help="/v1 requests handled at once; more wait in line (--max-queue), then "

@@ -331,6 +331,8 @@ class Router:
                 # Leaving `async with` drops the upstream connection, so the engine
                 # sees the disconnect and stops generating.
                 exchange.code = CLIENT_GONE
+                if request.transport is not None:  # one that stopped reading is still connected
+                    request.transport.close()
                 return response
         if not complete:
             log.warning("%s broke off its response mid-way, or went silent", endpoint)
@@ -348,11 +350,13 @@ class Router:
                     exchange: _Exchange) -> bool:
         """Copy the body as it arrives, timing the chunks of an SSE stream; False when the
         replica broke off mid-way or sent nothing for stream_idle_timeout. Client-side write
-        errors are the caller's to handle."""
+        errors are the caller's to handle; a client that took nothing for stream_idle_timeout
+        (its receive window shut) is one (ConnectionResetError), or it held its place for ever."""
         streamed = upstream.content_type == "text/event-stream"
+        idle = self.limits.stream_idle_timeout or None
         while True:
             try:
-                async with asyncio.timeout(self.limits.stream_idle_timeout or None):
+                async with asyncio.timeout(idle):
                     chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError):
                 return False
@@ -361,7 +365,11 @@ class Router:
                 return True
             if streamed:
                 self._time_chunk(exchange)
-            await response.write(chunk)
+            try:
+                async with asyncio.timeout(idle):
+                    await response.write(chunk)
+            except TimeoutError:
+                raise ConnectionResetError(f"the client read nothing for {idle:g} s") from None
 
     def _time_chunk(self, exchange: _Exchange) -> None:
         now = time.monotonic()
