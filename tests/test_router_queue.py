@@ -4,6 +4,7 @@ of fake engines (router_fakes); the real engine behind a real router is in test_
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -45,6 +46,29 @@ async def test_requests_past_max_in_flight_wait_in_line_then_get_429_with_retry_
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_requests_total", revision="none", code="429") == 1
         assert metric(samples, "kiln_router_requests_total", revision="", code="200") == 4
+
+
+@on_event_loop
+async def test_request_bodies_held_at_once_are_bounded() -> None:
+    """Each request's body stays in memory until its answer ends: past --max-body-bytes-in-flight
+    a 429 (declared, chunked alike), and one request alone always goes."""
+    padding = "x" * 600
+    async with service(1, limits=Limits(max_body_bytes_in_flight=1000)) as svc:
+        held = asyncio.create_task(svc.client.post("/v1/completions", json={"fake": "hold", "p": padding}))
+        await until(lambda: svc.hits() == [1])
+        refused = await svc.client.post("/v1/completions", json={"p": padding})
+        assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+        assert "--max-body-bytes-in-flight" in (await refused.json())["error"]["message"]
+
+        async def chunked():
+            yield json.dumps({"p": padding}).encode()
+        assert (await svc.client.post("/v1/completions", data=chunked())).status == 429
+        assert (await svc.client.post("/v1/completions", json={"p": "small"})).status == 200  # room for that
+        assert svc.hits() == [2]
+        svc.engines[0].release.set()
+        assert (await held).status == 200
+        assert (await svc.client.post("/v1/completions", json={"p": padding * 3})).status == 200  # alone: goes
+    assert kiln_main(["router", "--endpoints", "127.0.0.1:1", "--max-body-bytes-in-flight", "0"]) == 2
 
 
 @on_event_loop

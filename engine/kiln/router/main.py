@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-in-flight; more get a 429 (default: %(default)s: none wait)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                         help="largest request body; larger get a 413 (default: %(default)s)")
+    parser.add_argument("--max-body-bytes-in-flight", type=int, default=DEFAULTS.max_body_bytes_in_flight,
+                        help="request body bytes held at once (twice a body's size with API keys); "
+                             "past it a 429: keep it within the router's memory (default: %(default)s)")
     parser.add_argument("--max-held", type=int, default=DEFAULTS.max_held,
                         help="requests held at once while no replica is ready (scaled to "
                              "zero); more get a 429 (default: %(default)s)")
@@ -100,6 +103,8 @@ def _limits(args: argparse.Namespace) -> Limits:
         raise ValueError("--max-queue must be 0 or more")
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be at least 1")
+    if args.max_body_bytes_in_flight < 1:
+        raise ValueError("--max-body-bytes-in-flight must be at least 1")
     if args.max_held < 1:
         raise ValueError("--max-held must be at least 1")
     if not (math.isfinite(args.activation_timeout) and args.activation_timeout > 0):
@@ -111,6 +116,7 @@ def _limits(args: argparse.Namespace) -> Limits:
     return Limits(connect_timeout=args.connect_timeout, first_byte_timeout=args.first_byte_timeout,
                   stream_idle_timeout=args.stream_idle_timeout,
                   max_in_flight=args.max_in_flight, max_body_bytes=args.max_body_bytes,
+                  max_body_bytes_in_flight=args.max_body_bytes_in_flight,
                   max_held=args.max_held, activation_timeout=args.activation_timeout,
                   max_queue=args.max_queue, body_timeout=args.body_timeout, prefix_slack=args.prefix_slack)
 

@@ -16,8 +16,9 @@ ROUTER_ERRORS = {
                  "(code invalid_api_key)"),
     "408": error("the request body did not arrive within --body-timeout (code request_timeout)"),
     "413": error("the request body is over the router's --max-body-bytes (code request_too_large)"),
-    "429": retry_later("the router is at --max-in-flight with its queue full, or --max-held "
-                       "requests already wait for a replica"),
+    "429": retry_later("the router is at --max-in-flight with its queue full, holds "
+                       "--max-body-bytes-in-flight of request bodies, or --max-held requests already "
+                       "wait for a replica"),
     "502": error("the replica failed before answering (code upstream_error)"),
     "503": error("no replica could take the request, or none became ready within "
                  "--activation-timeout (codes no_ready_endpoint, activation_timeout)"),

@@ -59,6 +59,10 @@ class Limits:
     stream_idle_timeout: float = 600.0
     max_in_flight: int = 1024  # /v1 requests at once; more wait in line (max_queue), then 429
     max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
+    # Request bodies held at once (the router keeps each until its answer ends, twice over with
+    # API keys: the salted copy); past it a 429. The default fits the 512 MiB the operator gives
+    # it: 1024 requests of 16 MiB would not.
+    max_body_bytes_in_flight: int = 192 << 20
     max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
     activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
     max_queue: int = 0  # requests waiting in line for one of max_in_flight; 0: none wait
@@ -93,6 +97,7 @@ class Router:
               "--max-in-flight (--max-queue)", registry=self.metrics.registry
               ).set_function(lambda: len(self._line))
         self._active = 0  # /v1 requests being handled, against limits.max_in_flight
+        self._body_bytes = 0  # their bodies' bytes, against limits.max_body_bytes_in_flight
         self._line: deque[asyncio.Future[None]] = deque()  # waiting for one of them, first come first
         self.holding = Holding(source, limits.max_held, limits.activation_timeout)  # of those, none ready
         self._session: aiohttp.ClientSession | None = None
@@ -141,7 +146,12 @@ class Router:
             waiting = f" and {len(self._line)} waiting" if self.limits.max_queue else ""
             return error_response(429, f"the router is at its limit of {self._active} requests "
                                   f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
+        held = 0  # body bytes this request holds
         try:
+            # Counted as the client declares it, before it is read; a chunked body once read.
+            if not self._hold_body(request.content_length or 0):
+                return self._bodies_refused()
+            held = request.content_length or 0
             try:
                 # A client that stalls its upload would hold its place for ever (slowloris).
                 async with asyncio.timeout(self.limits.body_timeout):
@@ -156,14 +166,33 @@ class Router:
             except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
-            if request.path.startswith("/v1/") and request.get(auth.SALT):  # may use the prefix cache
-                # Off the event loop: a large body takes long enough to stall every stream.
+            salting = request.path.startswith("/v1/") and bool(request.get(auth.SALT))  # may use the prefix cache
+            more = len(body) * (2 if salting else 1) - held
+            if more > 0:
+                if not self._hold_body(more):
+                    return self._bodies_refused()
+                held += more
+            if salting:  # off the event loop: a large body takes long enough to stall every stream
                 body = await asyncio.to_thread(auth.salted, body, request[auth.SALT])
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
         finally:
+            self._body_bytes -= held
             self._leave()
+
+    def _hold_body(self, size: int) -> bool:
+        """Room for `size` more body bytes; one request alone always has it (it is under
+        max_body_bytes)."""
+        if self._body_bytes and self._body_bytes + size > self.limits.max_body_bytes_in_flight:
+            return False
+        self._body_bytes += size
+        return True
+
+    def _bodies_refused(self) -> web.Response:
+        return error_response(429, f"the router holds {self._body_bytes} bytes of request bodies, its limit "
+                              f"being {self.limits.max_body_bytes_in_flight} (--max-body-bytes-in-flight)",
+                              "rate_limit_error", "rate_limit_exceeded")
 
     async def _take_place(self) -> bool:
         """One of the max_in_flight places, after waiting in line behind at most max_queue
