@@ -649,6 +649,17 @@ def test_cli_requires_a_source_of_endpoints(capsys: pytest.CaptureFixture[str]) 
     assert "--endpoints --selector is required" in capsys.readouterr().err
 
 
+def test_headers_the_connection_header_names_are_not_passed_on() -> None:
+    from multidict import CIMultiDict
+
+    from kiln.router.forwarding import request_headers, response_headers
+    sent = CIMultiDict([("Connection", "close, X-Debug"), ("Connection", "x-trace"), ("X-Debug", "1"),
+                        ("X-Trace", "2"), ("X-Request-Id", "r1"), ("Content-Length", "5")])
+    assert request_headers(sent) == [("X-Request-Id", "r1")]
+    assert response_headers(sent) == [("X-Request-Id", "r1"), ("Content-Length", "5")]
+    assert request_headers({"X-Request-Id": "r1"}) == [("X-Request-Id", "r1")]
+
+
 def test_endpoints_take_names_ipv4_and_bracketed_ipv6() -> None:
     assert parse_endpoints("engine-0.engines:8000, 10.0.0.7:8000,[::1]:8000") == [
         Endpoint("engine-0.engines", 8000), Endpoint("10.0.0.7", 8000), Endpoint("::1", 8000)]

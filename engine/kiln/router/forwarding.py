@@ -16,12 +16,21 @@ NOT_FORWARDED = HOP_BY_HOP | {"content-length", "content-encoding"}
 
 def request_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """Pairs, not a dict: a header may repeat."""
-    return [(k, v) for k, v in headers.items() if k.lower() not in NOT_FORWARDED]
+    dropped = NOT_FORWARDED | _named_in_connection(headers)
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
 
 
 def response_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The response's bytes pass through untouched, so its length and encoding stay."""
-    return [(k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP]
+    dropped = HOP_BY_HOP | _named_in_connection(headers)
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
+
+
+def _named_in_connection(headers: Mapping[str, str]) -> frozenset[str]:
+    """Headers the Connection header names are per-connection too (RFC 9110 7.6.1)."""
+    getall = getattr(headers, "getall", None)
+    values = getall("Connection", []) if getall else [headers.get("Connection", "")]
+    return frozenset(name.strip().lower() for value in values for name in value.split(",") if name.strip())
 
 
 def has_dot_segment(path: str) -> bool:
