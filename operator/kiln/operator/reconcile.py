@@ -285,7 +285,7 @@ def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, obse
             continue
         pool = plan_pool(revision.serving, pods_of(observed.pods(revision.name)), sleep)
         patches = pool.patches()
-        patched = patched or bool(pool.promote or pool.demote or pool.sleep)
+        patched = patched or bool(pool.promote or pool.demote)
         for pod in pool.promote + pool.demote:
             started = time.monotonic()
             woke = standby.call(pod, "/wake_up") if pod in pool.promote and pod.asleep else None
@@ -301,8 +301,11 @@ def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, obse
                            f"serving in {took:.0f} ms{woken} (routed once its EndpointSlice updates)")
             else:
                 post_event(api, body, "Normal", "Demoted", f"{pod.name} of {revision.name} demoted to standby")
+        # A /sleep refused (a pod just demoted still finishing requests) wrote nothing: what this
+        # pass read stays good, and the next timer pass tries again without reading it all anew.
         for pod in standby.put_to_sleep(pool.sleep):
-            patch_pod(api, owner, pod.name, {"metadata": {"annotations": {ASLEEP: str(pod.restarts)}}})
+            if patch_pod(api, owner, pod.name, {"metadata": {"annotations": {ASLEEP: str(pod.restarts)}}}):
+                patched = True
     return promoted, patched
 
 
