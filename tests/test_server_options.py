@@ -98,6 +98,7 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     (["--drain-timeout", "nan"], {}, "--drain-timeout: must be > 0"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
+    (["--model", "no/such/model"], {}, "model 'no/such/model' not found"),  # said before listening: exit 2
 ])
 def test_bad_values_stop_the_server_before_loading(args, env, message):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,

@@ -28,6 +28,7 @@ from kiln.engine import Config, LLMEngine, SamplingParams, lora_serving, openapi
 from kiln.engine.async_engine import AsyncEngine, EngineDeadError, TorchThread, fault_step_from_env
 from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
+from kiln.engine.loader import resolve_model_path
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.api_errors import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
@@ -279,6 +280,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
+        resolve_model_path(args.model)  # a typo is exit 2 now, not a failed load once listening
         name = args.served_model_name or served_name(args.model)
         lora_serving.check_names(args.lora_modules, name)
         api_keys = auth.api_keys(args.api_key)
