@@ -110,6 +110,8 @@ def test_cli_refuses_bad_input(tmp_path, capsys) -> None:
     assert kiln(["eval", "--model", str(tmp_path / "missing"), "--quantization", "int8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kiln eval: error: model") and "not found" in err
+    assert kiln(["eval"]) == 2  # the defaults: the model against itself, a table of zeros
+    assert "nothing to compare" in capsys.readouterr().err
 
 
 def test_cli_on_a_model_with_a_short_context(tmp_path, capsys) -> None:

@@ -236,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln.engine.loader import load_model, resolve_model_path
     from kiln.engine.quantized_folder import read_marker
     try:
+        if args.quantization == "none" and args.kv_cache_dtype == "auto":
+            raise ValueError("nothing to compare: the variant is the model itself; give --quantization or "
+                             "--kv-cache-dtype")
         path = resolve_model_path(args.model)
         if path.is_dir() and read_marker(path) is not None:
             raise ValueError(f"{path} is a quantized variant; give the unquantized model and --quantization")
