@@ -64,6 +64,9 @@ def test_crds_out_dir_that_cannot_be_written_is_one_error_line(tmp_path, capsys)
         assert capsys.readouterr().err.startswith("kiln crds: ")
     (tmp_path / "dir" / crds.CRD_FILE).mkdir(parents=True)  # --check meets a folder where the file goes
     assert crds.run(parser.parse_args(["--out-dir", str(tmp_path / "dir"), "--check"])) == 2
+    capsys.readouterr()
+    assert crds.run(parser.parse_args(["--out-dir", str(tmp_path / "missing"), "--check"])) == 2
+    assert "no such directory" in capsys.readouterr().err and not (tmp_path / "missing").exists()
 
 
 def test_schema_is_structural():

@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(out_dir: Path) -> int:
+    if not out_dir.is_dir():  # "stale: run kiln crds" would write a new folder where none was meant
+        print(f"kiln crds: --out-dir {out_dir}: no such directory", file=sys.stderr)
+        return 2
     stale = stale_files(out_dir)
     for name in stale:
         print(f"{out_dir / name} is stale: run `kiln crds`", file=sys.stderr)
