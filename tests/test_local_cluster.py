@@ -176,6 +176,8 @@ def test_bad_network_arguments_are_refused():
     assert out.returncode == 2 and "non-loopback" in out.stderr
     out = kiln_local("up", "--bridge", "a-very-long-bridge")
     assert out.returncode == 2 and "--bridge" in out.stderr
+    out = kiln_local("build", "--jobs", "0")
+    assert out.returncode == 2 and "--jobs: must be at least 1, got 0" in out.stderr
 
 
 @pytest.mark.parametrize("text", ["{bad", json.dumps({"processes": {"etcd": {"pid": 1}}})], ids=["not JSON", "no start"])
@@ -202,6 +204,9 @@ def test_up_is_idempotent_and_down_leaves_nothing_behind(tmp_path):
 def check_second_cluster(directory, args: tuple[str, ...]) -> None:
     again = kiln_local("up", *args)
     assert again.returncode == 0 and again.stdout.startswith("already up"), again.stderr
+    assert kiln_local("up", "--dir", str(directory)).returncode == 0  # no network asked: its own
+    other = kiln_local("up", "--dir", str(directory), "--subnet", "10.213.2.0/24")  # kept its own, silently
+    assert other.returncode == 2 and "up with --subnet 10.213.1.0/24: `kiln local down` first" in other.stderr
     assert kiln_local("status", "--dir", str(directory)).returncode == 0
 
     c = cluster.Cluster(directory)

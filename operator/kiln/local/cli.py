@@ -14,12 +14,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "images: build the engine and operator images with podman (`make images`)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="state directory (default $KILN_LOCAL_DIR or ~/.cache/kiln/local)")
-    parser.add_argument("--bridge", default=cluster.DEFAULT_BRIDGE,
-                        help="bridge device for pod addresses ($KILN_LOCAL_BRIDGE)")
-    parser.add_argument("--subnet", default=cluster.DEFAULT_SUBNET,
-                        help="pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET)")
+    # None when not given: a cluster already up keeps its own, and only an explicit other one is refused.
+    parser.add_argument("--bridge", default=None,
+                        help=f"bridge device for pod addresses ($KILN_LOCAL_BRIDGE, else {cluster.DEFAULT_BRIDGE})")
+    parser.add_argument("--subnet", default=None,
+                        help=f"pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET, else {cluster.DEFAULT_SUBNET})")
     parser.add_argument("--force", action="store_true", help="down even while test sessions use the cluster")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel Go compile jobs for build")
+    parser.add_argument("--jobs", type=jobs, default=2, help="parallel Go compile jobs for build")
     parser.add_argument("--image", action="append", choices=("engine", "operator"),
                         help="images: build only this one (repeatable; default both)")
     parser.add_argument("--torch", default=None,
@@ -37,11 +38,14 @@ def run(args: argparse.Namespace) -> int:
             for target in build.TARGETS:
                 print(f"{target.module} {target.version}: {build.bin_dir(target)}")
         elif args.action == "up":
-            problem = cluster.check_network(args.bridge, args.subnet)  # a usage error: exit 2
+            bridge, subnet = args.bridge or cluster.DEFAULT_BRIDGE, args.subnet or cluster.DEFAULT_SUBNET
+            # Usage errors: exit 2. A cluster up on another network would be kept as it is, silently.
+            problem = cluster.check_network(bridge, subnet) or cluster.Cluster(directory).other_network(
+                args.bridge, args.subnet)
             if problem:
                 print(f"kiln local up: {problem}", file=sys.stderr)
                 return 2
-            c, started = cluster.up(directory, args.bridge, args.subnet)
+            c, started = cluster.up(directory, bridge, subnet)
             print(("started" if started else "already up") + f": {c.server()}")
             print(f"export KUBECONFIG={c.kubeconfig}")
         elif args.action == "down":
@@ -59,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kiln local {args.action}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def jobs(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def show_status(c: cluster.Cluster) -> int:

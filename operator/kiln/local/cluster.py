@@ -103,6 +103,17 @@ class Cluster:
         running = self.running()
         return all(running.get(name) for name in ORDER)
 
+    def other_network(self, bridge: str | None, subnet: str | None) -> str | None:
+        """Why a cluster already up does not take this bridge or subnet (it keeps its own); None if
+        it is not up or they are its own."""
+        if not self.is_up():
+            return None
+        state = self.state()
+        for flag, asked, own in (("--bridge", bridge, state["bridge"]), ("--subnet", subnet, state["subnet"])):
+            if asked is not None and asked != own:
+                return f"the cluster in {self.dir} is up with {flag} {own}: `kiln local down` first to use {asked}"
+        return None
+
     def users(self) -> list[int]:
         """Pids of the test sessions still using the cluster."""
         found = self.dir.glob("users/*")
