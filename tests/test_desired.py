@@ -621,6 +621,15 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
         assert f"cannot serve metrics on port {port}" in capsys.readouterr().err
     assert cli.main(["operator", "--pod-annotation", "no-equals-sign"]) == 2
     assert "--pod-annotation takes KEY=VALUE" in capsys.readouterr().err
+    # Said before connecting: the API server would refuse each object carrying them, and kopf
+    # raised the liveness URL's scheme in a traceback once running.
+    for argv, said in ((["--pod-annotation", "bad key=1"], "--pod-annotation: 'bad key' is not a Kubernetes key"),
+                       (["--gpu-node-selector", "pool=v/x"], "--gpu-node-selector: 'v/x' is not a label value"),
+                       (["--cpu-toleration=-bad:NoSchedule"], "--cpu-toleration: '-bad' is not a Kubernetes key"),
+                       (["--liveness", "foo"], "--liveness takes http://HOST:PORT/PATH"),
+                       (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://HOST:PORT/PATH")):
+        assert cli.main(["operator", *argv]) == 2, argv
+        assert said in capsys.readouterr().err, argv
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli.main(["operator"]) == 1

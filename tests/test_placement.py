@@ -75,4 +75,7 @@ def test_bad_flags_exit_2_before_connecting(capsys: pytest.CaptureFixture[str]) 
     from kiln.cli import main as cli
     assert cli(["operator", "--gpu-toleration=nvidia.com/gpu:Always"]) == 2
     assert "--gpu-toleration takes KEY[=VALUE][:EFFECT]" in capsys.readouterr().err
-    assert parse_label("a=b=c", "--x") == ("a", "b=c")
+    assert parse_label("nvidia.com/gpu.present=true", "--x") == ("nvidia.com/gpu.present", "true")
+    assert parse_label("a=", "--x") == ("a", "")  # an empty label value is one
+    with pytest.raises(ValueError, match="'b=c' is not a label value"):
+        parse_label("a=b=c", "--x")

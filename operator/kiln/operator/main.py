@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -148,6 +149,19 @@ def placements(args: argparse.Namespace) -> placement.Placements:
     return placement.Placements(gpu=one("gpu"), cpu=one("cpu"))
 
 
+def check_liveness(url: str | None) -> None:
+    """kopf serves http://HOST:PORT/PATH only, and says so in a traceback once running."""
+    if url is None:
+        return
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme != "http" or port == -1 or port == 0:
+        raise ValueError(f"--liveness takes http://HOST:PORT/PATH, e.g. http://0.0.0.0:8080/healthz, got {url!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):  # nan compares False with everything
         print("kiln operator: --interval must be positive", file=sys.stderr)
@@ -156,9 +170,10 @@ def run(args: argparse.Namespace) -> int:
     if any(not key or not sep for key, sep, _ in pairs):
         print("kiln operator: --pod-annotation takes KEY=VALUE", file=sys.stderr)
         return 2
-    pod_annotations = {key: value for key, _, value in pairs}
-    try:
+    try:  # before connecting: every later failure of these would be the API server's, per object
+        pod_annotations = {placement.check_key(key, "--pod-annotation"): value for key, _, value in pairs}
         where = placements(args)
+        check_liveness(args.liveness)
     except ValueError as err:
         print(f"kiln operator: {err}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ InferenceService: where GPU engines go (node labels, the taints GPU node pools c
 CPU engines go. An InferenceService's own nodeSelector and tolerations are kept and win."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 from .models import InferenceServiceSpec, Toleration
@@ -23,12 +25,31 @@ class Placements:
     cpu: Placement = Placement()  # engines with resources.gpus == 0
 
 
+# Kubernetes' grammars (apimachinery's validation): a label or annotation key is an optional DNS
+# subdomain prefix and a name; a label value is a name or empty.
+NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+QUALIFIED_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{NAME}$")
+LABEL_VALUE = re.compile(rf"^{NAME}?$")
+
+
+def check_key(key: str, flag: str) -> str:
+    """A label or annotation key; raises ValueError naming the flag, as the API server would
+    refuse every object carrying it."""
+    if not QUALIFIED_KEY.match(key):
+        raise ValueError(f"{flag}: {key!r} is not a Kubernetes key ([prefix/]name: a name of at most 63 "
+                         "letters, digits, '-', '_' or '.', beginning and ending with a letter or digit)")
+    return key
+
+
 def parse_label(text: str, flag: str) -> tuple[str, str]:
     """KEY=VALUE; raises ValueError naming the flag."""
     key, sep, value = text.partition("=")
     if not key or not sep:
         raise ValueError(f"{flag} takes KEY=VALUE, got {text!r}")
-    return key, value
+    if not LABEL_VALUE.match(value):
+        raise ValueError(f"{flag}: {value!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', "
+                         "beginning and ending with a letter or digit)")
+    return check_key(key, flag), value
 
 
 def parse_toleration(text: str, flag: str) -> Toleration:
@@ -37,6 +58,9 @@ def parse_toleration(text: str, flag: str) -> Toleration:
     key, sep, value = taint.partition("=")
     if not key or (effect and effect not in EFFECTS):
         raise ValueError(f"{flag} takes KEY[=VALUE][:EFFECT] with EFFECT one of {', '.join(EFFECTS)}, got {text!r}")
+    check_key(key, flag)
+    if sep and not LABEL_VALUE.match(value):
+        raise ValueError(f"{flag}: {value!r} is not a taint value (at most 63 letters, digits, '-', '_' or '.')")
     return Toleration(key=key, operator="Equal" if sep else "Exists", value=value if sep else None,
                       effect=effect or None)
 
