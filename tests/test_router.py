@@ -634,7 +634,9 @@ async def test_requests_held_when_the_router_shuts_down_get_a_503_to_retry_not_a
     (["--selector", " "], "--selector must not be empty"),
     (["--endpoints", "a:1", "--inference-service", "chat"], "--inference-service needs --selector"),
     (["--selector", "app=chat", "--kubeconfig", "/nonexistent/kubeconfig"],
-     "cannot load Kubernetes config"),
+     "--kubeconfig /nonexistent/kubeconfig: no such file"),
+    (["--endpoints", "a:1", "--kubeconfig", "/tmp"], "--kubeconfig needs --selector"),
+    (["--selector", "app=chat", "--kubeconfig", "/dev/null"], "cannot load Kubernetes config"),
 ])
 def test_cli_rejects_bad_input(argv: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

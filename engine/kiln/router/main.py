@@ -127,6 +127,8 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
     if args.endpoints is not None:
         if args.inference_service is not None:
             raise ValueError("--inference-service needs --selector (a cluster), not --endpoints")
+        if args.kubeconfig is not None:  # it would be ignored: no cluster is read
+            raise ValueError("--kubeconfig needs --selector (a cluster), not --endpoints")
         try:
             return StaticEndpoints(parse_endpoints(args.endpoints)), None
         except ValueError as exc:
@@ -140,6 +142,8 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
     from kiln.router.endpointslices import EndpointSliceSource
 
     configuration = client.Configuration()
+    if args.kubeconfig is not None and not os.path.exists(args.kubeconfig):
+        raise ValueError(f"--kubeconfig {args.kubeconfig}: no such file")
     try:
         if args.kubeconfig is None and "KUBERNETES_SERVICE_HOST" in os.environ:
             config.load_incluster_config(client_configuration=configuration)
