@@ -123,6 +123,7 @@ def test_a_stop_while_the_model_loads_ends_the_server_cleanly():
     finally:
         proc.kill()
     assert proc.returncode == 0 and "stopped while loading" in rest, "".join(seen) + rest
+    assert "listening on http://127.0.0.1:0 " not in seen[-1]  # --port 0: the port it got, not 0
 
 
 def test_the_served_name_defaults_to_the_folders_whole_name():

@@ -331,7 +331,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         log.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
         await runner.cleanup()
         return 1
-    log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, args.port)
+    port = runner.addresses[0][1] if runner.addresses else args.port  # --port 0: the one the OS gave
+    log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, port)
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
