@@ -264,3 +264,36 @@ def test_scheduler_finishes_everything_and_output_is_schedule_independent(
         for _ in range(outs[i]):
             expected.append(sum(expected) % 7)
         assert seq.token_ids == expected
+
+
+def test_the_newest_running_sequence_gives_way_even_one_scheduled_before_an_older_prefill() -> None:
+    """Decodes are scheduled before prefills, so a newer decode held blocks that an older request
+    still prefilling (held back by its LoRA adapter's seat) needed: the older one preempted itself
+    and ran its 26 prompt tokens again. The newest gives way, whichever group it is in."""
+    class Adapter:
+        def __init__(self, id_: int) -> None:
+            self.id, self.name = id_, f"a{id_}"
+
+    bm = BlockManager(8, 4)
+    scheduler = Scheduler(bm, 8, 4, max_loras=1)
+    first = Sequence("first", [1] * 3, SamplingParams(max_tokens=2), 0, Adapter(2))
+    older = Sequence("older", [2] * 26, SamplingParams(max_tokens=4), 1, Adapter(1))  # waits for a seat
+    newer = Sequence("newer", [3] * 3, SamplingParams(max_tokens=28), 2)
+    ran = {"first": 0, "older": 0, "newer": 0}
+    for seq in (first, older, newer):
+        scheduler.add(seq)
+    for _ in range(200):  # bounded: far more steps than the three need
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule()
+        scheduler.complete_step(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            ran[seq.request_id] += n
+            if seq.num_computed_tokens == len(seq):
+                seq.append_token(9)
+                if seq.num_output_tokens >= seq.params.max_tokens:
+                    seq.finish("length")
+                    scheduler.finish(seq)
+    assert not scheduler.has_unfinished() and bm.num_free_blocks == 8
+    assert ran["older"] == 26 + 4 - 1  # its prompt once, then a token a step: never preempted
+    assert ran["newer"] > 3 + 28 - 1 and scheduler.num_preemptions >= 1  # the newest gave way

@@ -27,6 +27,12 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_tokens)
 
+    def remove(self, seq: Sequence) -> int:
+        """Take a sequence back out; returns the tokens it was to run."""
+        i = self.seqs.index(seq)
+        del self.seqs[i]
+        return self.num_new_tokens.pop(i)
+
     def __len__(self) -> int:
         return len(self.seqs)
 
@@ -68,13 +74,24 @@ class Scheduler:
             needed = _needed(seq)
             decodes_behind -= needed <= 1
             num_tokens = self._fit(seq, min(needed, budget))
-            while num_tokens == 0 and queue:
-                self._preempt(queue.pop())
+            while num_tokens == 0:
+                # The newest running sequence gives way, scheduled already this step or not (a newer
+                # decode goes before an older prefill), as long as it is newer than this one.
+                victim = max((s for s in (*queue, *kept) if s.arrival > seq.arrival), key=lambda s: s.arrival,
+                             default=None)
+                if victim is None:
+                    break
+                if victim in queue:
+                    queue.remove(victim)
+                else:
+                    budget += batch.remove(victim)
+                    kept.remove(victim)
+                self._preempt(victim)
                 decodes_behind = sum(1 for s in queue if _needed(s) <= 1)
                 preempted = True
                 num_tokens = self._fit(seq, min(needed, budget))
             if num_tokens == 0:
-                self._preempt(seq)  # alone and still no room: step aside for the others
+                self._preempt(seq)  # the newest without room: step aside for the older ones
                 preempted = True
                 break
             if seq.num_draft_tokens:
