@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from test_server import MODEL, ServerProcess, post
