@@ -759,8 +759,10 @@ def test_bad_cli_arguments_exit_nonzero(caplog, capsys):
     assert exc.value.code == 2 and "not a positive size" in capsys.readouterr().err
     assert cli_main(["serve", "--device", "nonsense"]) == 2
     assert "bad configuration" in caplog.text
-    assert cli_main(["serve", "--model", "/nonexistent/model.gguf", "--host", "127.0.0.1", "--port", "0"]) == 1
-    assert "failed to start" in caplog.text and "not found" in caplog.text
+    # A model that is not there is a bad configuration too, said before the port opens.
+    assert cli_main(["serve", "--model", "/nonexistent/model.gguf", "--host", "127.0.0.1", "--port", "0"]) == 2
+    assert "bad configuration: model '/nonexistent/model.gguf' not found" in caplog.text
+    assert "listening on" not in caplog.text
 
 
 def test_a_port_out_of_range_or_taken_is_one_error_line(caplog, capsys):
