@@ -63,7 +63,7 @@ class RequestStream:
     arrival: float
     prompt_tokens: int
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | Exception
-    running: bool = False  # the scheduler has taken it into the batch: it no longer waits
+    running: bool = False  # in the batch as of the last step (a preempted one waits again)
     started: bool = False  # its first output came
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -279,17 +279,15 @@ class AsyncEngine:
         # Before the outputs go back: a client that reads /metrics the moment its answer ends
         # sees what its request did (prefix-cache hits, KV usage), never the step before.
         self.metrics.record_engine_stats(self.engine.stats())
-        if outputs or running:
-            self._loop.call_soon_threadsafe(self._deliver, outputs, started, running)
+        self._loop.call_soon_threadsafe(self._deliver, outputs, started, set(running))
 
     # ---- loop thread ----
 
-    def _deliver(self, outputs: list[RequestOutput], step_started: float, running: list[str]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], step_started: float, running: set[str]) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for request_id in running:
-            if (s := self._streams.get(request_id)) is not None:
-                s.running = True
+        for s in self._streams.values():  # a preempted request waits again, and counts so
+            s.running = s.request_id in running
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:  # aborted meanwhile
