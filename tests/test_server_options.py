@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -13,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from kiln.engine.sampling_defaults import sampling_defaults
 from kiln_process import REPO
 from test_server import MODEL, ServerProcess, get, post
 
@@ -132,3 +134,55 @@ def test_the_served_name_defaults_to_the_folders_whole_name():
     assert served_name("/srv/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
     assert served_name("/srv/ggufs/smollm2-135m.Q8_0.gguf") == "smollm2-135m.Q8_0"
     assert served_name("smollm2-135m") == "smollm2-135m"
+
+
+def _with_generation_config(source, folder, **values):
+    """A copy of the model folder source whose generation_config.json also holds values."""
+    shutil.copytree(source, folder)
+    path = folder / "generation_config.json"
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **values}))
+    return folder
+
+
+def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(tiny_llama_dir, tmp_path):
+    folder = _with_generation_config(tiny_llama_dir, tmp_path / "model", temperature=0.0, top_p=0.5,
+                                     max_new_tokens=5)
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+
+    def chats(s: ServerProcess, **fields) -> list:
+        return [s.client.chat.completions.create(model=MODEL, messages=messages, seed=seed,
+                                                 extra_body={"ignore_eos": True}, **fields) for seed in range(3)]
+
+    s = ServerProcess("--model", str(folder), "--max-model-len", "64")
+    try:
+        assert "the model's sampling defaults (auto): temperature=0.0, top_p=0.5, max_tokens=5" in "".join(s.log)
+        greedy = chats(s)  # temperature 0 from the file: the seed changes nothing
+        assert {(c.choices[0].message.content, c.usage.completion_tokens, c.choices[0].finish_reason)
+                for c in greedy} == {(chats(s, temperature=0.0, max_tokens=5)[0].choices[0].message.content,
+                                      5, "length")}
+        hot = chats(s, temperature=1.0, top_p=1.0, max_tokens=8)  # what a request names wins
+        assert len({c.choices[0].message.content for c in hot}) > 1
+        assert s.client.completions.create(model=MODEL, prompt="w1", extra_body={"ignore_eos": True}) \
+            .usage.completion_tokens == 16  # as vLLM: max_new_tokens bounds chats; completions keep 16
+    finally:
+        s.stop()
+    s = ServerProcess("--model", str(folder), "--max-model-len", "64", "--generation-config", "vllm")
+    try:
+        plain = chats(s)  # the API's defaults: temperature 1, up to the end of the context
+        assert len({c.choices[0].message.content for c in plain}) > 1
+        assert all(c.usage.completion_tokens == 64 - c.usage.prompt_tokens for c in plain)
+    finally:
+        s.stop()
+
+
+def test_a_bad_generation_config_stops_the_server_before_loading(tiny_llama_dir, tmp_path):
+    hot = _with_generation_config(tiny_llama_dir, tmp_path / "hot", temperature=5, top_k="many")
+    for args, message in [
+            (["--model", str(hot)], f"{hot / 'generation_config.json'}: temperature: Input should be less than or "
+                                    "equal to 2; top_k: Input should be a valid integer"),
+            (["--generation-config", str(tmp_path)], f"--generation-config {tmp_path}: no generation_config.json")]:
+        done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+    # Ignored, it does not matter what it holds.
+    assert sampling_defaults("vllm", hot) == {} and sampling_defaults("auto", tmp_path) == {}

@@ -151,8 +151,11 @@ class _PromptOnly:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
+                 sampling_defaults: dict[str, float | int] | None = None) -> None:
+        """sampling_defaults: request field -> value for requests that leave it out (sampling_defaults.py)."""
         self.engine, self.model_name, self.tool_call_parser = engine, model_name, tool_call_parser
+        self.defaults = sampling_defaults or {}
         core = engine.engine
         self.tokenizer, self.max_model_len = core.tokenizer, core.config.max_model_len
         self.vocab_size = core.model_config.vocab_size
@@ -173,7 +176,7 @@ class OpenAIServing:
         scored = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             scored = max(scored or 0, req.logprobs)
-        params = [_sampling(req, self._max_tokens(len(ids), "prompt", 1 if prompt_only else req.max_tokens,
+        params = [self._sampling(req, self._max_tokens(len(ids), "prompt", 1 if prompt_only else req.max_tokens,
                                                   "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, scored)
                   for ids in prompt_ids]
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
@@ -198,8 +201,10 @@ class OpenAIServing:
         # The template already wrote the special tokens.
         ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param, None)
-        params = _sampling(req, max_tokens, req.top_logprobs_count())
+        # As vLLM: the model's max_new_tokens bounds a chat that names no limit; completions keep 16.
+        max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param,
+                                      self.defaults.get("max_tokens"))
+        params = self._sampling(req, max_tokens, req.top_logprobs_count())
         if tools is not None and (constraint := tools.structured_outputs()) is not None:
             params.structured_outputs = constraint
         if tools is not None and tools.parser is not None:
@@ -282,6 +287,15 @@ class OpenAIServing:
         if model in loras:
             return model
         raise self._model_not_found(model)
+
+    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters for req: what it set, else the model's defaults, else the API's."""
+        unset = {k: v for k, v in self.defaults.items() if k != "max_tokens" and k not in req.model_fields_set}
+        try:
+            return req.model_copy(update=unset).sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
 
     def _model_not_found(self, model: str) -> APIError:
         served = ", ".join(repr(m) for m in [self.model_name, *self.engine.engine.loras])
@@ -435,8 +449,3 @@ def _open_final_message(text: str, final: str) -> str:
     return text[: at + (len(kept) if text.startswith(kept, at) else len(content))]
 
 
-def _sampling(req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    try:
-        return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None

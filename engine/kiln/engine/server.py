@@ -33,6 +33,7 @@ from kiln.engine.metrics import ServerMetrics
 from kiln.engine.api_errors import APIError, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
 from kiln.engine.responses_api import ResponsesServing
+from kiln.engine.sampling_defaults import sampling_defaults
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.tokenizer import read_chat_template
 from kiln.router import auth
@@ -70,8 +71,10 @@ def _port(text: str) -> int:
 class Server:
     def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
                  max_queued_tokens: int | None = None, fault_step: int | None = None,
-                 tool_call_parser: str | None = None, api_keys: auth.ApiKeys | None = None) -> None:
+                 tool_call_parser: str | None = None, api_keys: auth.ApiKeys | None = None,
+                 sampling_defaults: dict[str, float | int] | None = None) -> None:
         self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
+        self.sampling_defaults = sampling_defaults
         self.max_queued_tokens, self.fault_step, self.tool_call_parser = max_queued_tokens, fault_step, tool_call_parser
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
@@ -124,7 +127,7 @@ class Server:
         self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step,
                                   self.torch_thread)
         self.engine.start()
-        self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser)
+        self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser, self.sampling_defaults)
         self.responses_api = ResponsesServing(self.serving)
         phases = self.startup.ready()
         self.metrics.record_startup(phases)
@@ -280,7 +283,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     try:
         if args.enable_auto_tool_choice and args.tool_call_parser is None:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
-        resolve_model_path(args.model)  # a typo is exit 2 now, not a failed load once listening
+        model_path = resolve_model_path(args.model)  # a typo is exit 2 now, not a failed load once listening
+        defaults = sampling_defaults(args.generation_config, model_path)
         name = args.served_model_name or served_name(args.model)
         lora_serving.check_names(args.lora_modules, name)
         api_keys = auth.api_keys(args.api_key)
@@ -314,8 +318,11 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     # which a waiting thread gets only after the switch interval (5 ms by default): a token's
     # streaming work could hold a decode step back by milliseconds. 0.5 ms bounds that wait.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    if defaults:
+        log.info("requests that leave them out get the model's sampling defaults (%s): %s",
+                 args.generation_config, ", ".join(f"{k}={v}" for k, v in defaults.items()))
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser,
-                    api_keys)
+                    api_keys, defaults)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -383,6 +390,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
                              '"disable_by_batch_size": N}\' or a draft model \'{"model": "<name, folder or .gguf>", '
                              '"num_speculative_tokens": 4, "quantization": "int4"}\' (requests without penalties)')
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                        help="sampling defaults for requests: 'auto' the model's generation_config.json, 'vllm' "
+                             "the API's own, or a folder's generation_config.json (vLLM's option)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="a Jinja chat template (a file, or the template itself) replacing the model's")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
