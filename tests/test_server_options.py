@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from kiln.engine import LLM, SamplingParams
 from kiln.engine.sampling_defaults import sampling_defaults
 from kiln_process import REPO
 from test_server import MODEL, ServerProcess, get, post
@@ -166,6 +167,10 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(ti
             .usage.completion_tokens == 16  # as vLLM: max_new_tokens bounds chats; completions keep 16
     finally:
         s.stop()
+    with LLM(str(folder), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=4 << 20) as llm:
+        offline = llm.generate([[5, 6, 7]] * 2)  # generate() without params: the model's defaults too
+        spelled = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, top_p=0.5, max_tokens=5))[0]
+    assert [o.token_ids for o in offline] == [spelled.token_ids] * 2 and len(spelled.token_ids) <= 5
     s = ServerProcess("--model", str(folder), "--max-model-len", "64", "--generation-config", "vllm")
     try:
         plain = chats(s)  # the API's defaults: temperature 1, up to the end of the context

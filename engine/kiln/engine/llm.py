@@ -6,15 +6,20 @@ from typing import Any
 
 from kiln.engine.config import Config
 from kiln.engine.llm_engine import LLMEngine, RequestOutput
+from kiln.engine.loader import resolve_model_path
+from kiln.engine.sampling_defaults import sampling_defaults
 from kiln.engine.sampling_params import SamplingParams
 
 
 class LLM:
     """Offline generation: `LLM().generate(["Hello"], SamplingParams(temperature=0))`."""
 
-    def __init__(self, model: str = "smollm2-135m", **config_kwargs: Any):
+    def __init__(self, model: str = "smollm2-135m", generation_config: str = "auto", **config_kwargs: Any):
+        """generation_config: where generate() without params takes its defaults, as `kiln serve
+        --generation-config` (the model's generation_config.json, 'vllm' for SamplingParams')."""
         self.engine = LLMEngine(Config(model=model, **config_kwargs))
         self.tokenizer = self.engine.tokenizer
+        self.default_params = SamplingParams(**sampling_defaults(generation_config, resolve_model_path(model)))
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -42,7 +47,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(params, list):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.default_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
