@@ -297,3 +297,46 @@ def test_the_newest_running_sequence_gives_way_even_one_scheduled_before_an_olde
     assert not scheduler.has_unfinished() and bm.num_free_blocks == 8
     assert ran["older"] == 26 + 4 - 1  # its prompt once, then a token a step: never preempted
     assert ran["newer"] > 3 + 28 - 1 and scheduler.num_preemptions >= 1  # the newest gave way
+
+
+def test_drafts_take_only_what_the_real_tokens_behind_them_leave() -> None:
+    """Decodes go first, and their speculative drafts took the whole token budget: a prompt being
+    prefilled behind them got one token a step for as long as the decodes ran. And a draft that
+    took the last free block left an older prefill no room, so its own decode was preempted."""
+    bm = BlockManager(100, 4)
+    scheduler = Scheduler(bm, 8, 8)
+    decodes = [Sequence(f"d{i}", [1, 2, 3], SamplingParams(), i) for i in (1, 2)]
+    for seq in decodes:
+        scheduler.add(seq)
+    scheduler.complete_step(scheduler.schedule())
+    prompt = Sequence("prompt", list(range(20)), SamplingParams(), 0)  # the oldest, chunked behind them
+    scheduler.waiting.appendleft(prompt)
+    for seq in decodes:
+        seq.append_token(9)
+    scheduler.complete_step(scheduler.schedule())  # the prompt's first 6 tokens, a token each decode
+    for step in range(3):
+        for seq in decodes:
+            seq.append_token(9)
+            seq.add_drafts([7, 7, 7, 7])
+        batch = scheduler.schedule()
+        ran = dict(zip((s.request_id for s in batch.seqs), batch.num_new_tokens))
+        assert ran["prompt"] == min(6, 20 - prompt.num_computed_tokens), (step, ran)  # 8 less one per decode
+        assert sum(ran.values()) <= 8
+        for seq in decodes:  # every guess rejected: the decode ran its one real token
+            seq.drop_drafts()
+        batch.num_new_tokens = [1 if s in decodes else n for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        scheduler.complete_step(batch)
+
+    bm = BlockManager(4, 4)  # one block free: the older prefill's next chunk needs it
+    scheduler = Scheduler(bm, 8, 64)
+    older, newer = Sequence("older", list(range(16)), SamplingParams(), 0), Sequence("newer", [1, 2, 3],
+                                                                                    SamplingParams(), 1)
+    for seq, computed in ((older, 8), (newer, 2)):
+        bm.allocate(seq, [])
+        bm.append_slots(seq, computed)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    newer.add_drafts([7, 7, 7])
+    batch = scheduler.schedule()
+    assert scheduler.num_preemptions == 0 and [s.request_id for s in batch.seqs] == ["newer", "older"]
+    assert batch.num_new_tokens == [2, 4]  # one guess fits the decode's own block; the free one is the prefill's

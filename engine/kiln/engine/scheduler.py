@@ -64,15 +64,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # Decodes first, then unfinished prefills; each group first come, first served.
         queue = deque(sorted(self.running, key=lambda s: (_needed(s) > 1, s.arrival)))
-        # A decode's drafts take only the tokens and blocks the decodes behind it do not need:
-        # guesses must not starve another request's one real token, nor preempt it.
-        decodes_behind = sum(1 for s in queue if _needed(s) <= 1)
         kept: list[Sequence] = []
         preempted = False
         while queue and budget > 0:
             seq = queue.popleft()
             needed = _needed(seq)
-            decodes_behind -= needed <= 1
             num_tokens = self._fit(seq, min(needed, budget))
             while num_tokens == 0:
                 # The newest running sequence gives way, scheduled already this step or not (a newer
@@ -87,7 +83,6 @@ class Scheduler:
                     budget += batch.remove(victim)
                     kept.remove(victim)
                 self._preempt(victim)
-                decodes_behind = sum(1 for s in queue if _needed(s) <= 1)
                 preempted = True
                 num_tokens = self._fit(seq, min(needed, budget))
             if num_tokens == 0:
@@ -95,8 +90,13 @@ class Scheduler:
                 preempted = True
                 break
             if seq.num_draft_tokens:
-                drafts = min(seq.num_draft_tokens, budget - decodes_behind - num_tokens)
-                num_tokens = max(num_tokens, self._fit(seq, num_tokens + drafts, keep_blocks=decodes_behind))
+                # Guesses take only the budget that the real tokens of the running sequences behind
+                # (decodes, prompt chunks) and one of the queue's head leave, and keep a block for
+                # each of them: they must not stall another request, nor preempt one.
+                others = len(queue) + bool(self.waiting)
+                real = sum(_needed(s) for s in queue) + bool(self.waiting)
+                drafts = min(seq.num_draft_tokens, budget - real - num_tokens)
+                num_tokens = max(num_tokens, self._fit(seq, num_tokens + drafts, keep_blocks=others))
             seq.drop_drafts(seq.num_pending_tokens - num_tokens)  # drafts that do not fit wait for no step
             self.block_manager.append_slots(seq, num_tokens)
             batch.add(seq, num_tokens)
