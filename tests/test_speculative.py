@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from kiln.engine import LLM, SamplingParams
+from kiln.engine.sampling_params import StructuredOutputs
 from kiln.engine.speculative import SpeculativeConfig, propose
 from test_engine_generate import one_thread  # noqa: F401 (autouse: one torch thread, as there)
 from test_server import ServerProcess, complete
@@ -189,6 +190,20 @@ def test_preemption_drops_drafts_and_keeps_outputs(plain: LLM):
     assert tight.engine.stats().num_preemptions > 0
     assert tight.engine.block_manager.num_free_blocks == tight.engine.block_manager.num_blocks
     assert [g.token_ids for g in got] == [e.token_ids for e in plain.generate(prompts, GREEDY)]
+
+
+def test_a_constrained_output_whose_drafts_complete_it_and_end_it_stops_cleanly(plain: LLM, spec: LLM):
+    """The drafts after 'ant' are the rest of the word and the end of turn, as the earlier answer
+    had them: the grammar completes inside the drafts and takes the end-of-turn into no history.
+    Rolling the matcher back by every draft undid one of the output's own tokens, and the request
+    ended in 'error' with the text cut at 'ant'."""
+    word = "antidisestablishment"
+    prompt = (f"<|im_start|>user\nSay a long word<|im_end|>\n<|im_start|>assistant\n{word}<|im_end|>\n"
+              "<|im_start|>user\nSay it again<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputs(choice=[word, word.title()]))
+    got, expected = spec.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+    assert (got.text, got.finish_reason, got.token_ids) == (expected.text, "stop", expected.token_ids) \
+        and got.text.lower() == word, (got.text, got.finish_reason, got.error)
 
 
 def test_prefix_hits_on_blocks_that_accepted_drafts_filled(plain: LLM, spec: LLM):

@@ -91,13 +91,17 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | No
     matcher takes each row's draft once its mask is read, and gives them back at the end."""
     rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     masks = []
+    consumed: dict[int, tuple[Sequence, int]] = {}
     for i in rows:
-        masks.append(seqs[i].matcher.compute_bitmask())
-        if drafts is not None and drafts[i] >= 0:
-            seqs[i].matcher.consume_token(drafts[i])
-    for seq in {id(seqs[i]): seqs[i] for i in rows}.values():
-        if seq.num_draft_tokens:  # a row each, all in this batch
-            seq.matcher.rollback(seq.num_draft_tokens)
+        seq = seqs[i]
+        masks.append(seq.matcher.compute_bitmask())
+        # A matcher that has stopped (the grammar complete, then EOS) takes nothing more into
+        # its history: rolling back a token it never took would undo one of the output's.
+        if drafts is not None and drafts[i] >= 0 and not seq.matcher.is_stopped():
+            seq.matcher.consume_token(drafts[i])
+            consumed[id(seq)] = (seq, consumed.get(id(seq), (seq, 0))[1] + 1)
+    for seq, count in consumed.values():
+        seq.matcher.rollback(count)
     allowed = allowed_tokens(masks, logits.shape[1]).to(logits.device)
     index = torch.tensor(rows, device=logits.device)
     return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
