@@ -3,6 +3,8 @@ machine (rollout.py) and what desired() makes of a split. No cluster: recorded f
 decisions out."""
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 
 from kiln.operator.analysis import FAIL, INCONCLUSIVE, PASS, Check, Figures, check, figures, quantile
@@ -11,7 +13,7 @@ from kiln.operator.desired import Split, desired
 from kiln.operator.models import Analysis, InferenceServiceSpec, Rollout
 from kiln.operator.observed import Observed, engine_failure
 from kiln.operator.plan import plan
-from kiln.operator.render import Owner, revision_name
+from kiln.operator.render import LABEL_REVISION, Owner, revision_name
 from kiln.operator.rollout import (FAILED_STARTS, PAUSED, PROGRESSING, PROMOTED, ROLLED_BACK, Decision, Facts, State,
                                   advance, dump, load)
 from test_desired import deployment
@@ -217,6 +219,16 @@ def spec_of(quantization: str) -> InferenceServiceSpec:
         "engine": {"quantization": quantization}, "rollout": ROLLOUT.model_dump()})
 
 
+def ready_pod(revision: str, name: str) -> dict:
+    return {"kind": "Pod", "metadata": {"name": name, "labels": {"kiln.dev/component": "engine",
+                                                                 LABEL_REVISION: revision}},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def epoch_of(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weight():
     owner = Owner("chat", "ns", "uid")
     stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
@@ -224,9 +236,17 @@ def test_desired_keeps_the_stable_revision_as_it_is_and_sizes_the_canary_by_weig
     observed = Observed.of(old_spec)
     want = desired(owner, spec_of("int8"), observed, "img", split=Split(stable, canary, 20))
     roles = [(r.name, r.role, r.replicas, r.weight, r.deployment is None) for r in want.revisions]
+    assert roles == [(stable, "stable", 4, 100, True), (canary, "canary", 1, 0, False)]  # none ready yet
+    ready_one = Observed.of(old_spec, ready_pod(canary, "c1"))
+    want = desired(owner, spec_of("int8"), ready_one, "img", split=Split(stable, canary, 20))
+    roles = [(r.name, r.role, r.replicas, r.weight, r.deployment is None) for r in want.revisions]
     assert roles == [(stable, "stable", 4, 80, True), (canary, "canary", 1, 20, False)]
-    full = desired(owner, spec_of("int8"), observed, "img", split=Split(stable, canary, 50, full_size=True))
-    assert full.revisions[1].replicas == 4
+    # Sized for 4 at a 100% step: the share follows the ready replicas, and none leaves it all to stable.
+    for ready, weight in ((0, 0), (1, 25), (3, 75), (4, 100)):
+        pods = [ready_pod(canary, f"c{i}") for i in range(ready)]
+        full = desired(owner, spec_of("int8"), Observed.of(old_spec, *pods), "img",
+                       split=Split(stable, canary, 100, full_size=True))
+        assert [(r.replicas, r.weight) for r in full.revisions] == [(4, 100 - weight), (4, weight)]
     # A stable revision scaled to zero: the canary keeps one replica, or it could never be promoted.
     at_zero = spec_of("int8").model_copy(update={"replicas": 0})
     for at_zero_split in (Split(stable, canary, 20), Split(stable, canary, 50, full_size=True)):
@@ -322,6 +342,15 @@ def test_unready_since_is_the_latest_ready_transition_of_the_pods():
     # The Kubernetes client hands stored times back as `+00:00`, not `Z`: a real pod's condition.
     assert unready_since([pod("2026-01-01T00:02:00+00:00")]) == 1767225720.0
     assert unready_since([{"metadata": {"name": "new"}, "status": {}}]) is None
+    # Evicted: still Ready=True since it started, hours before the step; and one Ready an hour ago.
+    evicted = {"metadata": {"name": "old", "deletionTimestamp": "2026-01-01T05:00:30Z"}, "status": {"conditions": [
+        {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:01:00Z"}]}}
+    assert unready_since([evicted]) is None and unready_since([pod("2026-01-01T00:02:00Z"), evicted]) == 1767225720.0
+    rollout = Rollout.model_validate({"steps": [{"weight": 10, "pause": "1h"}], "progressDeadline": "2m"})
+    d = advance(rollout, State(PROGRESSING, "a", "b", 1, since=epoch_of("2026-01-01T04:00:00Z")), "a", "b",
+                Facts(canary_ready=0, canary_full=False, unready_since=unready_since([evicted])), None,
+                epoch_of("2026-01-01T05:00:01Z"))
+    assert d.state.phase == PROGRESSING and d.state.unready_since == epoch_of("2026-01-01T05:00:01Z")
 
 
 def test_an_interval_is_taken_router_by_router():

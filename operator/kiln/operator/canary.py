@@ -41,10 +41,13 @@ def stable_revision(previous: dict[str, Any], state: State | None, target: str) 
 
 
 def unready_since(pods: list[dict[str, Any]]) -> float | None:
-    """The latest change of the pods' Ready condition: with none of them ready, since when the
-    revision has had no ready replica."""
-    times = [epoch(c.get("lastTransitionTime")) for p in pods for c in (p.get("status") or {}).get("conditions") or []
-             if c.get("type") == "Ready"]
+    """The latest turn of the pods' Ready condition to False: with none of them ready, since when
+    the revision has had no ready replica. A pod being deleted (evicted by a node drain) still
+    says Ready since it started, which read as the time it was lost and rolled the canary back
+    at once: it tells nothing, and the first pass that sees it gone keeps its own time."""
+    times = [epoch(c.get("lastTransitionTime")) for p in pods if not p["metadata"].get("deletionTimestamp")
+             for c in (p.get("status") or {}).get("conditions") or []
+             if c.get("type") == "Ready" and c.get("status") == "False"]
     return max((t for t in times if t is not None), default=None)
 
 

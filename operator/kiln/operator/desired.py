@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .models import InferenceServiceSpec
-from .observed import Observed, deployment_counts, replicas_of
-from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdbs,
-                     render_revision_service, render_router, render_router_account, render_service, revision_name,
-                     template_pooled)
+from .observed import Observed, deployment_counts, is_ready, replicas_of
+from .render import (LABEL_SERVING, Owner, operator_namespace, pooled, render_deployment, render_network_policies,
+                     render_pdbs, render_revision_service, render_router, render_router_account, render_service,
+                     revision_name, template_pooled)
 
 STABLE, CANARY, OLD = "stable", "canary", "old"
 
@@ -91,6 +91,16 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
         and (status.get("updatedReplicas") or 0) >= replicas
 
 
+def routed_weight(split: Split, observed: Observed, size: int) -> int:
+    """The canary's share of requests: its step's weight in proportion to how many of the `size`
+    replicas the step sized it for are ready. New ones load for minutes, and the few ready ones
+    took the whole share meanwhile; with none ready (a 100% step's canary lost) the stable
+    revision serves, where at weight 0 it served nobody."""
+    ready = sum(1 for p in observed.pods(split.canary)
+                if is_ready(p) and (p["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false")
+    return split.weight * min(ready, size) // size
+
+
 def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
             pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None,
             scalers: list[dict[str, Any]] | None = None, split: Split | None = None) -> Desired:
@@ -114,14 +124,16 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
         replicas = max(replicas_of(current) - pool, 0) if current else max((replicas_of(d) for d in olds),
                                                                             default=desired_replicas(spec))
     weighted = split is not None
-    canary_weight = split.weight if split and split.canary else 0
+    canary_weight = size = 0
+    if split and split.canary:
+        # At least one even when the stable revision is at zero: promotion waits on a ready canary.
+        size = max(1, replicas if split.full_size else math.ceil(replicas * split.weight / 100))
+        canary_weight = routed_weight(split, observed, size)
     deployment = render_deployment(owner, spec, image, pod_annotations) if name == target else None
     revisions = [Revision(name, STABLE, deployment, render_revision_service(owner, name, stable_pooled),
                           replicas + pool, 100 - canary_weight if weighted else None,
                           replicas if stable_pooled else None)]
     if split and split.canary:
-        # At least one even when the stable revision is at zero: promotion waits on a ready canary.
-        size = max(1, replicas if split.full_size else math.ceil(replicas * split.weight / 100))
         revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
                                   render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
                                   size if pooled(spec) else None))
