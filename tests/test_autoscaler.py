@@ -398,3 +398,31 @@ def test_every_engine_answering_sums_exactly_at_a_multiple_of_the_target():
     assert sample.load == 116
     decision, _ = decide([sample], spec(maxReplicas=100), ScalerState(29), 29, 0, 1000.0)
     assert decision.replicas == 29
+
+
+def test_a_load_that_moves_under_a_steady_decision_is_written_every_15_s_not_every_pass():
+    # Steady traffic between 8.5 and 11.7 requests on 3 replicas at 4 each: the decision holds,
+    # but the load (and the message quoting it) changed on most 2 s passes, each a status PATCH.
+    from kiln.operator.models import InferenceServiceSpec
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import LOAD_EVERY_S, builtin
+    isvc = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"},
+                                                "autoscaling": spec(stableWindow="6s").model_dump()})
+    observed = Observed.of(*(pod(name, True) for name in "abc"))
+    previous: dict = {"autoscaling": {"replicas": 3}}
+    now, samples, written = 1_000_000.0, [], []
+    for i in range(150):
+        now += TICK
+        samples.append(Sample(now, 8.5 + 0.8 * ((i * 7) % 5)))
+        scaling = builtin(isvc, observed, "r1", previous, samples[-30:], now, 3)
+        current = {"autoscaling": scaling.status, "conditions": [scaling.condition]}
+        if current != previous:
+            written.append(now)
+        previous = current
+        assert scaling.replicas == 3 and f"load {scaling.status['load']:.1f}" in scaling.condition["message"]
+    gaps = [b - a for a, b in zip(written, written[1:])]
+    assert len(written) <= 150 * TICK / LOAD_EVERY_S + 2 and min(gaps) >= LOAD_EVERY_S, written
+    # A decision that changes the replicas is written at once.
+    samples += [Sample(now + TICK * k, 40.0) for k in range(1, 4)]
+    scaling = builtin(isvc, observed, "r1", previous, samples[-30:], now + 3 * TICK, 3)
+    assert scaling.replicas > 3 and scaling.status["loadTime"] == iso(now + 3 * TICK)

@@ -101,6 +101,10 @@ def scaler_state(previous: dict[str, Any], initial: int) -> ScalerState:
                        asks, epoch(saved.get("lastScaleTime")))
 
 
+# How often the load alone is written to status (the HPA's sync period).
+LOAD_EVERY_S = 15.0
+
+
 def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previous: dict[str, Any],
             samples: list[Sample], now: float, initial: int, cold_start: float | None = None) -> Scaling:
     """One decision of the builtin autoscaler for the stable revision; `cold_start`: the
@@ -121,6 +125,18 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
         status["lastColdStartSeconds"] = round(last_cold, 2)
     cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
     changed = state.replicas if new.replicas != state.replicas else None
+    # The load, and the message that quotes it, move on every pass: while the decision holds they
+    # are rewritten only every LOAD_EVERY_S, or status was PATCHed (and every router watching it
+    # woken) every 2 s for as long as a service had traffic.
+    before = (previous.get("autoscaling") or {}, next(
+        (c for c in previous.get("conditions") or [] if c.get("type") == "ScalingReady"), {}))
+    written = epoch(before[0].get("loadTime"))
+    if changed is None and before[1].get("reason") == decision.reason and written is not None \
+            and 0 <= now - written < LOAD_EVERY_S:
+        status["load"], status["loadTime"] = before[0].get("load"), before[0]["loadTime"]
+        cond = {**cond, "message": before[1].get("message", cond["message"])}
+    else:
+        status["loadTime"] = iso(now)
     return Scaling(decision.replicas, cond, {k: v for k, v in status.items() if v is not None}, changed)
 
 

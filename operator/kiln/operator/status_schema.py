@@ -80,7 +80,10 @@ class AutoscalingStatus(BaseModel):
     replicas: int = Field(0, description="Replicas the autoscaler decided for the serving revision.")
     mode: Literal["stable", "panic"] = "stable"
     load: float | None = Field(None, description="Waiting + running requests (stable-window average), "
-                                                 "held requests included.")
+                                                 "held requests included; while the decision holds, brought "
+                                                 "up to date every 15 s.")
+    loadTime: str | None = Field(None, json_schema_extra={"format": "date-time"},
+                                 description="When load (and the ScalingReady message) was written.")
     panicUntil: str | None = Field(None, json_schema_extra={"format": "date-time"})
     scaleDownSince: str | None = Field(None, json_schema_extra={"format": "date-time"},
                                        description="Since when demand is lower (the scale-down delay runs).")
