@@ -129,14 +129,18 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     engine = llm.engine
     before = alone(llm, PROMPTS[1], "attn")
     engine.add_request("busy", PROMPTS[1], GREEDY, "attn")
-    with pytest.raises(ValueError, match="in use by 1 request"):
-        engine.remove_lora("attn")
-    engine.abort_request("busy")
-    engine.remove_lora("attn")
+    engine.step()
+    # Unloaded while a request runs with it: no new request may name it, the running one finishes
+    # with it (its weights leave with that request), and nothing else waits for that.
+    assert engine.remove_lora("attn") == 1 and len(engine.retiring) == 1
     with pytest.raises(ValueError, match="no LoRA adapter named 'attn'"):
         llm.generate(PROMPTS[1], GREEDY, lora="attn")
     with pytest.raises(KeyError):
         engine.remove_lora("attn")
+    finished = None
+    while finished is None:
+        finished = next((o for o in engine.step() if o.finished), None)
+    assert finished.request_id == "busy" and finished.token_ids == before and engine.retiring == []
     other = tmp_path / "other"
     write_adapter(other, hf_smollm2[0].config, seed=7, rank=4, alpha=8, targets=("q_proj", "v_proj"))
     llm.add_lora("attn", str(other))

@@ -92,29 +92,31 @@ def test_load_and_unload_while_serving(server, folders, reference):
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql", "poet"]
     answer = server.client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=16)
     assert answer.choices[0].text == reference["poet"]
-    # a long stream holds the adapter: unloading it is refused and the stream loses nothing
+    # a long stream holds the adapter: unloaded at once for everyone else (as in vLLM), the stream
+    # finishes with it and loses nothing; under steady traffic a refusal never let it go
     stream = server.client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=200,
                                               stream=True, extra_body={"ignore_eos": True})
     texts: list[str] = []
     reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
     reader.start()
-    status, body = adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "poet"})
-    # vLLM's lora_requests_info, as LoRA-aware gateways read it: recorded before the 409 was answered
+    server.wait_metrics(kiln__num_requests_running=1)
+    assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "poet"}) == \
+        (200, "Success: LoRA adapter 'poet' removed successfully.")
+    # vLLM's lora_requests_info, as LoRA-aware gateways read it: the stream still runs with it
     info = [key for key in server.metrics() if key.startswith("kiln:lora_requests_info")]
-    reader.join(120)
-    assert status == 409 and body["error"]["code"] == "busy" and "in use" in body["error"]["message"]
-    assert info == ["kiln:lora_requests_info{max_lora=2,running_lora_adapters=poet,waiting_lora_adapters=}"]
-    assert "".join(texts).startswith(reference["poet"]) and len(texts) >= 190
-    assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "poet"})[0] == 200
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
     assert post(url + "/v1/completions", {"model": "poet", "prompt": PROMPT, "max_tokens": 2})[0] == 404
+    reader.join(120)
+    assert info == ["kiln:lora_requests_info{max_lora=2,running_lora_adapters=poet,waiting_lora_adapters=}"]
+    assert "".join(texts).startswith(reference["poet"]) and len(texts) >= 190
+    assert "'poet' unloaded; the 1 request(s) using it finish with it first" in "".join(server.log)
 
 
 def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     """The server checks a request's model, then the engine thread admits it: an unload queued
     between the two (the engine busy with a long step) must answer as for any model not served,
-    not with a 400. Should the request reach the engine first instead, it holds the adapter and
-    the unload is refused as busy: either order ends consistently."""
+    not with a 400. Should the request reach the engine first instead, it finishes with the
+    adapter: either order ends consistently."""
     url = server.url
     assert adapter_call(url + "/v1/load_lora_adapter", {"lora_name": "racer", "lora_path": str(folders["poet"])})[0] \
         == 200
@@ -133,11 +135,9 @@ def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     unload.join(60)
     for thread in busy:
         thread.join(60)
-    if unloaded[0][0] == 200:  # the unload ran first (the case this test is for on a 2-core machine)
-        assert status == 404 and body["error"]["code"] == "model_not_found", body
-    else:  # the request was admitted first
-        assert unloaded[0][0] == 409 and status == 200, (unloaded, status, body)
-        assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "racer"})[0] == 200
+    assert unloaded[0][0] == 200, unloaded
+    # the unload ran first (the case this test is for on a 2-core machine), or the request did
+    assert status == 404 and body["error"]["code"] == "model_not_found" or status == 200, body
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
 
 

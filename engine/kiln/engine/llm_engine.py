@@ -98,6 +98,7 @@ class LLMEngine:
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
         self.model = loaded.model  # whole (a tensor-parallel rank 0 runs its slice): adapters are read against it
         self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
+        self.retiring: list[LoRAAdapter] = []  # unloaded, still used by requests admitted before
         # These, and a draft model, are loaded before the pool is sized: on a GPU their weights
         # come off the free memory (adapters loaded later come out of what the pool leaves).
         for name, path in self.config.lora_modules:
@@ -152,16 +153,25 @@ class LLMEngine:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
         return load_adapter(name, path, self.model, self.config.max_lora_rank)
 
-    def remove_lora(self, name: str) -> None:
-        """Unload an adapter; KeyError if none has that name, ValueError while requests use it."""
-        adapter = self.loras.get(name)
+    def remove_lora(self, name: str) -> int:
+        """Unload an adapter (KeyError if none has that name): no request may name it from now on,
+        and those that already do finish with it first, its weights going with the last of them
+        (refusing while any ran, as before, never succeeded under steady traffic). Returns how
+        many requests still use it."""
+        adapter = self.loras.pop(name, None)
         if adapter is None:
             raise KeyError(f"no LoRA adapter named {name!r} is loaded")
-        users = sum(seq.lora is adapter for seq in self.requests.values())
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it once they finish")
-        del self.loras[name]
-        self.runner.remove_lora(adapter)
+        self.retiring.append(adapter)
+        self._retire()
+        return sum(seq.lora is adapter for seq in self.requests.values())
+
+    def _retire(self) -> None:
+        """Free the unloaded adapters that no request uses any more."""
+        if self.retiring:
+            used = {id(seq.lora) for seq in self.requests.values()}
+            for adapter in [a for a in self.retiring if id(a) not in used]:
+                self.retiring.remove(adapter)
+                self.runner.remove_lora(adapter)
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -257,6 +267,7 @@ class LLMEngine:
         if seq is not None:
             seq.finish("abort")
             self.scheduler.finish(seq)
+            self._retire()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -315,6 +326,7 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
+        self._retire()
         return outputs
 
     def _add_drafts(self) -> None:

@@ -83,13 +83,12 @@ async def unload_lora_adapter(engine: AsyncEngine, request: web.Request) -> web.
     req: UnloadLoRAAdapterRequest = parse_request(UnloadLoRAAdapterRequest, await request.read())
     _check_enabled(engine)
     try:
-        await engine.call(lambda: engine.engine.remove_lora(req.lora_name))
+        users = await engine.call(lambda: engine.engine.remove_lora(req.lora_name))
     except KeyError:
         raise APIError(404, f"no LoRA adapter named {req.lora_name!r} is loaded", param="lora_name",
                        code="model_not_found") from None
-    except ValueError as e:  # requests still use it: nothing of theirs is lost
-        raise APIError(409, str(e), param="lora_name", code="busy") from None
-    log.info("LoRA adapter %r unloaded", req.lora_name)
+    log.info("LoRA adapter %r unloaded%s", req.lora_name,
+             f"; the {users} request(s) using it finish with it first" if users else "")
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 

@@ -276,8 +276,8 @@ def engine_document() -> dict[str, Any]:
             "200": response("the state", SleepState), "503": _NOT_READY}),
         "/v1/load_lora_adapter": _lora("Load a LoRA adapter (a PEFT folder), served under its name",
                                        LoadLoRAAdapterRequest, "400", "a bad adapter or name, or LoRA not enabled"),
-        "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter", UnloadLoRAAdapterRequest, "404",
-                                         "no adapter of that name", "409", "requests still use it (code busy)"),
+        "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter (requests already using it finish with it)",
+                                         UnloadLoRAAdapterRequest, "404", "no adapter of that name"),
         "/openapi.json": self_path(),
     })
 
