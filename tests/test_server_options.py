@@ -147,16 +147,18 @@ def _with_generation_config(source, folder, **values):
 
 def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(tiny_llama_dir, tmp_path):
     folder = _with_generation_config(tiny_llama_dir, tmp_path / "model", temperature=0.0, top_p=0.5,
-                                     max_new_tokens=5)
+                                     max_new_tokens=5, repetition_penalty=1.1)
     messages = [{"role": "user", "content": "w5 w6 w7"}]
 
     def chats(s: ServerProcess, **fields) -> list:
         return [s.client.chat.completions.create(model=MODEL, messages=messages, seed=seed,
                                                  extra_body={"ignore_eos": True}, **fields) for seed in range(3)]
 
-    s = ServerProcess("--model", str(folder), "--max-model-len", "64")
+    s = ServerProcess("--model", str(folder), "--max-model-len", "64", "--speculative-config", '{"method": "ngram"}')
     try:
-        assert "the model's sampling defaults (auto): temperature=0.0, top_p=0.5, max_tokens=5" in "".join(s.log)
+        log = "".join(s.log)
+        assert "the model's sampling defaults (auto): temperature=0.0, top_p=0.5, repetition_penalty=1.1, " \
+               "max_tokens=5" in log and "repetition_penalty=1.1 turns speculative decoding off" in log
         greedy = chats(s)  # temperature 0 from the file: the seed changes nothing
         assert {(c.choices[0].message.content, c.usage.completion_tokens, c.choices[0].finish_reason)
                 for c in greedy} == {(chats(s, temperature=0.0, max_tokens=5)[0].choices[0].message.content,
@@ -169,7 +171,8 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(ti
         s.stop()
     with LLM(str(folder), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=4 << 20) as llm:
         offline = llm.generate([[5, 6, 7]] * 2)  # generate() without params: the model's defaults too
-        spelled = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, top_p=0.5, max_tokens=5))[0]
+        spelled = llm.generate([5, 6, 7], SamplingParams(temperature=0.0, top_p=0.5, max_tokens=5,
+                                                         repetition_penalty=1.1))[0]
     assert [o.token_ids for o in offline] == [spelled.token_ids] * 2 and len(spelled.token_ids) <= 5
     s = ServerProcess("--model", str(folder), "--max-model-len", "64", "--generation-config", "vllm")
     try:

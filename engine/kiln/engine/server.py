@@ -321,6 +321,10 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
     if defaults:
         log.info("requests that leave them out get the model's sampling defaults (%s): %s",
                  args.generation_config, ", ".join(f"{k}={v}" for k, v in defaults.items()))
+    if config.speculative is not None and defaults.get("repetition_penalty", 1.0) != 1.0:
+        log.warning("the model's repetition_penalty=%s turns speculative decoding off for every request that "
+                    "leaves it out (a penalized request does not speculate); --generation-config vllm ignores it",
+                    defaults["repetition_penalty"])
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser,
                     api_keys, defaults)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
