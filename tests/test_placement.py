@@ -50,6 +50,17 @@ def test_the_services_own_choices_win_and_are_kept() -> None:
     assert [t["key"] for t in got["tolerations"]] == ["dedicated", "nvidia.com/gpu"]  # no duplicate
 
 
+def test_an_empty_toleration_key_or_value_is_left_out_as_the_api_server_stores_it() -> None:
+    from kiln.operator.plan import contains
+    own = spec(1, tolerations=[{"key": "", "operator": "Exists"}, {"key": "pool", "value": "", "effect": "NoSchedule"}])
+    for s in (own, placed(spec(1), from_flags(["--gpu-toleration=nvidia.com/gpu=:NoSchedule"]))):
+        wanted = pod_spec(s)["tolerations"]
+        stored = [{k: v for k, v in t.items() if v != ""} for t in wanted]  # omitempty, as the API server keeps it
+        assert contains(stored, wanted) and all("" not in t.values() for t in wanted), wanted
+    assert pod_spec(own)["tolerations"] == [{"operator": "Exists"}, {"key": "pool", "operator": "Equal",
+                                                                     "effect": "NoSchedule"}]
+
+
 def test_no_defaults_leave_the_spec_alone() -> None:
     s = spec(1)
     assert placed(s, Placements()) is s

@@ -172,7 +172,11 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     if spec.resources.nodeSelector:
         pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
     if spec.resources.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.resources.tolerations]
+        # An empty key or value means what leaving it out does, and the API server stores it left
+        # out (omitempty): rendered, the Deployment never matched what was stored and was applied
+        # again on every pass.
+        pod_spec["tolerations"] = [{k: v for k, v in t.model_dump(exclude_none=True).items() if v != ""}
+                                   for t in spec.resources.tolerations]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
