@@ -314,6 +314,10 @@ def test_engine_command_is_accepted_by_kiln_serve():
     tp = spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})
     assert parser.parse_args(pod_spec(want(tp).stable.deployment)["containers"][0]["command"][2:]).kv_cache_memory \
         == 1 << 30
+    # Values that start with '-' (a served name, a template): argparse took them for flags, exit 2.
+    dashed = spec_of(model={"source": "pvc://weights/-v2"}, engine={"chatTemplate": "-{{ messages }}"})
+    args = parser.parse_args(pod_spec(want(dashed).stable.deployment)["containers"][0]["command"][2:])
+    assert (args.served_model_name, args.chat_template) == ("-v2", "-{{ messages }}")
 
 
 @pytest.mark.parametrize("source, model_arg, volume", [

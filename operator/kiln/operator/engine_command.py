@@ -63,10 +63,16 @@ def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict
 TP_KV_CACHE_MEMORY = "1Gi"
 
 
+def option(flag: str, value: str) -> list[str]:
+    """A flag and a value the user wrote: one word if the value starts with '-', which argparse
+    took for a flag ("expected one argument", exit 2); two otherwise, as every other flag."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
+
+
 def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None,
                 lora_modules: list[str] | None = None) -> list[str]:
     engine = spec.engine
-    args = ["kiln", "serve", "--model", model_arg, "--served-model-name", spec.model.served_name,
+    args = ["kiln", "serve", "--model", model_arg, *option("--served-model-name", spec.model.served_name),
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
             "--max-num-seqs", str(engine.maxNumSeqs)]
     # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
@@ -94,7 +100,7 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
     if engine.toolCallParser != "none":
         args += ["--tool-call-parser", engine.toolCallParser]
     if engine.chatTemplate is not None:
-        args += ["--chat-template", engine.chatTemplate]
+        args += option("--chat-template", engine.chatTemplate)
     if lora_modules:
         args += ["--enable-lora", "--max-loras", str(engine.maxLoras), "--max-lora-rank", str(engine.maxLoraRank),
                  "--lora-modules", *lora_modules]
