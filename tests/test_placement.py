@@ -90,3 +90,11 @@ def test_bad_flags_exit_2_before_connecting(capsys: pytest.CaptureFixture[str]) 
     assert parse_label("a=", "--x") == ("a", "")  # an empty label value is one
     with pytest.raises(ValueError, match="'b=c' is not a label value"):
         parse_label("a=b=c", "--x")
+
+
+@pytest.mark.parametrize("key", ["bad key!", "", "a/" + "n" * 64, "-lead"])
+def test_a_node_selector_key_kubernetes_refuses_is_refused_with_the_spec(key: str) -> None:
+    # Else accepted, and every engine Deployment applied from it answered 422: no revision, ever.
+    with pytest.raises(ValueError, match=f"resources.nodeSelector: {key!r} is not a label key"):
+        spec(1, nodeSelector={"pool": "a", key: "v"})
+    assert spec(1, nodeSelector={"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}).resources.nodeSelector

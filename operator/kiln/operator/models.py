@@ -158,6 +158,11 @@ DATA_KEY = r"^[-._a-zA-Z0-9]+$"
 # (a toleration's empty key, with Exists, tolerates every taint)
 LABEL_KEY = r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+# Kubernetes' grammar of a label or annotation key (apimachinery's validation), with its lengths: an
+# optional DNS subdomain prefix and a name. The CRD leaves map keys to the operator: a rule there
+# over every key would pass the API server's cost budget for CEL.
+NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
+QUALIFIED_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{NAME}$")
 
 
 class KeySelector(Spec):
@@ -246,6 +251,16 @@ class Resources(Spec):
     nodeSelector: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)]] = Field(
         default_factory=dict, max_length=32)
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+
+    @field_validator("nodeSelector")
+    @classmethod
+    def _label_keys(cls, selector: dict[str, str]) -> dict[str, str]:
+        # Else every engine Deployment the operator applies is refused, and no revision is made.
+        bad = [key for key in selector if not QUALIFIED_KEY.match(key)]
+        if bad:
+            raise ValueError(f"resources.nodeSelector: {bad[0]!r} is not a label key ([prefix/]name: a name of "
+                             "at most 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit)")
+        return selector
 
 
 class Autoscaling(Spec):

@@ -8,7 +8,7 @@ import re
 
 from dataclasses import dataclass, field
 
-from .models import InferenceServiceSpec, Toleration
+from .models import NAME, QUALIFIED_KEY, InferenceServiceSpec, Toleration
 
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
@@ -25,11 +25,7 @@ class Placements:
     cpu: Placement = Placement()  # engines with resources.gpus == 0
 
 
-# Kubernetes' grammars (apimachinery's validation): a label or annotation key is an optional DNS
-# subdomain prefix and a name; a label value is a name or empty.
-NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)"
-QUALIFIED_KEY = re.compile(rf"^([a-z0-9]([-a-z0-9.]{{0,251}}[a-z0-9])?/)?{NAME}$")
-LABEL_VALUE = re.compile(rf"^{NAME}?$")
+LABEL_VALUE = re.compile(rf"^{NAME}?$")  # a label value is a name or empty
 
 
 def check_key(key: str, flag: str) -> str:
