@@ -188,7 +188,7 @@ def test_engine_container_command_resources_probes_and_hardening():
                            "kvCache": {"memory": "256Mi", "prefixCaching": False, "dtype": "int8"},
                            "speculative": {"method": "ngram", "numTokens": 3, "disableByBatchSize": 8},
                            "toolCallParser": "hermes"},
-                   resources={"gpus": 2, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
+                   resources={"gpus": 1, "cpu": 4, "memory": "16Gi", "nodeSelector": {"pool": "gpu"},
                               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                                                "effect": "NoSchedule"}]})
     pod = pod_spec(want(spec).stable.deployment)
@@ -207,7 +207,7 @@ def test_engine_container_command_resources_probes_and_hardening():
     pytest.importorskip("kiln.engine.server").add_arguments(parser)
     assert parser.parse_args(c["command"][2:]).tool_call_parser == "hermes"  # a choice the engine knows
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
-                              "limits": {"memory": "16Gi", "nvidia.com/gpu": "2"}}
+                              "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     startup = c["startupProbe"]
@@ -293,7 +293,7 @@ def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["NCCL_DEBUG"] == "WARN" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-    single = pod_spec(want(spec_of(resources={"gpus": 2})).stable.deployment)
+    single = pod_spec(want(spec_of(resources={"gpus": 1})).stable.deployment)
     assert "--tensor-parallel-size" not in single["containers"][0]["command"]
     assert "dshm" not in [v["name"] for v in single["volumes"]]
 

@@ -197,7 +197,7 @@ class Engine(Spec):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     maxModelLen: int | None = Field(None, ge=16, le=1 << 20)
     maxNumSeqs: int = Field(128, ge=1, le=4096)
-    tensorParallelSize: int = Field(1, ge=1, le=64, description="Must divide resources.gpus.")
+    tensorParallelSize: int = Field(1, ge=1, le=64, description="Must equal resources.gpus on GPUs.")
     quantization: Literal["none", "int8", "int4", "int4-rtn", "fp8"] = Field(
         "none", description="Weight-only quantization at load: int8 per channel, int4 group-wise, fp8 e4m3 "
                             "per channel, each with activation-aware scaling (int4-rtn: plain rounding).")
@@ -382,8 +382,9 @@ ADAPTER_IS_MODEL = "an engine.adapters name is the model's own name: requests co
 
 class InferenceServiceSpec(Spec):
     model_config = ConfigDict(json_schema_extra=rules(cel(
-        "self.resources.gpus == 0 || self.resources.gpus % self.engine.tensorParallelSize == 0",
-        "engine.tensorParallelSize must divide resources.gpus"), cel(
+        # One GPU per rank and no data parallelism: GPUs past the ranks would sit idle, paid for.
+        "self.resources.gpus == 0 || self.resources.gpus == self.engine.tensorParallelSize",
+        "resources.gpus must equal engine.tensorParallelSize (one GPU per rank; more would sit idle)"), cel(
         "self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
         "engine.tensorParallelSize is larger than resources.gpus: a tensor-parallel rank needs a GPU of its own"), cel(
         "!has(self.model.name) || !has(self.engine.adapters) || "
