@@ -316,6 +316,20 @@ def test_gguf_tokenizer_metadata_out_of_range_is_named(change: dict, message: st
         build_gguf_tokenizer({**meta, **change}, "x.gguf")
 
 
+def test_gguf_tokenizer_adds_bos_and_eos_by_their_flags_and_reads_llama3_as_llama_cpp_does() -> None:
+    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "c", "ab", "abc"],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
+    # One token both BOS and EOS: it went to both ends when either flag was set.
+    assert build_gguf_tokenizer({**base, "tokenizer.ggml.add_bos_token": True}, "x.gguf").encode("ab").ids == [0, 4]
+    assert build_gguf_tokenizer({**base, "tokenizer.ggml.add_eos_token": True}, "x.gguf").encode("ab").ids == [4, 0]
+    # llama-bpe: "abc" is in the vocabulary, taken whole (merges would stop at "ab" "c"); BOS by
+    # default, unless the metadata says not to. Other pre-tokenizers keep to the merges.
+    assert build_gguf_tokenizer(base, "x.gguf").encode("abc").ids == [4, 3]
+    llama3 = {**base, "tokenizer.ggml.pre": "llama-bpe"}
+    assert build_gguf_tokenizer(llama3, "x.gguf").encode("abc").ids == [0, 5]
+    assert build_gguf_tokenizer({**llama3, "tokenizer.ggml.add_bos_token": False}, "x.gguf").encode("abc").ids == [5]
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"dtype": "float8"}, "dtype"), ({"max_model_len": 0}, "max_model_len"), ({"block_size": 0}, "block_size"),
     ({"max_num_seqs": -1}, "max_num_seqs"), ({"attention_backend": "cuda"}, "attention_backend"),

@@ -232,7 +232,11 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
     if not all(isinstance(m, str) and " " in m for m in merges):
         raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.merges must be strings 'left right'")
     merges = [tuple(m.split(" ", 1)) for m in merges]
-    tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    # Llama 3's tokenizer (and llama.cpp reading its GGUF) takes a word that is in the vocabulary
+    # whole before trying merges, and starts a prompt with BOS unless the metadata says not to.
+    llama3 = pre in ("llama-bpe", "llama3")
+    tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                                       ignore_merges=llama3))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -247,12 +251,13 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
         if i is not None and not (isinstance(i, int) and 0 <= i < len(tokens)):
             raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.{name}_token_id {i!r} is not a token id "
                                  f"(the vocabulary has {len(tokens)})")
-    added = [(tokens[i], i) for name, i in specials
-             if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token")]
+    added = {name: tokens[i] for name, i in specials
+             if i is not None and metadata.get(f"tokenizer.ggml.add_{name}_token", llama3 and name == "bos")}
     if added:
-        bos = [f"{t}:0" for t, i in added if i == specials[0][1]]
-        eos = [f"{t}:0" for t, i in added if i == specials[1][1]]
+        # By which flag says so, not by id: a model whose BOS is its EOS adds it once, at the start.
+        bos = [f"{added['bos']}:0"] if "bos" in added else []
+        eos = [f"{added['eos']}:0"] if "eos" in added else []
         tokenizer.post_processor = processors.TemplateProcessing(
             single=" ".join(bos + ["$A:0"] + eos), pair=" ".join(bos + ["$A:0"] + eos + bos + ["$B:1"] + eos),
-            special_tokens=added)
+            special_tokens=sorted({(added[name], i) for name, i in specials if name in added}))
     return tokenizer
