@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -265,3 +266,21 @@ def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, t
         again = load(2048, tmp_path)
     assert variants.COMPUTED["int8"] == computed + 1 and "recomputing it" in caplog.text
     assert all(torch.equal(again[k], full[k]) for k in full)  # the same variant: calibration is deterministic
+
+
+def test_a_variant_keeps_its_models_sampling_defaults_and_needs_its_biases(tiny_hf_models, tmp_path) -> None:
+    from kiln.engine.sampling_defaults import sampling_defaults
+    source = tmp_path / "qwen2"
+    shutil.copytree(tiny_hf_models["qwen2"], source)
+    (source / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
+    out = tmp_path / "variant"
+    assert kiln(["quantize", "--model", str(source), "--method", "int8", "--out", str(out),
+                 "--quantization-cache", "off"]) == 0
+    # Without the file, the variant sampled at the API's temperature 1 where its model samples at 0.6.
+    assert sampling_defaults("auto", out) == sampling_defaults("auto", source) == {"temperature": 0.6, "top_p": 0.9}
+    # Qwen2's q/k/v biases left out of the folder: it loaded, and answered wrong without a word.
+    tensors = safetensors.torch.load_file(out / quantized_folder.WEIGHTS)
+    tensors.pop(f"{QKV}.bias")
+    safetensors.torch.save_file(tensors, out / quantized_folder.WEIGHTS)
+    with pytest.raises(ModelLoadError, match=rf"missing tensors \['{QKV}.bias'\]"):
+        load_model(Config(model=str(out), dtype="float32", device="cpu"))

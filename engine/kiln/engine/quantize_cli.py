@@ -81,7 +81,7 @@ def _quantize(args: argparse.Namespace) -> int:
         loaded = load_model(config)
         state = quantized_state_dict(loaded.model, args.method, loaded.tokenizer, path, cache_dir(config))
         write_quantized_folder(args.out, loaded.model, loaded.model_config, loaded.tokenizer, args.method, state,
-                               weights_sha256(path))
+                               weights_sha256(path), path if path.is_dir() else None)
     except (ValueError, OSError) as e:
         print(f"kiln quantize: error: {e}", file=sys.stderr)
         return 2

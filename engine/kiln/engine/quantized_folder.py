@@ -29,6 +29,7 @@ from kiln.engine.variants import FORMAT_VERSION, atomic_write
 
 MARKER = "kiln_quantization.json"
 WEIGHTS = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
@@ -69,8 +70,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
-                           method: str, state: dict[str, torch.Tensor], source_sha256: str) -> None:
-    """Write model's variant (state, from Quantizer) as a folder `--model out` serves. The files are
+                           method: str, state: dict[str, torch.Tensor], source_sha256: str,
+                           source: Path | None = None) -> None:
+    """Write model's variant (state, from Quantizer) as a folder `--model out` serves, with the
+    source folder's generation_config.json (its sampling defaults: kiln serve's --generation-config
+    auto reads them there, and the variant must sample as its model does). The files are
     written to a staging folder beside out, then moved in, the marker last: a write cut short
     (Ctrl-C, a full disk) leaves out as it was, never new files vouched for by an old marker."""
     out = out.resolve()
@@ -78,6 +82,8 @@ def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfi
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         _write_files(staging, model, model_config, tokenizer, method, state, source_sha256)
+        if source is not None and (source / GENERATION_CONFIG).is_file():
+            shutil.copyfile(source / GENERATION_CONFIG, staging / GENERATION_CONFIG)
         out.mkdir(exist_ok=True)
         (out / MARKER).unlink(missing_ok=True)  # an earlier variant stops being one before its files change
         for path in sorted(staging.iterdir(), key=lambda p: p.name == MARKER):
@@ -118,6 +124,8 @@ def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], mark
     floats = {n: p for n, p in model.named_parameters() if n.rpartition(".")[0] not in linears}
     parts = ("qweight", "scales", "zeros") if method.startswith("int4") else ("qweight", "scales")
     missing = [f"{n}.{part}" for n in linears for part in parts if f"{n}.{part}" not in state]
+    # A projection's bias (Qwen2's q/k/v): left out, the model loaded and answered wrong, silently.
+    missing += [f"{n}.bias" for n, linear in linears.items() if linear.bias is not None and f"{n}.bias" not in state]
     missing += [n for n in floats if n not in state]
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
