@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-PHASES = ("process_start", "imports", "weights_read", "quantize", "kv_alloc", "warmup")
+PHASES = ("process_start", "imports", "weights_read", "quantize", "kv_alloc", "cuda_graphs", "warmup")
 # `kiln serve` imports this module before anything else (kiln.engine.server): from here on, the
 # process is importing the server's modules.
 _IMPORTED_AT = time.perf_counter()
