@@ -9,6 +9,7 @@ import json
 import signal
 import threading
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -46,10 +47,13 @@ async def requests_in_flight(url: str, first_chunks: asyncio.Semaphore) -> tuple
             events = []
             async with client.post(url, json={**body(i), "stream": True}) as r:
                 assert r.status == 200
-                async for data in sse_data(r):
-                    events.append(data)
-                    if len(events) == 1:
-                        first_chunks.release()
+                try:
+                    async for data in sse_data(r):
+                        events.append(data)
+                        if len(events) == 1:
+                            first_chunks.release()
+                except aiohttp.ClientPayloadError:  # the end a failed stream has: no final chunk
+                    events.append("broken")
             return events
 
         async def whole(i: int) -> tuple[int, dict]:
@@ -75,9 +79,11 @@ def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_50
 
     streams, wholes = asyncio.run(run())
     cause = f"InjectedFault: fault injected in engine step {FAULT_STEP}"
-    for events in streams:  # tokens, then one error event naming the cause, then the end
-        *tokens, last = events
-        assert tokens and all("choices" in e for e in tokens), events[:3]
+    # Tokens, then one error event naming the cause, then a broken end: ended cleanly, a router
+    # counted the failed stream a 200.
+    for events in streams:
+        *tokens, last, end = events
+        assert end == "broken" and tokens and all("choices" in e for e in tokens), events[:3] + events[-2:]
         assert is_openai_error(last) and last["error"]["code"] == "engine_dead", last
         assert cause in last["error"]["message"], last
     for status, reply in wholes:

@@ -5,6 +5,10 @@ else, and the processes' resident memory stays flat."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -175,3 +179,41 @@ def test_a_queued_token_cap_below_one_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["serve", "--max-num-queued-tokens", "0"])
     assert exc.value.code == 2 and "--max-num-queued-tokens: must be > 0" in capsys.readouterr().err
+
+
+def test_a_waiting_streams_first_bytes_come_with_its_first_token():
+    """Chat's role chunk and the Responses API's response.created went out at admission, while
+    the request still waited for a seat: the router times the first body bytes as the time to
+    first token, and read a few milliseconds whatever the wait (the canary's TTFT check saw none)."""
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "1")
+    try:
+        blocker = s.client.completions.create(model=MODEL, prompt="Story:", max_tokens=200, stream=True,
+                                              extra_body={"ignore_eos": True})
+        s.wait_metrics(kiln__num_requests_running=1)
+        got: dict[str, list] = {"chat": [], "responses": []}
+
+        def read(kind: str, path: str, body: dict) -> None:
+            request = urllib.request.Request(s.url + path, json.dumps({"model": MODEL, "stream": True, **body}).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data:"):
+                        got[kind].append(line.decode().strip())
+
+        readers = [threading.Thread(target=read, args=("chat", "/v1/chat/completions", {
+                       "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})),
+                   threading.Thread(target=read, args=("responses", "/v1/responses", {
+                       "input": "Hi", "max_output_tokens": 2}))]
+        for reader in readers:
+            reader.start()
+        s.wait_metrics(kiln__num_requests_waiting=2)
+        time.sleep(0.5)  # ample for bytes written at admission to arrive over loopback
+        assert got == {"chat": [], "responses": []}, got
+        blocker.close()
+        for reader in readers:
+            reader.join(120)
+        assert '"role":"assistant"' in got["chat"][0] and got["chat"][-1] == "data: [DONE]"
+        assert '"response.created"' in got["responses"][0] and '"response.incomplete"' in got["responses"][-1]  # max_output_tokens
+        idle(s)
+    finally:
+        s.stop()

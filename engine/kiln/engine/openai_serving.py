@@ -393,12 +393,17 @@ class OpenAIServing:
 
         object_chunk = choices[0].shape.object_chunk
         completion_tokens = made = 0  # made: the tokens so far, for continuous usage
+        opened = False
         try:
-            for c in choices:
-                for opening in c.shape.opening():
-                    await resp.write(chunk([{**opening, **c.fields.prompt(c.prompt_ids, None)}]))
             async with contextlib.aclosing(merged(choices)) as outputs:
                 async for c, out in outputs:
+                    if not opened:
+                        # The choices' openings (chat's role) go with the first output, as vLLM's: sent
+                        # at admission, they were the first bytes the router timed as the first token.
+                        opened = True
+                        for o in choices:
+                            for opening in o.shape.opening():
+                                await resp.write(chunk([{**opening, **o.fields.prompt(o.prompt_ids, None)}]))
                     out = c.seen(out)
                     made += len(out.new_token_ids)
                     if req.continuous_usage:
@@ -424,10 +429,21 @@ class OpenAIServing:
             await resp.write(sse("[DONE]"))
         except APIError as e:  # headers are gone: report in-band, as OpenAI does
             await resp.write(sse(e.body()))
+            if e.status >= 500:
+                return broken_stream(request, resp)
         except ConnectionResetError:
             return resp  # client gone; the caller's finally aborts the request
         await resp.write_eof()
         return resp
+
+
+def broken_stream(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """End a stream that failed on the server's side (the engine died) without its final chunk,
+    after its error event: ended cleanly, the router counted it a 200, and a canary that crashed
+    mid-generation showed no errors. A router ends a broken upstream's stream the same way."""
+    if request.transport is not None:
+        request.transport.close()
+    return resp
 
 
 def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:

@@ -22,7 +22,7 @@ from kiln.engine.async_engine import RequestStream
 from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_responses import new_id
-from kiln.engine.openai_serving import ChatShape, OpenAIServing
+from kiln.engine.openai_serving import ChatShape, OpenAIServing, broken_stream
 from kiln.engine.output_streams import until_finished
 from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
 
@@ -141,16 +141,22 @@ class ResponsesServing:
     async def _stream(self, request: web.Request, answer: Answer, stream: RequestStream) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        opening = answer.opening()  # with the first output: sent at admission, the router timed it as the first token
         try:
-            for event in answer.opening():
-                await resp.write(event)
             async with contextlib.aclosing(until_finished(stream.outputs)) as outputs:
                 async for out in outputs:
+                    for event in opening:
+                        await resp.write(event)
+                    opening = []
                     answer.cached_tokens = out.num_cached_tokens
                     for event in answer.step(out.new_text, out.finish_reason, len(out.token_ids)):
                         await resp.write(event)
         except APIError as e:  # headers are gone: an error event, as OpenAI sends one
+            for event in opening:
+                await resp.write(event)
             await resp.write(answer.event("error", code=e.code, message=e.message, param=e.param))
+            if e.status >= 500:
+                return broken_stream(request, resp)
         except ConnectionResetError:
             return resp
         await resp.write_eof()
