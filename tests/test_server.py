@@ -700,6 +700,22 @@ def test_queue_full_gives_429_and_waiting_metric_moves():
         s.stop()
 
 
+def test_queue_time_ends_at_the_first_chunk_of_a_prompt_not_at_its_first_token():
+    """A 160-token prompt in ten 16-token chunks on an idle server waits for nothing; its queue time
+    was counted to the step that gave its first token, the tenth: nine chunks of prefill read as
+    queueing."""
+    s = ServerProcess("--max-model-len", "256", "--max-num-batched-tokens", "16")
+    try:
+        code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": list(range(1000, 1160)),
+                                                       "max_tokens": 1})
+        assert code == 200 and reply["usage"]["prompt_tokens"] == 160, reply
+        m = s.metrics()
+        queued, first = m["kiln:request_queue_time_seconds_sum"], m["kiln:time_to_first_token_seconds_sum"]
+        assert m["kiln:request_queue_time_seconds_count"] == 1 and queued < first / 3, (queued, first)
+    finally:
+        s.stop()
+
+
 def test_choices_are_admitted_as_one_against_the_queued_token_cap():
     """n choices of a 40-token prompt on an idle server with a 64-token cap: each choice alone
     would find the previous one waiting and be refused for ever; together they are admitted,

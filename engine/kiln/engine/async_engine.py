@@ -64,7 +64,7 @@ class RequestStream:
     prompt_tokens: int
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput | Exception
     running: bool = False  # in the batch as of the last step (a preempted one waits again)
-    started: bool = False  # its first output came
+    started: bool = False  # a step ran it (its queue time is counted)
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished: bool = False
@@ -286,15 +286,18 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput], step_started: float, running: set[str]) -> None:
         now = time.perf_counter()
         m = self.metrics
-        for s in self._streams.values():  # a preempted request waits again, and counts so
-            s.running = s.request_id in running
+        finished = {out.request_id for out in outputs if out.finished}
+        for s in self._streams.values():
+            s.running = s.request_id in running  # a preempted request waits again, and counts so
+            # Queued until the step that first ran it: of a prompt in chunks the first chunk's, not
+            # the one that gave its first token; one done within that step is no longer running.
+            if not s.started and (s.running or s.request_id in finished):
+                s.started = True
+                m.request_queue_time.observe(max(step_started - s.arrival, 0.0))
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:  # aborted meanwhile
                 continue
-            if not s.started:
-                s.started = True
-                m.request_queue_time.observe(max(step_started - s.arrival, 0.0))
             if out.new_token_ids:
                 if s.first_token_at is None:
                     s.first_token_at = now
