@@ -25,6 +25,7 @@ class ScoringEngine(FakeEngine):
     request waits for `release` when `slow`."""
     agrees = len(OUTPUT_IDS)
     slow = False
+    short = False  # a scoring answer one entry short
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -42,7 +43,7 @@ class ScoringEngine(FakeEngine):
             prompt = payload["prompt"]
             entries = [None] + [{str(t): {"logprob": -0.1, "rank": 1 if i - len(PROMPT_IDS) < self.agrees else 2}}
                                 for i, t in enumerate(prompt) if i > 0]
-            return web.json_response({"choices": [{"text": "", "prompt_logprobs": entries}]})
+            return web.json_response({"choices": [{"text": "", "prompt_logprobs": entries[:-1] if self.short else entries}]})
         return await super().completions(request)
 
 
@@ -180,6 +181,25 @@ async def test_mirrored_comparisons_score_the_canary_and_the_noise_floor() -> No
         assert sum(metric(samples, "kiln_router_requests_total", revision=r, code="200")
                    for r in ("stable", "canary")) == 8
     ScoringEngine.agrees = len(OUTPUT_IDS)
+
+
+@on_event_loop
+async def test_a_comparison_that_cannot_be_scored_counts_no_tokens() -> None:
+    # Its tokens were counted before the scoring raised, with none agreed: a canary's greedy
+    # agreement fell with every malformed answer, and could fail the quality gate.
+    ScoringEngine.short = True
+    try:
+        traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
+        async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
+            for _ in range(3):
+                assert (await svc.complete()).status == 200
+            while metric(await svc.metrics(), "kiln_router_mirrored_requests_total", outcome="failed") != 3:
+                await asyncio.sleep(0.01)  # bounded by the test timeout
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 0
+            assert metric(samples, "kiln_router_mirror_agreed_total", revision="canary") == 0
+    finally:
+        ScoringEngine.short = False
 
 
 @on_event_loop

@@ -134,8 +134,9 @@ class Mirroring:
             scored = await self._post(scorer, "/v1/completions", {
                 "model": request.get("model"), "prompt": prompt + output, "max_tokens": 1, "temperature": 0,
                 "prompt_logprobs": 0})
+            agreed = agreement(scored, prompt, output)  # first: one that raises counts no tokens either
             self._metrics.mirror_tokens.labels(revision).inc(len(output))
-            self._metrics.mirror_agreed.labels(revision).inc(agreement(scored, prompt, output))
+            self._metrics.mirror_agreed.labels(revision).inc(agreed)
         self._metrics.mirrored.labels("scored").inc()
 
     async def _post(self, endpoint: Endpoint, path: str, payload: dict[str, Any]) -> dict[str, Any]:
