@@ -281,3 +281,13 @@ def test_the_crd_is_kept_when_a_release_or_a_gitops_application_goes() -> None:
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep",
                                               "argocd.argoproj.io/sync-options": "Prune=false,Delete=false",
                                               "kustomize.toolkit.fluxcd.io/prune": "disabled"}
+
+
+def test_namespaces_that_yaml_reads_as_numbers_or_booleans_render_as_strings():
+    # Unquoted, namespace 2024 rendered as an integer and "on" as a boolean: objects the API server refuses.
+    text = helm("template", "kiln", str(CHART), "-n", "2024", "--kube-version", KUBE_VERSION,
+                "--set-string", "watchNamespaces={123,on}").stdout
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    spaces = [d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]]
+    spaces += [s["namespace"] for d in docs for s in d.get("subjects") or [] if "namespace" in s]
+    assert set(spaces) == {"2024", "123", "on"}, spaces

@@ -12,5 +12,5 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 subjects:
   - kind: ServiceAccount
     name: kiln-operator
-    namespace: {{ .Release.Namespace }}
+    namespace: {{ .Release.Namespace | quote }}
 {{- end }}
