@@ -31,6 +31,8 @@ def smollm2(name: str = "smollm2", gpus: int = 0) -> dict[str, Any]:
     body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
     body["metadata"]["name"] = name
     body["spec"]["resources"]["gpus"] = gpus
+    if gpus > 1:  # one rank per GPU
+        body["spec"]["engine"]["tensorParallelSize"] = gpus
     return body
 
 

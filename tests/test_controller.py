@@ -62,3 +62,13 @@ def test_a_timer_pass_that_waited_for_leadership_reads_afresh():
         return seen
 
     assert asyncio.run(scenario()) == [True, True]
+
+
+def test_the_operator_watches_only_its_children_in_pages():
+    # The handlers' label filter ran in the operator: it listed (unpaged) and watched every pod,
+    # Deployment and Service of the cluster, one by one.
+    from kiln.operator.main import CHILDREN, build_settings
+    from kiln.operator.render import LABEL_ISVC
+    settings = build_settings()
+    selected = {(s.group, s.version, s.any_name): v for s, v in settings.watching.label_selectors.items()}
+    assert selected == {child: LABEL_ISVC for child in CHILDREN} and settings.watching.chunk_size == 500

@@ -218,16 +218,17 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)
     body = smollm2("refused")
-    body["spec"]["resources"]["nodeSelector"] = {"not a label key!": "x"}  # the CRD checks values, not keys
+    # The CRD's pattern lets a key's name part be longer than the 63 characters Kubernetes takes.
+    body["spec"]["resources"]["tolerations"] = [{"key": "x" * 64, "operator": "Exists"}]
     apply(kubectl, ns, body)
     cond = until(lambda: condition(isvc(apis, ns, "refused"), "Ready").get("reason") == "Rejected"
                  and condition(isvc(apis, ns, "refused"), "Ready"), "Ready=False Rejected")
-    assert "nodeSelector" in cond["message"] and cond["status"] == "False"
+    assert "tolerations" in cond["message"] and cond["status"] == "False"
     until(lambda: "Rejected" in event_reasons(apis, ns, "refused", "Warning"), "the Warning")
     time.sleep(3)  # resync ticks retry it and fail the same way: no new Event
     assert [e.reason for e in events(apis, ns, "refused")].count("Rejected") == 1
     kubectl("patch", "isvc/refused", "-n", ns, "--type=json",
-            "-p", '[{"op":"remove","path":"/spec/resources/nodeSelector"}]')
+            "-p", '[{"op":"remove","path":"/spec/resources/tolerations"}]')
     until(lambda: ready(apis, ns, "refused"), "refused Ready once fixed")
     operator.restart()
 

@@ -101,6 +101,11 @@ def build_settings() -> kopf.OperatorSettings:
     settings.persistence.finalizer = f"{GROUP}/operator"
     # Our own Events say what changed; kopf's "handler succeeded" would drown them.
     settings.posting.level = logging.WARNING
+    # Only our children, selected by the API server: the handlers' label filter runs in this
+    # process, which listed and watched every pod and Deployment of the cluster (in one unpaged list).
+    for group, version, plural in CHILDREN:
+        settings.watching.label_selectors[group, version, plural] = LABEL_ISVC
+    settings.watching.chunk_size = 500
     return settings
 
 
