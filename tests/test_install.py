@@ -291,3 +291,14 @@ def test_namespaces_that_yaml_reads_as_numbers_or_booleans_render_as_strings():
     spaces = [d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]]
     spaces += [s["namespace"] for d in docs for s in d.get("subjects") or [] if "namespace" in s]
     assert set(spaces) == {"2024", "123", "on"}, spaces
+
+
+@pytest.mark.parametrize("value", ["engine.gpu.tolerations={nvidia.com/gpu:NoScheduled}",
+                                   "engine.gpu.nodeSelector.pool=yes please",
+                                   "engine.cpu.nodeSelector.bad key!=x"])
+def test_placement_values_the_operator_would_refuse_fail_the_install(value: str) -> None:
+    # They passed the schema, and the operator exited 2 at start: a crash loop after a clean install.
+    done = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "--set", value, check=False)
+    assert done.returncode != 0 and "does not match pattern" in done.stderr, done.stderr
+    assert helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION,
+                "--set", "engine.gpu.tolerations={nvidia.com/gpu:NoSchedule,dedicated=ml:NoExecute}").returncode == 0
