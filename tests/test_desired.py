@@ -15,6 +15,7 @@ from kiln.engine.speculative import SpeculativeConfig
 from kiln.operator.desired import Desired, desired, desired_replicas
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
+from kiln.operator.plan import plan
 from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name
 from kiln.operator.status import summarize, transitions
 
@@ -96,7 +97,7 @@ def test_children_carry_owner_labels_and_matching_selectors():
         assert obj["metadata"]["labels"]["kiln.dev/inferenceservice"] == "chat"  # how a pass finds it
     stable = wanted.stable
     dep, revision_svc = stable.deployment, stable.service
-    svc, pdb = child(wanted, "Service", "chat"), child(wanted, "PodDisruptionBudget", "chat")
+    svc, pdb = child(wanted, "Service", "chat"), child(wanted, "PodDisruptionBudget", "chat-engine")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     for sel in (dep["spec"]["selector"]["matchLabels"], revision_svc["spec"]["selector"],
                 pdb["spec"]["selector"]["matchLabels"]):
@@ -108,6 +109,15 @@ def test_children_carry_owner_labels_and_matching_selectors():
     # Replicas have their own writer: never in the main apply, but planned for the revision.
     assert "replicas" not in dep["spec"] and stable.replicas == 2 and stable.role == "stable"
     assert pdb["spec"]["maxUnavailable"] == 1
+    # `chat` and `chat-router` in one namespace: no child of one has the name of the other's.
+    other = desired(Owner("chat-router", "ml", "uid-2"), spec_of(), Observed(), "engine:test")
+    names = [{(o["kind"], o["metadata"]["name"]) for o in w.objects()} for w in (wanted, other)]
+    assert not names[0] & names[1], names[0] & names[1]
+    # An older operator's engine budget, named as the InferenceService, goes as the new one comes.
+    old_pdb = {**pdb, "metadata": {**pdb["metadata"], "name": "chat"}}
+    actions = [(a.verb, a.kind, a.name) for a in plan(wanted, Observed.of(old_pdb))]
+    assert ("create", "PodDisruptionBudget", "chat-engine") in actions
+    assert ("delete", "PodDisruptionBudget", "chat") in actions
     # Users reach the router, never an engine directly.
     router = child(wanted, "Deployment", "chat-router")
     router_labels = router["spec"]["template"]["metadata"]["labels"]

@@ -46,7 +46,7 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     uid = obj["metadata"]["uid"]
     (dep,) = engine_deployments(apis, ns, "smollm2")
     svc = apis["core"].read_namespaced_service("smollm2", ns)
-    pdb = apis["policy"].read_namespaced_pod_disruption_budget("smollm2", ns)
+    pdb = apis["policy"].read_namespaced_pod_disruption_budget("smollm2-engine", ns)
     revision_svc = apis["core"].read_namespaced_service(dep.metadata.name, ns)
     for child in (dep, svc, pdb, revision_svc):
         (ref,) = child.metadata.owner_references
@@ -98,7 +98,7 @@ def test_smollm2_example_serves_scales_rolls_and_is_collected(operator, apis, ns
     every = "kiln.dev/inferenceservice=smollm2"
     until(lambda: not apis["apps"].list_namespaced_deployment(ns, label_selector=every).items
           and not apis["core"].list_namespaced_service(ns, label_selector=every).items
-          and absent(lambda: apis["policy"].read_namespaced_pod_disruption_budget("smollm2", ns))
+          and absent(lambda: apis["policy"].read_namespaced_pod_disruption_budget("smollm2-engine", ns))
           and not apis["core"].list_namespaced_pod(ns, label_selector=every).items,
           "garbage collection of every child")
 

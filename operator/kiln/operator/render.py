@@ -323,12 +323,15 @@ def render_network_policies(owner: Owner, operator_namespace: str) -> list[dict[
 def render_pdbs(owner: Owner) -> list[dict[str, Any]]:
     """One budget for the engine pods and one for the routers: one pod of each may be evicted
     at a time (maxUnavailable, not minAvailable: a single replica must not block node drains
-    forever; with two routers, one always stays up)."""
+    forever; with two routers, one always stays up). Named <name>-engine and <name>-router: the
+    engine's was <name>, which is the router's of an InferenceService named without "-router"
+    (`a` and `a-router`), and the second of the two was refused as someone else's object. The
+    plan deletes an older operator's <name> budget as it makes the new one."""
     return [{"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
              "metadata": metadata(owner, name, component=component),
              "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(owner.name, component)},
                       "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
-            for name, component in ((owner.name, "engine"), (router_name(owner.name), "router"))]
+            for name, component in ((f"{owner.name}-engine", "engine"), (router_name(owner.name), "router"))]
 
 
 def service_url(owner: Owner) -> str:
