@@ -5,7 +5,9 @@ extension (the real engine's side is tested in test_server.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -183,42 +185,48 @@ async def test_mirrored_comparisons_score_the_canary_and_the_noise_floor() -> No
     ScoringEngine.agrees = len(OUTPUT_IDS)
 
 
+@contextlib.asynccontextmanager
+async def every_request_mirrored(**flags: bool) -> AsyncIterator:
+    """A stable and a canary ScoringEngine (with these class flags set) behind a router that
+    mirrors every request to the canary and none to the noise floor."""
+    saved = {name: getattr(ScoringEngine, name) for name in flags}
+    for name, value in flags.items():
+        setattr(ScoringEngine, name, value)
+    try:
+        traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
+        async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
+            yield svc
+    finally:
+        for name, value in saved.items():
+            setattr(ScoringEngine, name, value)
+
+
 @on_event_loop
 async def test_a_comparison_that_cannot_be_scored_counts_no_tokens() -> None:
     # Its tokens were counted before the scoring raised, with none agreed: a canary's greedy
     # agreement fell with every malformed answer, and could fail the quality gate.
-    ScoringEngine.short = True
-    try:
-        traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
-        async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
-            for _ in range(3):
-                assert (await svc.complete()).status == 200
-            while metric(await svc.metrics(), "kiln_router_mirrored_requests_total", outcome="failed") != 3:
-                await asyncio.sleep(0.01)  # bounded by the test timeout
-            samples = await svc.metrics()
-            assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 0
-            assert metric(samples, "kiln_router_mirror_agreed_total", revision="canary") == 0
-    finally:
-        ScoringEngine.short = False
+    async with every_request_mirrored(short=True) as svc:
+        for _ in range(3):
+            assert (await svc.complete()).status == 200
+        while metric(await svc.metrics(), "kiln_router_mirrored_requests_total", outcome="failed") != 3:
+            await asyncio.sleep(0.01)  # bounded by the test timeout
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 0
+        assert metric(samples, "kiln_router_mirror_agreed_total", revision="canary") == 0
 
 
 @on_event_loop
 async def test_a_slow_shadow_never_delays_the_client() -> None:
-    ScoringEngine.slow = True
-    try:
-        traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
-        async with service(2, revisions=["stable", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
-            stable, canary = svc.engines
-            for _ in range(3):
-                response = await asyncio.wait_for(svc.complete(), 10)
-                assert response.status == 200 and await response.json() == {"engine": stable.name}
-            assert canary.scored == 0  # the shadows wait at the canary; the clients did not
-            canary.release.set()
-            await until(lambda: canary.scored == 3)
-            samples = await svc.metrics()
-            assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 12
-    finally:
-        ScoringEngine.slow = False
+    async with every_request_mirrored(slow=True) as svc:
+        stable, canary = svc.engines
+        for _ in range(3):
+            response = await asyncio.wait_for(svc.complete(), 10)
+            assert response.status == 200 and await response.json() == {"engine": stable.name}
+        assert canary.scored == 0  # the shadows wait at the canary; the clients did not
+        canary.release.set()
+        await until(lambda: canary.scored == 3)
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 12
 
 
 def test_weighted_choice_is_exact_over_each_cycle() -> None:
