@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .models import InferenceServiceSpec
-from .observed import Observed, deployment_counts, is_ready, replicas_of
-from .render import (LABEL_SERVING, Owner, operator_namespace, pooled, render_deployment, render_network_policies,
-                     render_pdbs, render_revision_service, render_router, render_router_account, render_service,
-                     revision_name, template_pooled)
+from .observed import Observed, deployment_counts, is_ready, replicas_of, serves
+from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdbs,
+                     render_revision_service, render_router, render_router_account, render_service, revision_name,
+                     template_pooled)
 
 STABLE, CANARY, OLD = "stable", "canary", "old"
 
@@ -96,8 +96,7 @@ def routed_weight(split: Split, observed: Observed, size: int) -> int:
     replicas the step sized it for are ready. New ones load for minutes, and the few ready ones
     took the whole share meanwhile; with none ready (a 100% step's canary lost) the stable
     revision serves, where at weight 0 it served nobody."""
-    ready = sum(1 for p in observed.pods(split.canary)
-                if is_ready(p) and (p["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false")
+    ready = sum(1 for p in observed.pods(split.canary) if is_ready(p) and serves(p))
     return split.weight * min(ready, size) // size
 
 

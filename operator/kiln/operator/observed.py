@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .render import LABEL_COMPONENT, LABEL_REVISION
+from .render import LABEL_COMPONENT, LABEL_REVISION, LABEL_SERVING
 
 Key = tuple[str, str]  # (kind, name)
 
@@ -50,6 +50,14 @@ def is_ready(pod: dict[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return not pod["metadata"].get("deletionTimestamp") and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def serves(pod: dict[str, Any]) -> bool:
+    """Whether a pod is capacity: every pod of a revision without a warm pool (unlabelled), and
+    of one with a pool those not labelled standby. An unlabelled pod of a pooled revision (made
+    before the pool was added; its Service routes only "true") counts too: the pool promotes
+    such pods first (they are its oldest) and the Deployment's rollout replaces them."""
+    return (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
 
 
 def deployment_counts(deployment: dict[str, Any]) -> tuple[int, int]:

@@ -10,9 +10,9 @@ from typing import Any
 
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
-from .observed import FAILING, Observed, engine_failure, is_ready, replicas_of
+from .observed import FAILING, Observed, engine_failure, is_ready, replicas_of, serves
 from .quantity import canonical
-from .render import LABEL_ISVC, LABEL_SERVING, PORT, ROUTER_PORT, Owner, metadata, template_pooled
+from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, metadata, template_pooled
 from .status import condition
 
 
@@ -38,14 +38,6 @@ def epoch(text: str | None) -> float | None:
         return None
     parsed = datetime.datetime.fromisoformat(text)
     return (parsed if parsed.tzinfo else parsed.replace(tzinfo=datetime.timezone.utc)).timestamp()
-
-
-def serves(pod: dict[str, Any]) -> bool:
-    """Whether a pod is capacity: every pod of a revision without a warm pool (unlabelled), and
-    of one with a pool those not labelled standby. An unlabelled pod of a pooled revision (made
-    before the pool was added; its Service routes only "true") counts too: the pool promotes
-    such pods first (they are its oldest) and the Deployment's rollout replaces them."""
-    return (pod["metadata"].get("labels") or {}).get(LABEL_SERVING) != "false"
 
 
 def failing(pod: dict[str, Any]) -> bool:
