@@ -91,7 +91,7 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | No
     matcher takes each row's draft once its mask is read, and gives them back at the end."""
     rows = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     masks = []
-    consumed: dict[int, tuple[Sequence, int]] = {}
+    consumed: dict[Sequence, int] = {}  # drafts each matcher took, to give back
     for i in rows:
         seq = seqs[i]
         masks.append(seq.matcher.compute_bitmask())
@@ -99,8 +99,8 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | No
         # its history: rolling back a token it never took would undo one of the output's.
         if drafts is not None and drafts[i] >= 0 and not seq.matcher.is_stopped():
             seq.matcher.consume_token(drafts[i])
-            consumed[id(seq)] = (seq, consumed.get(id(seq), (seq, 0))[1] + 1)
-    for seq, count in consumed.values():
+            consumed[seq] = consumed.get(seq, 0) + 1
+    for seq, count in consumed.items():
         seq.matcher.rollback(count)
     allowed = allowed_tokens(masks, logits.shape[1]).to(logits.device)
     index = torch.tensor(rows, device=logits.device)

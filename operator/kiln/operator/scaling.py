@@ -103,6 +103,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     routers' latest held-to-first-byte time, if they saw one."""
     assert spec.autoscaling is not None
     state = scaler_state(previous, initial)
+    saved = previous.get("autoscaling") or {}  # the last pass's status.autoscaling
     ready, loading, _, _ = pod_counts(observed, stable)
     decision, new = decide(samples, spec.autoscaling, state, ready, loading, now)
     status = {"replicas": new.replicas, "mode": decision.mode,
@@ -112,7 +113,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
               "lastScaleTime": iso(new.last_scale)}
     last_cold = cold_start
     if last_cold is None:
-        last_cold = (previous.get("autoscaling") or {}).get("lastColdStartSeconds")
+        last_cold = saved.get("lastColdStartSeconds")
     if last_cold is not None:
         status["lastColdStartSeconds"] = round(last_cold, 2)
     cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
@@ -120,13 +121,12 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     # The load, and the message that quotes it, move on every pass: while the decision holds they
     # are rewritten only every LOAD_EVERY_S, or status was PATCHed (and every router watching it
     # woken) every 2 s for as long as a service had traffic.
-    before = (previous.get("autoscaling") or {}, next(
-        (c for c in previous.get("conditions") or [] if c.get("type") == "ScalingReady"), {}))
-    written = epoch(before[0].get("loadTime"))
-    if changed is None and before[1].get("reason") == decision.reason and written is not None \
+    shown = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingReady"), {})
+    written = epoch(saved.get("loadTime"))
+    if changed is None and shown.get("reason") == decision.reason and written is not None \
             and 0 <= now - written < LOAD_EVERY_S:
-        status["load"], status["loadTime"] = before[0].get("load"), before[0]["loadTime"]
-        cond = {**cond, "message": before[1].get("message", cond["message"])}
+        status["load"], status["loadTime"] = saved.get("load"), saved["loadTime"]
+        cond = {**cond, "message": shown.get("message", cond["message"])}
     else:
         status["loadTime"] = iso(now)
     return Scaling(decision.replicas, cond, {k: v for k, v in status.items() if v is not None}, changed)
