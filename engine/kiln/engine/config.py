@@ -17,6 +17,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 # Weight-only quantization at load (kiln.engine.quantization); int8, int4, fp8 AWQ-scaled, "int4-rtn" plain.
 QUANTIZATION_METHODS = ("none", "int8", "int4", "int4-rtn", "fp8")
+GENERATION_CONFIG = "generation_config.json"  # a model folder's eos ids and sampling defaults
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights, as vLLM's --load-format dummy
 CPU_KV_CACHE_MEMORY = 1 << 30  # the CPU's default KV budget (no free-memory query to size it by)
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from kiln.engine import startup
 from kiln.engine.cpu_attention import HEAD_DIMS
-from kiln.engine.config import POSITIVE_INTS, Config, ModelConfig, ModelLoadError, resolve_max_model_len
+from kiln.engine.config import GENERATION_CONFIG, POSITIVE_INTS, Config, ModelConfig, ModelLoadError, resolve_max_model_len
 from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.quantized_folder import load_quantized_folder, read_marker
@@ -112,7 +112,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         value = raw.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
-    gen_path = folder / "generation_config.json"
+    gen_path = folder / GENERATION_CONFIG
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos_token_ids = _eos_ids((path, raw.get("eos_token_id")), (gen_path, gen.get("eos_token_id")))
     try:

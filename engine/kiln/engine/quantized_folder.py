@@ -22,14 +22,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.config import GENERATION_CONFIG, ModelConfig, ModelLoadError
 from kiln.engine.quantization import Quantizer, check_method, quantizable_linears
 from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.variants import FORMAT_VERSION, atomic_write
 
 MARKER = "kiln_quantization.json"
 WEIGHTS = "model.safetensors"
-GENERATION_CONFIG = "generation_config.json"
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kiln.engine.config import GENERATION_CONFIG
 from kiln.engine.openai_protocol import ChatCompletionRequest
 
 # generation_config.json's key -> the request field it is the default of
 KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
         "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-FILE = "generation_config.json"
 
 
 def sampling_defaults(choice: str, model_path: Path) -> dict[str, float | int]:
@@ -25,13 +25,13 @@ def sampling_defaults(choice: str, model_path: Path) -> dict[str, float | int]:
     if choice == "vllm":
         return {}
     if choice == "auto":
-        path = model_path / FILE
+        path = model_path / GENERATION_CONFIG
         if not path.is_file():
             return {}
     else:
-        path = Path(choice) / FILE
+        path = Path(choice) / GENERATION_CONFIG
         if not path.is_file():
-            raise ValueError(f"--generation-config {choice}: no {FILE} there (give a folder holding one, "
+            raise ValueError(f"--generation-config {choice}: no {GENERATION_CONFIG} there (give a folder holding one, "
                              "'auto' for the model's own or 'vllm' for none)")
     try:
         raw = json.loads(path.read_text())
