@@ -125,6 +125,19 @@ class TestTP2:
             tiny_tp2.generate(TINY_PROMPTS[:1], GREEDY_64)
 
 
+def test_cpu_ranks_share_rank_0s_threads(tiny_llama_dir):
+    """The ranks compute at once on the same CPUs: each takes its share of the thread budget (a
+    whole budget each oversubscribes the cores), and rank 0 gets its own count back on close."""
+    torch.set_num_threads(4)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    try:
+        assert llm.engine.runner.group.rank_threads == [2, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        assert_no_ranks_left(llm)
+    assert torch.get_num_threads() == 4
+
+
 def test_tp4_replicates_two_kv_heads(tiny_llama_dir, tiny_reference, caplog):
     with caplog.at_level(logging.WARNING, logger="kiln.engine.tensor_parallel"):
         llm = LLM(str(tiny_llama_dir), tensor_parallel_size=4, **TINY)

@@ -89,6 +89,7 @@ class WorkerGroup:
         self.failure: TensorParallelError | None = None
         self.on_failure: Callable[[TensorParallelError], None] | None = None
         self._closing = False
+        self._threads_before = torch.get_num_threads()  # rank 0's own, given back on close
         self._failing = threading.Lock()  # the watchdog and the engine thread may both see the death
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
@@ -110,6 +111,8 @@ class WorkerGroup:
                               timeout=timedelta(seconds=collective_s))
         ctx = mp.get_context("spawn")
         atexit.register(self.close)
+        if device.type == "cpu":  # the ranks compute at once on the same CPUs: each takes its share
+            torch.set_num_threads(max(1, self._threads_before // self.size))
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
@@ -119,7 +122,8 @@ class WorkerGroup:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        self._await("joined", join_s)
+        self.rank_threads = [torch.get_num_threads(), *self._await("joined", join_s)]
+        log.info("tensor parallel: %d ranks, torch threads per rank %s", self.size, self.rank_threads)
         dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
                                 timeout=timedelta(seconds=collective_s))
 
@@ -216,6 +220,7 @@ class WorkerGroup:
                 proc.join()
         for conn in self._conns:
             conn.close()
+        torch.set_num_threads(self._threads_before)
         # NCCL's teardown may wait on a dead peer; gloo's never does.
         if dist.is_initialized() and (self.failure is None or dist.get_backend() == "gloo"):
             dist.destroy_process_group()
@@ -320,7 +325,7 @@ def _worker_main(rank: int, config: Config, port: int, conn: Connection, threads
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                               timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
-        conn.send(("joined", None))
+        conn.send(("joined", torch.get_num_threads()))
         dist.init_process_group("nccl" if config.torch_device.type == "cuda" else "gloo", store=store,
                                 rank=rank, world_size=size,
                                 timeout=timedelta(seconds=_seconds(COLLECTIVE_TIMEOUT_ENV, 120)))
