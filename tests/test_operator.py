@@ -168,6 +168,27 @@ def test_tensor_parallelism_with_a_draft_model_and_adapters_is_rendered(operator
     assert {"/srv/draft", "/srv/loras/sql"} <= {m.mount_path for m in container.volume_mounts}
 
 
+def test_router_pods_go_where_cpu_engines_go(operator, apis, ns, kubectl):
+    """The router runs the engine image on the CPU: it takes the operator's CPU placement, not the
+    service's own nodeSelector (its GPU engines')."""
+    operator.restart("--cpu-node-selector=kubernetes.io/arch=amd64", "--cpu-toleration=kiln.dev/inference:NoSchedule",
+                     "--gpu-node-selector=nvidia.com/gpu.present=true")
+    try:
+        body = smollm2("placed", gpus=1)
+        body["spec"]["resources"]["nodeSelector"] = {"pool": "h200"}
+        apply(kubectl, ns, body)
+        router = until(lambda: apis["apps"].read_namespaced_deployment("placed-router", ns), "the router Deployment")
+        assert router.spec.template.spec.node_selector == {"kubernetes.io/arch": "amd64"}
+        assert [(t.key, t.operator, t.effect) for t in router.spec.template.spec.tolerations] == \
+            [("kiln.dev/inference", "Exists", "NoSchedule")]
+        (engine,) = until(lambda: engine_deployments(apis, ns, "placed"), "the engine Deployment")
+        assert engine.spec.template.spec.node_selector == {"nvidia.com/gpu.present": "true", "pool": "h200"}
+        assert not engine.spec.template.spec.tolerations
+    finally:
+        kubectl("delete", "inferenceservice", "placed", "-n", ns, "--wait=false")
+        operator.restart()
+
+
 def events_match_status(apis, ns: str, name: str) -> list[str] | None:
     """The Event history once each stored condition's latest Event says what the status says
     (the operator posts Events after its status write, so Ready=True alone is too early)."""

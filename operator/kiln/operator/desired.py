@@ -15,6 +15,7 @@ from typing import Any
 
 from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts, is_ready, replicas_of, serves
+from .placement import Placement
 from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdbs,
                      render_revision_service, render_router, render_router_account, render_service, revision_name,
                      template_pooled)
@@ -102,11 +103,13 @@ def routed_weight(split: Split, observed: Observed, size: int) -> int:
 
 def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image: str,
             pod_annotations: dict[str, str] | None = None, autoscaled: int | None = None,
-            scalers: list[dict[str, Any]] | None = None, split: Split | None = None) -> Desired:
+            scalers: list[dict[str, Any]] | None = None, split: Split | None = None,
+            router_placement: Placement = Placement()) -> Desired:
     """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in);
     `autoscaled`: the builtin autoscaler's decision, when it decides; `scalers`: the HPA or
     KEDA ScaledObject that scales the InferenceService, when one does; `split`: the rollout's
-    stable and canary revisions (None: the spec's revision is stable and replaces the others)."""
+    stable and canary revisions (None: the spec's revision is stable and replaces the others);
+    `router_placement`: where the router pods go (the operator's CPU engine defaults)."""
     target = revision_name(owner.name, spec)
     name = split.stable if split else target
     current = observed.engine(name)
@@ -144,6 +147,6 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
                            None, 0 if weighted else None) for d in keep]
-    return Desired(revisions, [*render_router_account(owner), render_router(owner, spec, image, pod_annotations),
-                               render_service(owner), *render_pdbs(owner),
+    router = render_router(owner, spec, image, pod_annotations, router_placement)
+    return Desired(revisions, [*render_router_account(owner), router, render_service(owner), *render_pdbs(owner),
                                *render_network_policies(owner, operator_namespace()), *(scalers or [])])

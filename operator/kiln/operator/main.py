@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve the operator's Prometheus metrics on this port (default: off)")
-    for kind, which in (("gpu", "that ask for GPUs"), ("cpu", "that run on CPU (gpus: 0)")):
+    for kind, which in (("gpu", "that ask for GPUs"), ("cpu", "that run on CPU (gpus: 0) and for router pods")):
         parser.add_argument(f"--{kind}-node-selector", action="append", default=[], metavar="KEY=VALUE",
                             help=f"node label for engine pods {which} (repeatable); a service's own "
                                  "nodeSelector wins per key")

@@ -1,7 +1,8 @@
 """Cluster-wide placement defaults for engine pods, set by whoever installs the operator
 (manifests/overlays/{cpu,gpu}, the Helm chart's `engine.gpu` and `engine.cpu`) rather than in every
 InferenceService: where GPU engines go (node labels, the taints GPU node pools carry) and where
-CPU engines go. An InferenceService's own nodeSelector and tolerations are kept and win."""
+CPU engines go (and the router pods: the engine image, on the CPU). An InferenceService's own
+nodeSelector and tolerations are kept and win."""
 from __future__ import annotations
 
 import re

@@ -225,7 +225,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     stable = serving.stable if serving else revision_name(name, spec)
     scaling = autoscale(spec, observed, owner, previous, settings, keda, stable)
     want = desired(owner, spec, observed, settings.image, settings.pod_annotations, scaling.replicas,
-                   scaling.objects, serving)
+                   scaling.objects, serving, settings.placements.cpu)
     rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
     actions = plan(want, observed)

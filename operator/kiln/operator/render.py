@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import images
 from .engine_command import PORT, engine_args, model_volumes
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec, Toleration
+from .placement import Placement
 from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
@@ -169,14 +171,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         "securityContext": POD_SECURITY,
     }
     pod_spec.update(pull_secrets(spec))
-    if spec.resources.nodeSelector:
-        pod_spec["nodeSelector"] = dict(spec.resources.nodeSelector)
-    if spec.resources.tolerations:
-        # An empty key or value means what leaving it out does, and the API server stores it left
-        # out (omitempty): rendered, the Deployment never matched what was stored and was applied
-        # again on every pass.
-        pod_spec["tolerations"] = [{k: v for k, v in t.model_dump(exclude_none=True).items() if v != ""}
-                                   for t in spec.resources.tolerations]
+    pod_spec.update(placement_fields(spec.resources.nodeSelector, spec.resources.tolerations))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -248,11 +243,28 @@ def render_router_account(owner: Owner) -> list[dict[str, Any]]:
     ]
 
 
+def placement_fields(node_selector: dict[str, str], tolerations: Sequence[Toleration]) -> dict[str, Any]:
+    """A pod spec's nodeSelector and tolerations, each left out when empty."""
+    fields: dict[str, Any] = {}
+    if node_selector:
+        fields["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        # An empty key or value means what leaving it out does, and the API server stores it left
+        # out (omitempty): rendered, the Deployment never matched what was stored and was applied
+        # again on every pass.
+        fields["tolerations"] = [{k: v for k, v in t.model_dump(exclude_none=True).items() if v != ""}
+                                 for t in tolerations]
+    return fields
+
+
 def render_router(owner: Owner, spec: InferenceServiceSpec, image: str,
-                  pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                  pod_annotations: dict[str, str] | None = None, placement: Placement = Placement()
+                  ) -> dict[str, Any]:
     """One router per InferenceService, in front of every revision's engine pods. With
     `spec.auth` its API keys come from the Secret as an environment variable (a rotated key
-    needs the router restarted: `kubectl rollout restart deployment/<name>-router`)."""
+    needs the router restarted: `kubectl rollout restart deployment/<name>-router`). It runs the
+    engine image on the CPU, so it goes where CPU engines go (`placement`: the operator's CPU
+    defaults; the service's own nodeSelector and tolerations are its engines')."""
     name = router_name(owner.name)
     env: list[dict[str, Any]] = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     if spec.auth is not None:
@@ -294,6 +306,7 @@ def render_router(owner: Owner, spec: InferenceServiceSpec, image: str,
                 "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_S,
                 "securityContext": POD_SECURITY,
                 **pull_secrets(spec),
+                **placement_fields(placement.node_selector, placement.tolerations),
             }},
         },
     }
