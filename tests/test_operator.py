@@ -15,6 +15,7 @@ import kubernetes
 import yaml
 
 from kiln.local.testing import OperatorProcess, service_account_kubeconfig
+from kiln.operator.reconcile import CHILD_KINDS
 from operator_support import (GROUP, PLURAL, REPO, VERSION, absent, apply, condition, engine_deployments, engines,
                               event_reasons, events, history, isvc, ready, smollm2, until)
 
@@ -33,6 +34,16 @@ def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
     assert can("patch", "deployments.apps") and can("patch", "inferenceservices.kiln.dev/status")
     assert can("watch", "pods") and can("delete", "services") and can("create", "events")
     assert can("bind", "clusterroles.rbac.authorization.k8s.io/kiln-router")
+    # The plan deletes any child it owns and no longer wants, of every kind it observes.
+    resources = {"Deployment": "deployments.apps", "Service": "services",
+                 "PodDisruptionBudget": "poddisruptionbudgets.policy", "ServiceAccount": "serviceaccounts",
+                 "RoleBinding": "rolebindings.rbac.authorization.k8s.io",
+                 "HorizontalPodAutoscaler": "horizontalpodautoscalers.autoscaling",
+                 "NetworkPolicy": "networkpolicies.networking.k8s.io"}  # (KEDA's CRD is not installed here)
+    assert set(resources) == set(CHILD_KINDS)
+    for kind, resource in resources.items():
+        for verb in ("list", "create", "patch", "delete"):
+            assert can(verb, resource), f"the operator cannot {verb} the {kind} children it manages"
     for verb, resource in [("get", "secrets"), ("delete", "inferenceservices.kiln.dev"), ("create", "pods"),
                            ("list", "configmaps"), ("update", "inferenceservices.kiln.dev"),
                            ("create", "roles.rbac.authorization.k8s.io"), ("list", "endpointslices.discovery.k8s.io"),
@@ -187,6 +198,25 @@ def test_router_pods_go_where_cpu_engines_go(operator, apis, ns, kubectl):
     finally:
         kubectl("delete", "inferenceservice", "placed", "-n", ns, "--wait=false")
         operator.restart()
+
+
+def test_an_older_releases_engine_pdb_is_deleted_for_the_renamed_one(operator, apis, ns, kubectl):
+    """The engine's budget was <name> before it became <name>-engine: the operator, with its own
+    ServiceAccount's rights, deletes the one it owns by the old name."""
+    apply(kubectl, ns, smollm2("renamed"))
+    until(lambda: apis["policy"].read_namespaced_pod_disruption_budget("renamed-engine", ns), "the engine PDB")
+    owner = isvc(apis, ns, "renamed")["metadata"]
+    old = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {
+        "name": "renamed", "labels": {"kiln.dev/inferenceservice": "renamed", "kiln.dev/component": "engine"},
+        "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": "renamed",
+                             "uid": owner["uid"], "controller": True}]},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"kiln.dev/inferenceservice": "renamed"}}}}
+    kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(old))
+    operator.restart()  # a fresh read at start finds it (budgets are not watched)
+    until(lambda: absent(lambda: apis["policy"].read_namespaced_pod_disruption_budget("renamed", ns)),
+          "the old PDB deleted")
+    assert "is forbidden" not in operator.log.read_text()
+    kubectl("delete", "inferenceservice", "renamed", "-n", ns, "--wait=false")
 
 
 def events_match_status(apis, ns: str, name: str) -> list[str] | None:
