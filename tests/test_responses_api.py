@@ -47,6 +47,20 @@ def test_an_answer_is_the_chat_answer_to_the_same_conversation(server):
     assert 0 < again.usage.input_tokens_details.cached_tokens < again.usage.input_tokens
 
 
+def test_text_parts_are_lines_of_one_message_as_vllm_joins_them():
+    """List content reaches the template as its parts joined by newlines (vLLM's text-only
+    prompt), in chat and as responses input: glued together, words ran into one another."""
+    from kiln.engine.openai_protocol import ChatCompletionRequest
+    from kiln.engine.responses_api import _messages
+    parts = [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning"}]
+    chat = ChatCompletionRequest.model_validate({"model": MODEL, "messages": [
+        {"role": "user", "content": parts, "name": "ada"}]})
+    assert chat.template_messages() == [{"role": "user", "content": "Translate to French:\nGood morning",
+                                         "name": "ada"}]
+    given = [{**p, "type": "input_text"} for p in parts]
+    assert _messages([{"role": "user", "content": given}])[0]["content"] == "Translate to French:\nGood morning"
+
+
 def test_a_call_after_the_text_of_its_turn_joins_that_turn():
     """An answer with text and a call comes out as a message item and a function_call item; sent
     back as input they are one assistant turn again, as the model wrote it."""

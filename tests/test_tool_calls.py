@@ -55,7 +55,7 @@ def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, pars
     (HERMES, "<tool_call>[1]</tool_call>"), (HERMES, '<tool_call>{"name": 3}</tool_call>'),
     (LLAMA, 'The call is {"name": "f", "parameters": {}}'),  # not the whole answer: text
     (LLAMA, '{"name": "f", "parameters": {}} and more'), (LLAMA, '{"name": "f", "parameters": {}};'),
-    (LLAMA, "{not json}"), (MISTRAL, "[TOOL_CALLS] [{\"name\": \"f\""), (MISTRAL, "no calls"),
+    (LLAMA, "{not json}"), (LLAMA, '{"name": "Ada Lovelace", "born": 1815}'), (MISTRAL, "[TOOL_CALLS] [{\"name\": \"f\""), (MISTRAL, "no calls"),
     (MISTRAL, "[TOOL_CALLS]get weather[ARGS]{}"), (MISTRAL, '[TOOL_CALLS]f[ARGS]{"a": '),
     (MISTRAL, "[TOOL_CALLS]f[ARGS]{} trailing words"),
     (PYTHONIC, "[f(x=1)] and then text"), (PYTHONIC, "[f(1)]"), (PYTHONIC, "[f(x=open('/etc/passwd'))]"),

@@ -247,7 +247,7 @@ class ChatMessage(_Request):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, "only text content parts are supported", param="messages")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM gives a text-only template list content
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -255,7 +255,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     # "developer" is OpenAI's newer name for the system role; model templates know "system".
     return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
              **({"tool_calls": [_with_arguments_object(c) for c in m.tool_calls]} if m.tool_calls is not None else {}),
-             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})}
+             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
+             **({"name": m.name} if m.name is not None else {})}  # templates that name speakers read it
             for m in messages]
 
 

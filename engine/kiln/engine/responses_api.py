@@ -98,7 +98,7 @@ def _text(content: Any, param: str) -> str:
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)  # as chat's text parts
     raise APIError(400, f"{param.rsplit('.', 1)[1]} must be text, or a list of input_text / output_text parts",
                    param=param)
 

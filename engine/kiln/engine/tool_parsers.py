@@ -54,6 +54,10 @@ def _llama3_json(calls_text: str) -> Calls:
     while True:
         position += len(text[position:]) - len(text[position:].lstrip())  # raw_decode takes no leading space
         obj, position = decoder.raw_decode(text, position)
+        # Nothing but this shape marks a call: an answer that is a JSON object with a "name" (a
+        # person's, say) is content, as in vLLM, unless it carries the call's parameters too.
+        if isinstance(obj, dict) and not {"parameters", "arguments"} & obj.keys():
+            raise ValueError("no parameters: an answer in JSON, not a call")
         calls.append(_call(obj, "parameters"))
         rest = text[position:].strip()
         if not rest:
