@@ -4,6 +4,7 @@ of fake engines (router_fakes); the real engine behind a real router is in test_
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 
 import aiohttp
@@ -69,6 +70,41 @@ async def test_request_bodies_held_at_once_are_bounded() -> None:
         assert (await held).status == 200
         assert (await svc.client.post("/v1/completions", json={"p": padding * 3})).status == 200  # alone: goes
     assert kiln_main(["router", "--endpoints", "127.0.0.1:1", "--max-body-bytes-in-flight", "0"]) == 2
+
+
+async def head_of(port: int, request: bytes) -> bytes:
+    """Send these bytes and never the rest of the body; the answer's status line and headers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    try:
+        async with asyncio.timeout(20):  # body_timeout is 60 s: an answer in time came before it
+            return await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+
+
+@on_event_loop
+async def test_body_bytes_are_counted_as_they_arrive_not_once_read_whole() -> None:
+    """A chunked or gzip body past its declared length is counted as it arrives: a client stalling
+    its last bytes held memory no limit saw (a gzip bomb inflates in the reader). A declared
+    length over --max-body-bytes is a 413 at once, before it counts against the others."""
+    chunked = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with service(1, limits=Limits(max_body_bytes=1 << 20, max_body_bytes_in_flight=4000,
+                                         body_timeout=60)) as svc:
+        held = asyncio.create_task(svc.client.post("/v1/completions", json={"fake": "hold", "p": "x" * 100}))
+        await until(lambda: svc.hits() == [1])
+        head = await head_of(svc.port, chunked + b"1388\r\n" + b"x" * 5000 + b"\r\n")  # and no last chunk
+        assert head.split()[1] == b"429", head
+        bomb = gzip.compress(b" " * 200_000)
+        head = await head_of(svc.port, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Encoding: gzip\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(bomb), bomb[:-8]))
+        assert head.split()[1] == b"429", head
+        head = await head_of(svc.port, b"POST /v1/completions HTTP/1.1\r\nHost: r\r\n"
+                             b"Content-Length: 100000000000\r\n\r\n{")
+        assert head.split()[1] == b"413", head
+        assert (await svc.client.post("/v1/completions", json={"p": "small"})).status == 200  # nothing left held
+        svc.engines[0].release.set()
+        assert (await held).status == 200
 
 
 @on_event_loop

@@ -148,28 +148,39 @@ class Router:
                                   f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
         held = 0  # body bytes this request holds
         try:
-            # Counted as the client declares it, before it is read; a chunked body once read.
-            if not self._hold_body(request.content_length or 0):
+            # Counted as the client declares it before a byte is read, and as the bytes arrive
+            # past that (a chunked or compressed body): a body read whole first, then counted,
+            # was memory no limit saw while a client stalled its last bytes.
+            declared = request.content_length or 0
+            if declared > self.limits.max_body_bytes:
+                return self._too_large()
+            if not self._hold_body(declared):
                 return self._bodies_refused()
-            held = request.content_length or 0
+            held = declared
+            chunks, size = [], 0
             try:
                 # A client that stalls its upload would hold its place for ever (slowloris).
                 async with asyncio.timeout(self.limits.body_timeout):
-                    body = await request.read()
+                    while chunk := await request.content.readany():
+                        size += len(chunk)
+                        if size > self.limits.max_body_bytes:
+                            return self._too_large()
+                        if size > held:
+                            if not self._hold_body(size - held, mine=held):
+                                return self._bodies_refused()
+                            held = size
+                        chunks.append(chunk)
             except TimeoutError:
                 return error_response(408, f"the request body did not arrive within "
                                       f"{self.limits.body_timeout:g} s", "invalid_request_error", "request_timeout")
-            except web.HTTPRequestEntityTooLarge:
-                return error_response(413, f"the request body is over the router's limit of "
-                                      f"{self.limits.max_body_bytes} bytes",
-                                      "invalid_request_error", "request_too_large")
             except RequestPayloadError as exc:  # a corrupt gzip body, broken chunks
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
+            body = b"".join(chunks)
             salting = request.path.startswith("/v1/") and bool(request.get(auth.SALT))  # may use the prefix cache
             more = len(body) * (2 if salting else 1) - held
             if more > 0:
-                if not self._hold_body(more):
+                if not self._hold_body(more, mine=held):
                     return self._bodies_refused()
                 held += more
             if salting:  # off the event loop: a large body takes long enough to stall every stream
@@ -181,13 +192,17 @@ class Router:
             self._body_bytes -= held
             self._leave()
 
-    def _hold_body(self, size: int) -> bool:
-        """Room for `size` more body bytes; one request alone always has it (it is under
-        max_body_bytes)."""
-        if self._body_bytes and self._body_bytes + size > self.limits.max_body_bytes_in_flight:
+    def _hold_body(self, size: int, mine: int = 0) -> bool:
+        """Room for `size` more body bytes beside the `mine` this request holds already; one
+        request alone always has it (it is under max_body_bytes)."""
+        if self._body_bytes - mine and self._body_bytes + size > self.limits.max_body_bytes_in_flight:
             return False
         self._body_bytes += size
         return True
+
+    def _too_large(self) -> web.Response:
+        return error_response(413, f"the request body is over the router's limit of {self.limits.max_body_bytes} "
+                              "bytes", "invalid_request_error", "request_too_large")
 
     def _bodies_refused(self) -> web.Response:
         return error_response(429, f"the router holds {self._body_bytes} bytes of request bodies, its limit "
