@@ -73,6 +73,36 @@ async def test_requests_split_by_weight_within_five_points_and_metrics_count_per
 
 
 @on_event_loop
+async def test_requests_wait_for_the_split_when_several_revisions_are_ready_and_it_is_unknown() -> None:
+    """The router's first read of its InferenceService failed (the API server away as it started):
+    with a stable and a canary ready it cannot tell their weights, so requests wait for the split
+    (a canary at weight 0 took its per-pod share); one revision alone serves at once."""
+    traffic = StaticTraffic(Traffic(known=False))
+    async with service(2, revisions=["stable", "canary"], traffic=traffic) as svc:
+        waiting = asyncio.create_task(svc.complete())
+        async with asyncio.timeout(30):  # answered at once instead, it is never held
+            await until_held(svc.client, 1)
+        assert svc.hits() == [0, 0]
+        traffic.traffic = Traffic({"stable": 100, "canary": 0}, "stable", "canary")  # read at last
+        assert (await waiting).status == 200 and svc.hits() == [1, 0]
+    async with service(1, revisions=["stable"], traffic=StaticTraffic(Traffic(known=False))) as svc:
+        assert (await svc.complete()).status == 200
+
+
+@on_event_loop
+async def test_the_split_is_unknown_until_the_inference_service_is_read() -> None:
+    from kubernetes import client
+    from kiln.router.traffic import InferenceServiceTraffic
+    nowhere = client.ApiClient(client.Configuration(host="http://127.0.0.1:9"))  # discard port: refused
+    followed = InferenceServiceTraffic(nowhere, "ml", "chat")
+    await followed.start()  # the first list failed
+    try:
+        assert not followed.current().known
+    finally:
+        await followed.stop()
+
+
+@on_event_loop
 async def test_a_weighted_revision_without_ready_replicas_gives_its_share_to_the_others() -> None:
     async with service(1, revisions=["stable"], traffic=split({"stable": 50, "canary": 50})) as svc:
         assert [(await svc.complete()).status for _ in range(10)] == [200] * 10

@@ -41,7 +41,7 @@ from kiln.router.mirror import Mirroring
 from kiln.router.openapi import router_document
 from kiln.router.retries import (ATTEMPTS, RETRYABLE, NotServedHere, Retryable, error_code, failure_reason,
                                  is_refusal, mark_reused)
-from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice
+from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice, split_unknown
 
 log = logging.getLogger("kiln.router")
 
@@ -306,10 +306,10 @@ class Router:
         """The replica for the next try. During a rollout, by its weights among the revisions with
         a ready replica left to try; a revision at weight 0 (a canary not yet vetted) takes none,
         unless a weighted one does not serve the model asked for (`anywhere`). None: hold it."""
-        weights = self.traffic.current().weights
+        traffic, ready = self.traffic.current(), self.source.ready().by_revision
+        weights = traffic.weights
         if weights is None:
-            return self.balancer.pick(failed, None, keys)
-        ready = self.source.ready().by_revision
+            return None if split_unknown(traffic, ready) else self.balancer.pick(failed, None, keys)
         revision = self.weighted.choose({revision: weight for revision, weight in weights.items()
                                          if any(e not in failed for e in ready.get(revision, ()))})
         if revision is None and not anywhere:
@@ -318,10 +318,10 @@ class Router:
 
     def _servable(self) -> bool:
         """A held request may go: a replica is ready in a revision the split gives requests to."""
-        ready = self.source.ready().by_revision
-        weights = self.traffic.current().weights
+        traffic, ready = self.traffic.current(), self.source.ready().by_revision
+        weights = traffic.weights
         if weights is None:
-            return any(ready.values())
+            return any(ready.values()) and not split_unknown(traffic, ready)
         return any(ready.get(revision) for revision, weight in weights.items() if weight > 0)
 
     async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,

@@ -5,7 +5,7 @@ diff). Without weights every ready replica is alike, as before rollouts existed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -22,6 +22,9 @@ class Traffic:
     stable: str | None = None
     canary: str | None = None
     mirror: Mirror | None = None
+    # False until the InferenceService was read: with several revisions ready, which of them may
+    # take requests (a canary at weight 0?) is not known yet.
+    known: bool = True
 
 
 def traffic_of(status: Mapping[str, Any] | None) -> Traffic:
@@ -35,6 +38,13 @@ def traffic_of(status: Mapping[str, Any] | None) -> Traffic:
     return Traffic(weights or None, rollout.get("stable"), canary,
                    Mirror(float(mirror["sampleRate"]), float(mirror["floorSampleRate"]))
                    if mirror and canary else None)
+
+
+def split_unknown(traffic: Traffic, ready: Mapping[str, Sequence[object]]) -> bool:
+    """The InferenceService not read yet (the API server did not answer as the router started)
+    while several revisions have ready replicas (`ready`, by revision): one may be a canary at
+    weight 0, so requests are held until the split is known rather than spread over all of them."""
+    return not traffic.known and sum(1 for endpoints in ready.values() if endpoints) > 1
 
 
 class TrafficSource(Protocol):
@@ -70,7 +80,7 @@ class InferenceServiceTraffic:
 
         from kiln.router.watching import ListWatch
 
-        self._traffic = Traffic()
+        self._traffic = Traffic(known=False)  # the API server may not answer the first list
         self._follower = ListWatch(
             client.CustomObjectsApi(api_client).list_namespaced_custom_object,
             f"InferenceService {namespace}/{name}", self._publish, group="kiln.dev", version="v1alpha1",
