@@ -52,6 +52,10 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     obj = until(lambda: (o := isvc(apis, ns, NAME))["status"].get("warmReplicas") == 1 and o, "warmReplicas 1")
     assert condition(obj, "WarmPoolReady")["status"] == "True"
     assert obj["status"]["desiredReplicas"] == 1 and obj["status"]["warmPool"]["size"] == 1
+    # Replicas count what serves, in status and in /scale (which an HPA reads back): not the standby.
+    obj = until(lambda: (o := isvc(apis, ns, NAME))["status"]["readyReplicas"] == 1 and o, "readyReplicas 1")
+    assert obj["status"]["replicas"] == 1 and [(r["replicas"], r["ready"]) for r in obj["status"]["revisions"]] == [(1, 1)]
+    assert apis["custom"].get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, NAME)["status"]["replicas"] == 1
     promotions = obj["status"]["warmPool"]["promotions"]  # the first serving pod was a promoted standby too
 
     scale(apis, ns, 2)  # the standby is promoted (the same pod), a new standby refills the pool
@@ -63,6 +67,7 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     obj = until(lambda: (o := isvc(apis, ns, NAME))["status"]["warmPool"]["promotions"] == promotions + 1 and o,
                 "the promotion counted")
     assert obj["status"]["warmPool"]["lastPromotion"]
+    until(lambda: (s := isvc(apis, ns, NAME)["status"])["readyReplicas"] == 2 and s["replicas"] == 2, "2 serving")
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         page = response.read().decode()
     assert f'kiln_operator_warm_pool_promotions_total{{inferenceservice="{NAME}",namespace="{ns}"}} {promotions + 1}.0' \

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .desired import Desired, fully_ready
-from .observed import Observed, deployment_counts, engine_failure, engine_waiting
+from .observed import Observed, deployment_counts, engine_failure, engine_waiting, is_ready, serves
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
@@ -129,7 +129,7 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     revisions = []
     for revision in desired.revisions:
         found = observed.engine(revision.name)
-        replicas, ready = deployment_counts(found) if found else (0, 0)
+        replicas, ready = serving_counts(found, observed) if found else (0, 0)
         annotations = (found or revision.deployment or {}).get("metadata", {}).get("annotations") or {}
         revisions.append({"name": revision.name, "role": revision.role,
                           "quantization": annotations.get(ANNOTATION_QUANTIZATION, "none"),
@@ -148,6 +148,18 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
         **({"rollout": rollout} if rollout else {}),
         **({"warmReplicas": warm[0]["ready"], "warmPool": warm[0]} if warm else {}),
     }
+
+
+def serving_counts(deployment: dict[str, Any], observed: Observed) -> tuple[int, int]:
+    """(replicas, ready replicas) of a revision that serve: its Deployment's, less a warm pool's
+    standbys (pods as a ReplicaSet counts them: not terminating, not ended). What /scale reports
+    back to the HPA or KEDA that set spec.replicas, and what `kubectl get` shows: standbys are
+    status.warmReplicas."""
+    replicas, ready = deployment_counts(deployment)
+    standbys = [p for p in observed.pods(deployment["metadata"]["name"])
+                if not serves(p) and not p["metadata"].get("deletionTimestamp")
+                and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+    return max(replicas - len(standbys), 0), max(ready - sum(map(is_ready, standbys)), 0)
 
 
 def invalid(previous: dict[str, Any], generation: int, reason: str, message: str, now: str) -> dict[str, Any]:

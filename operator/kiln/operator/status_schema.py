@@ -20,8 +20,8 @@ class RevisionStatus(BaseModel):
     name: str
     role: Literal["stable", "canary", "old"]
     quantization: str
-    replicas: int = 0
-    ready: int = 0
+    replicas: int = Field(0, description="Replicas that serve (a warm pool's standbys are not counted).")
+    ready: int = Field(0, description="Of those, ready.")
     weight: int | None = Field(None, description=(
         "Percent of requests the router sends here during a rollout; absent: no split."))
 
@@ -109,8 +109,8 @@ class WarmPoolStatus(BaseModel):
 class InferenceServiceStatus(BaseModel):
     observedGeneration: int | None = None
     url: str | None = None
-    replicas: int = 0
-    readyReplicas: int = 0
+    replicas: int = Field(0, description="Replicas that serve, all revisions (standbys: warmReplicas).")
+    readyReplicas: int = Field(0, description="Of those, ready.")
     desiredReplicas: int = 0
     selector: str | None = Field(None, description="Label selector of the engine pods (for /scale).")
     revisions: list[RevisionStatus] = Field(default_factory=list)
