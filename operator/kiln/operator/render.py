@@ -137,10 +137,10 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
     env = [{"name": "HOME", "value": "/tmp"}]
-    if spec.engine.tensorParallelSize > 1:  # ranks exchange tensors through shared memory
+    if spec.engine.tensorParallelSize > 1:  # GPU ranks (the CRD's rule) exchange tensors through shared memory
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-        env += NCCL_ENV if spec.resources.gpus > 0 else []
+        env += NCCL_ENV
     mine = {e.name for e in spec.engine.env}
     env = [e for e in env if e["name"] not in mine] + [e.model_dump(exclude_none=True) for e in spec.engine.env]
     container = {
