@@ -648,6 +648,13 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert cli.main(["operator"]) == 1
     assert "set KUBECONFIG or run in a pod" in capsys.readouterr().err
+    (tmp_path / "text").write_text("just words\n")
+    (tmp_path / "broken").write_text("clusters: [\n")
+    for bad in ("text", "broken", "."):  # no mapping, no YAML, a folder: one line naming it, no traceback
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / bad))
+        assert cli.main(["operator"]) == 1, bad
+        err = capsys.readouterr().err
+        assert str(tmp_path / bad) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_router_replicas_come_from_the_spec_with_a_budget_and_a_graceful_stop():

@@ -92,6 +92,14 @@ def test_down_removes_nothing_from_a_directory_without_state(tmp_path):
     assert all((project / e / "important.txt").exists() for e in ("logs", "certs", "pki", "src"))
 
 
+def test_a_dir_that_is_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
+    from kiln.cli import main
+    afile = tmp_path / "afile.txt"
+    afile.write_text("")
+    assert main(["local", "down", "--dir", str(afile)]) == 1
+    assert capsys.readouterr().err.startswith(f"kiln local down: [Errno 17] File exists: '{afile}'")
+
+
 def pod(name: str, uid: str, ip: str, deleting: bool = False) -> V1Pod:
     return V1Pod(metadata=V1ObjectMeta(namespace="ns", name=name, uid=uid,
                                        annotations={"kiln.dev/readiness": "runtime"},

@@ -18,7 +18,7 @@ import torch
 
 from kiln.cli import main as kiln
 from kiln.engine import quantize_cli, quantized_folder, variants
-from kiln.engine.config import QUANTIZATION_METHODS, Config, ModelLoadError
+from kiln.engine.config import GENERATION_CONFIG, QUANTIZATION_METHODS, Config, ModelLoadError
 from kiln.engine.evaluate import Scorer, attach_pool
 from kiln.engine.llm import LLM
 from kiln.engine.loader import load_model
@@ -242,6 +242,28 @@ def test_quantize_replaces_only_its_own_variant_and_a_sigterm_leaves_no_staging(
     assert exit_.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == handler
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]  # the staging folder is gone
+
+
+def test_overwrite_replaces_a_damaged_variant_and_leaves_none_of_its_files(tiny_hf_models, tmp_path,
+                                                                           capsys) -> None:
+    """--overwrite replaces what the error told to quantize again (another version's marker, a
+    damaged one), and the earlier source's sampling defaults do not outlive it."""
+    source = tmp_path / "llama"
+    shutil.copytree(tiny_hf_models["llama"], source)
+    (source / GENERATION_CONFIG).write_text(json.dumps({"temperature": 0.3}))
+    out = tmp_path / "variant"
+    base = ["quantize", "--method", "int8", "--out", str(out), "--quantization-cache", "off"]
+    assert kiln([*base, "--model", str(source)]) == 0 and (out / GENERATION_CONFIG).is_file()
+    (out / quantized_folder.MARKER).write_text("{")
+    other = tmp_path / "qwen2"
+    shutil.copytree(tiny_hf_models["qwen2"], other)
+    (other / GENERATION_CONFIG).unlink()
+    capsys.readouterr()
+    assert kiln([*base, "--model", str(other)]) == 2
+    assert "unreadable" in (err := capsys.readouterr().err) and "--overwrite replaces it" in err
+    assert kiln([*base, "--model", str(other), "--overwrite"]) == 0
+    assert quantized_folder.read_marker(out)["method"] == "int8"
+    assert not (out / GENERATION_CONFIG).exists()  # qwen2's folder has none: no temperature 0.3 from llama's
 
 
 def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, tmp_path, caplog) -> None:

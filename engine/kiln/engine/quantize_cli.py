@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 def _quantize(args: argparse.Namespace) -> int:
     try:
         check_out_dir(args.out)
-        from kiln.engine.config import Config  # torch from here on
+        from kiln.engine.config import Config, ModelLoadError  # torch from here on
         from kiln.engine.loader import load_model, resolve_model_path
         from kiln.engine.quantized_folder import read_marker, write_quantized_folder
         from kiln.engine.variants import cache_dir, quantized_state_dict, weights_sha256
@@ -73,7 +73,12 @@ def _quantize(args: argparse.Namespace) -> int:
         path = resolve_model_path(args.model)
         if path.is_dir() and read_marker(path) is not None:
             raise ValueError(f"{path} is already a quantized variant; quantize the original model")
-        earlier = read_marker(args.out) if args.out.is_dir() else None
+        try:
+            earlier = read_marker(args.out) if args.out.is_dir() else None
+        except ModelLoadError as e:  # another Kiln version's variant, or a damaged marker
+            if not args.overwrite:
+                raise ValueError(f"--out {args.out}: {e}; --overwrite replaces it") from None
+            earlier = None
         if earlier is not None and not args.overwrite and \
                 (earlier.get("source_sha256"), earlier.get("method")) != (weights_sha256(path), args.method):
             raise ValueError(f"--out {args.out} holds the {earlier.get('method')} variant of other weights or "

@@ -85,6 +85,7 @@ def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfi
             shutil.copyfile(source / GENERATION_CONFIG, staging / GENERATION_CONFIG)
         out.mkdir(exist_ok=True)
         (out / MARKER).unlink(missing_ok=True)  # an earlier variant stops being one before its files change
+        (out / GENERATION_CONFIG).unlink(missing_ok=True)  # the earlier source's, should this one have none
         for path in sorted(staging.iterdir(), key=lambda p: p.name == MARKER):
             os.replace(path, out / path.name)
     finally:

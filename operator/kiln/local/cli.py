@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             return runtime.run(directory)
         else:
             return show_status(cluster.Cluster(directory))
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # OSError: --dir a file, a folder not writable
         print(f"kiln local {args.action}: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -197,8 +197,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         api = Api.connect()
     except kubernetes.config.ConfigException as err:
-        print(f"kiln operator: no cluster to talk to ({err}); set KUBECONFIG or run in a pod",
+        given = f"KUBECONFIG={os.environ['KUBECONFIG']}: " if os.environ.get("KUBECONFIG") else ""
+        print(f"kiln operator: no cluster to talk to ({given}{err}); set KUBECONFIG or run in a pod",
               file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - a kubeconfig that is no YAML, a folder, no mapping
+        where = os.environ.get("KUBECONFIG") or "~/.kube/config"
+        print(f"kiln operator: cannot read the kubeconfig {where}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     # standalone: no kopf peering (it needs its own CRDs); replicas elect a leader on a Lease.
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1` prints every thread's stack: for a stuck pass
