@@ -641,7 +641,9 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
                        (["--gpu-node-selector", "pool=v/x"], "--gpu-node-selector: 'v/x' is not a label value"),
                        (["--cpu-toleration=-bad:NoSchedule"], "--cpu-toleration: '-bad' is not a Kubernetes key"),
                        (["--liveness", "foo"], "--liveness takes http://HOST:PORT/PATH"),
-                       (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://HOST:PORT/PATH")):
+                       (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://HOST:PORT/PATH"),
+                       (["--leader-elect", "--lease-name", "Kiln_Operator"], "--lease-name 'Kiln_Operator' is not"),
+                       (["--leader-elect", "--lease-namespace", "kiln system"], "--lease-namespace 'kiln system' is not")):
         assert cli.main(["operator", *argv]) == 2, argv
         assert said in capsys.readouterr().err, argv
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))

@@ -127,3 +127,18 @@ def test_a_frozen_leader_steps_down_when_it_wakes(replicas, lease, local_cluster
     assert "lost Lease" in woke and "lost the leader Lease" in woke
     assert f"{namespace}/frozen:" not in woke, woke  # no pass ran after waking
     assert max_num_seqs(apis, namespace, "frozen") == before
+
+
+def test_a_lease_the_api_server_refuses_stops_the_operator_with_why(local_cluster, kiln_installed, namespace, tmp_path):
+    """The operator may hold Leases in kiln-system only: elsewhere every try is refused (403), and
+    a replica that never leads looked like a follower. It exits 1, saying why."""
+    kubeconfig = service_account_kubeconfig(local_cluster.api_client, "kiln-system", "kiln-operator",
+                                            tmp_path / "kubeconfig")
+    proc = OperatorProcess(kubeconfig, tmp_path / "operator.log",
+                           ("-n", namespace, "--leader-elect", "--lease-namespace", namespace))
+    proc.start()
+    try:
+        assert proc.proc is not None and proc.proc.wait(timeout=60) == 1
+    finally:
+        proc.stop()
+    assert f"kiln operator: the API server refuses Lease {namespace}/kiln-operator: 403 Forbidden" in proc.text()

@@ -126,24 +126,37 @@ class Leadership:
                 pass
 
 
-async def campaign(elector: LeaseElector, leading: Leadership, lost: Callable[[], None]) -> None:
+# The API server's verdict on this Lease itself (forbidden by RBAC, its namespace missing, a name
+# it refuses): trying again changes nothing, and a replica that never leads looks like a follower.
+REFUSED = (401, 403, 404, 422)
+
+
+async def campaign(elector: LeaseElector, leading: Leadership, lost: Callable[[str], None]) -> None:
     """Take the Lease and keep it renewed. When a leader's renewal fails past RENEW_DEADLINE_S,
-    call `lost()` (the operator then exits, as client-go's controllers do: a fresh start is the
-    only safe way back to following)."""
-    log.info("leader election: %s waits for Lease %s/%s", elector.identity, elector.namespace, elector.name)
+    call `lost(why)` (the operator then exits, as client-go's controllers do: a fresh start is the
+    only safe way back to following); so too when the API server refuses the Lease itself."""
+    where = f"Lease {elector.namespace}/{elector.name}"
+    log.info("leader election: %s waits for %s", elector.identity, where)
     while True:
         try:
             held = await asyncio.to_thread(elector.try_acquire_or_renew)
+        except ApiException as err:
+            if err.status in REFUSED:
+                why = f"the API server refuses {where}: {err.status} {err.reason}"
+                log.error("leader election: %s", why)
+                lost(why)
+                return
+            log.warning("leader election: %s: %s", where, err)
+            held = False
         except Exception as err:  # noqa: BLE001 - an unreachable API server is a failed try
-            log.warning("leader election: Lease %s/%s: %s", elector.namespace, elector.name, err)
+            log.warning("leader election: %s: %s", where, err)
             held = False
         if held:
             if not leading.held():
                 log.info("leader election: %s leads (Lease %s/%s)", elector.identity, elector.namespace, elector.name)
             leading.renewed()
         elif leading.ever() and not leading.held():
-            log.error("leader election: %s lost Lease %s/%s; stopping", elector.identity, elector.namespace,
-                      elector.name)
-            lost()
+            log.error("leader election: %s lost %s; stopping", elector.identity, where)
+            lost(f"lost the leader {where}; exiting so a fresh start follows again")
             return
         await asyncio.sleep(RETRY_S)

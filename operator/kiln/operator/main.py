@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -25,7 +26,7 @@ import kubernetes
 
 from . import leader, metrics, placement
 from .controller import Controller
-from .models import GROUP, PLURAL, VERSION
+from .models import GROUP, OBJECT_NAME, PLURAL, VERSION
 from .api import Api
 from .reconcile import DEFAULT_PROMETHEUS, Settings, reconcile
 from .render import LABEL_ISVC, engine_image
@@ -35,10 +36,10 @@ CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "servi
 
 
 def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | None = None,
-                   on_lost: Callable[[], None] = lambda: None,
+                   on_lost: Callable[[str], None] = lambda why: None,
                    on_stopped: Callable[[], None] = lambda: None) -> kopf.OperatorRegistry:
     """kopf's handlers; with `elector`, reconcile passes run only while this replica holds the
-    Lease, and `on_lost` is called if it stops holding it. `on_stopped` is called last when the
+    Lease, and `on_lost(why)` is called if it stops holding it or the API server refuses it. `on_stopped` is called last when the
     operator stops."""
     registry = kopf.OperatorRegistry()
     leading = leader.Leadership() if elector else None
@@ -167,6 +168,22 @@ def check_liveness(url: str | None) -> None:
         raise ValueError(f"--liveness takes http://HOST:PORT/PATH, e.g. http://0.0.0.0:8080/healthz, got {url!r}")
 
 
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a namespace's name
+
+
+def check_lease(args: argparse.Namespace) -> None:
+    """--lease-name and --lease-namespace as the API server takes them: a typo is said now, not
+    as the API server's refusal once running."""
+    if not args.leader_elect:
+        return
+    if not (len(args.lease_name) <= 253 and re.match(OBJECT_NAME, args.lease_name)):
+        raise ValueError(f"--lease-name {args.lease_name!r} is not a Kubernetes object name (lowercase letters, "
+                         "digits, '-' and '.', at most 253)")
+    if not DNS_LABEL.match(args.lease_namespace):
+        raise ValueError(f"--lease-namespace {args.lease_namespace!r} is not a namespace name (lowercase letters, "
+                         "digits and '-', at most 63)")
+
+
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):  # nan compares False with everything
         print("kiln operator: --interval must be positive", file=sys.stderr)
@@ -179,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         pod_annotations = {placement.check_key(key, "--pod-annotation"): value for key, _, value in pairs}
         where = placements(args)
         check_liveness(args.liveness)
+        check_lease(args)
     except ValueError as err:
         print(f"kiln operator: {err}", file=sys.stderr)
         return 2
@@ -212,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
     # would outlive its loop). A lost Lease sets it; so does the cleanup after a signal, as kopf
     # otherwise waits 5 s for the task that watches it before it cancels that task.
     stop_flag, lost = asyncio.Event(), threading.Event()
+    why_lost: list[str] = []
 
-    def on_lost() -> None:
+    def on_lost(why: str) -> None:
+        why_lost.append(why)
         lost.set()
         stop_flag.set()
 
@@ -225,6 +245,6 @@ def run(args: argparse.Namespace) -> int:
              settings=build_settings(), standalone=True, clusterwide=not args.namespace,
              namespaces=args.namespace, liveness_endpoint=args.liveness)
     if lost.is_set():
-        print("kiln operator: lost the leader Lease; exiting so a fresh start follows again", file=sys.stderr)
+        print(f"kiln operator: {why_lost[0]}", file=sys.stderr)
         return 1
     return 0
