@@ -98,3 +98,22 @@ def test_chat_logprob_bytes_join_into_the_text(tokenizer) -> None:
     llama2 = Tokenizer(fallback, [], None, None)
     assert [llama2.decode_token(i) for i in (1, 5)] == ["\ufffd", " a"]
     assert b"".join(llama2.token_bytes(i) for i in (5, 1, 2, 3, 4)) == " a🚀".encode()
+
+
+@pytest.mark.parametrize("decoder", [
+    decoders.Metaspace(replacement="▁", prepend_scheme="always"),  # Mistral, newer SentencePiece exports
+    decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                       decoders.Strip(" ", 1, 0)]),  # Llama 2's
+], ids=["metaspace", "llama2-strip"])
+def test_sentencepiece_tokens_keep_their_leading_space(decoder) -> None:
+    """Alone, a SentencePiece token's text lost its "▁" space (the decoder strips a text's first):
+    logprob tokens and bytes of "Hello world" after a prompt joined into "Helloworld"."""
+    hf = HFTokenizer(models.BPE({"<unk>": 0, "▁Say": 1, ":": 2, "▁Hello": 3, "▁world": 4}, [], unk_token="<unk>"))
+    hf.decoder = decoder
+    sp = Tokenizer(hf, [], None, None)
+    prompt, output = [1, 2], [3, 4]
+    text = sp.decode(prompt + output)[len(sp.decode(prompt)):]  # the output as it is detokenized after its prompt
+    assert text == " Hello world"
+    assert "".join(sp.decode_token(i) for i in output) == text
+    assert b"".join(sp.token_bytes(i) for i in output) == text.encode()
+    assert sp.decode_token(2) == ":"  # no "▁", no space

@@ -98,8 +98,15 @@ class Tokenizer:
         self.most_chars_per_token = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
         # One token's text with special tokens written out, as logprobs report it. Cached: logprob
         # responses decode the same few thousand tokens over and over.
-        self.decode_token = functools.lru_cache(maxsize=65536)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self.decode_token = functools.lru_cache(maxsize=65536)(self._decode_token)
+
+    def _decode_token(self, token_id: int) -> str:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        # SentencePiece decoders (Metaspace, Llama 2's Strip) drop a text's first space, so each
+        # "▁word" alone lost its own: the tokens' texts and bytes no longer joined into the output.
+        if (self.tokenizer.id_to_token(token_id) or "").startswith("▁") and not text.startswith(" "):
+            return " " + text
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprob `bytes`): where it holds part of a UTF-8
