@@ -61,6 +61,16 @@ def test_text_parts_are_lines_of_one_message_as_vllm_joins_them():
     assert _messages([{"role": "user", "content": given}])[0]["content"] == "Translate to French:\nGood morning"
 
 
+def test_stream_options_default_and_null_as_vllm_takes_them():
+    from kiln.engine.openai_protocol import ChatCompletionRequest
+    def options(given: dict):
+        return ChatCompletionRequest.model_validate({"model": MODEL, "stream": True, "stream_options": given,
+                                                     "messages": [{"role": "user", "content": "hi"}]}).stream_options
+    assert options({}).include_usage  # asked for at all: the usage comes
+    assert (options({"include_usage": None, "continuous_usage_stats": None}).continuous_usage_stats,
+            options({"include_usage": False}).include_usage) == (False, False)
+
+
 def test_a_call_after_the_text_of_its_turn_joins_that_turn():
     """An answer with text and a call comes out as a message item and a function_call item; sent
     back as input they are one assistant turn again, as the model wrote it."""

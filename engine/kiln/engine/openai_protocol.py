@@ -41,12 +41,6 @@ _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {
     "required": ["type", "text"]}}]}
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT_NUMBERS
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
-
-
 def _nullable_optionals(schema: dict[str, Any]) -> None:
     """The document's side of _null_means_default: every optional field also takes null."""
     required = set(schema.get("required", ()))
@@ -67,6 +61,11 @@ class _Request(BaseModel):
         # OpenAI's spec makes the optional fields nullable and SDKs send null for "not set"
         # (`"temperature": null`, `"n": null`); vLLM takes it as the default, Kiln answered 400.
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Request):
+    include_usage: bool = True  # vLLM's default: stream_options given at all asks for the usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class StructuredOutputsRequest(_Request):
