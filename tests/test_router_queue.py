@@ -11,8 +11,10 @@ import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
-from kiln.router.proxy import Limits
-from router_fakes import metric, on_event_loop, parse_metrics, service, until
+from kiln.router.endpoints import Endpoint, StaticEndpoints
+from kiln.router.main import serving
+from kiln.router.proxy import Limits, build_app
+from router_fakes import FakeEngine, metric, on_event_loop, parse_metrics, service, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,6 +107,31 @@ async def test_body_bytes_are_counted_as_they_arrive_not_once_read_whole() -> No
         assert (await svc.client.post("/v1/completions", json={"p": "small"})).status == 200  # nothing left held
         svc.engines[0].release.set()
         assert (await held).status == 200
+
+
+@on_event_loop
+async def test_requests_in_line_when_the_router_shuts_down_get_a_503_to_retry() -> None:
+    """SIGTERM with requests waiting in line: they are answered at once, to retry through another
+    router, rather than wait out the drain behind the streams in flight and be cut off."""
+    engine = FakeEngine("engine-0")
+    async with serving(engine.app, "127.0.0.1", 0) as engine_port:
+        endpoints = StaticEndpoints([Endpoint("127.0.0.1", engine_port, "")])
+        router = serving(build_app(endpoints, Limits(max_in_flight=1, max_queue=2)), "127.0.0.1", 0)
+        port = await router.__aenter__()
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+            body = {"prompt": "x", "fake": "hold"}
+            first = asyncio.create_task(client.post("/v1/completions", json=body))
+            await until(lambda: engine.hits == 1)
+            line = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
+            await until_queued(client, 2)
+            stopping = asyncio.create_task(router.__aexit__(None, None, None))  # as SIGTERM starts it
+            for response in await asyncio.gather(*line):
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
+                assert (await response.json())["error"]["code"] == "router_shutting_down"
+            engine.release.set()  # the one in flight finishes
+            assert (await first).status == 200
+            await stopping
+    assert engine.hits == 1
 
 
 @on_event_loop

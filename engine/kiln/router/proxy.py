@@ -72,6 +72,10 @@ class Limits:
     prefix_slack: int = 8
 
 
+class ShuttingDown(Exception):
+    """Set on a request waiting in line when the router shuts down."""
+
+
 @dataclass
 class _Exchange:
     """One /v1 request, as its metrics see it."""
@@ -142,10 +146,8 @@ class Router:
         if has_dot_segment(request.path):
             return error_response(400, "a path with '.' or '..' segments is refused",
                                   "invalid_request_error", "invalid_path")
-        if not await self._take_place():
-            waiting = f" and {len(self._line)} waiting" if self.limits.max_queue else ""
-            return error_response(429, f"the router is at its limit of {self._active} requests "
-                                  f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
+        if refused := await self._take_place():
+            return refused
         held = 0  # body bytes this request holds
         try:
             # Counted as the client declares it before a byte is read, and as the bytes arrive
@@ -209,14 +211,17 @@ class Router:
                               f"being {self.limits.max_body_bytes_in_flight} (--max-body-bytes-in-flight)",
                               "rate_limit_error", "rate_limit_exceeded")
 
-    async def _take_place(self) -> bool:
-        """One of the max_in_flight places, after waiting in line behind at most max_queue
-        others; False if even the line is full. A client hanging up in line cancels the wait."""
+    async def _take_place(self) -> web.Response | None:
+        """One of the max_in_flight places (None), after waiting in line behind at most max_queue
+        others; else the answer: a 429 when even the line is full, a 503 when the router shuts
+        down first. A client hanging up in line cancels the wait."""
         if self._active < self.limits.max_in_flight and not self._line:
             self._active += 1
-            return True
+            return None
         if len(self._line) >= self.limits.max_queue:
-            return False
+            waiting = f" and {len(self._line)} waiting" if self.limits.max_queue else ""
+            return error_response(429, f"the router is at its limit of {self._active} requests "
+                                  f"in flight{waiting}", "rate_limit_error", "rate_limit_exceeded")
         turn = asyncio.get_running_loop().create_future()
         self._line.append(turn)
         try:
@@ -228,7 +233,18 @@ class Router:
             else:
                 self._leave()  # handed a place just as the client left: pass it on
             raise
-        return True
+        except ShuttingDown:
+            return error_response(503, "the router is shutting down before a place in its line came free; "
+                                  "try again", "service_unavailable", "router_shutting_down")
+        return None
+
+    async def close_line(self, app: web.Application) -> None:
+        """aiohttp on_shutdown: requests waiting in line are answered 503 with Retry-After now, to
+        retry through another router, rather than wait out the drain and be cut off."""
+        for turn in self._line:
+            if not turn.done():
+                turn.set_exception(ShuttingDown())
+        self._line.clear()
 
     def _leave(self) -> None:
         """A request is done: its place goes to the first in line, else it is free."""
@@ -457,6 +473,7 @@ def build_app(source: EndpointSource, limits: Limits = Limits(),
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[http_errors, *keys])
     app.cleanup_ctx.append(router.lifecycle)
     app.on_shutdown.append(router.holding.stop)
+    app.on_shutdown.append(router.close_line)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)
     app.router.add_get("/metrics", router.metrics_page)
