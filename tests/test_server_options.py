@@ -102,6 +102,12 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     (["--api-key", ""], {}, "--api-key must not be empty"),
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
     (["--model", "no/such/model"], {}, "model 'no/such/model' not found"),  # said before listening: exit 2
+    (["--model", "docs"], {}, "docs: not a model folder: it holds no config.json"),
+    (["--enable-lora", "--lora-modules", "sql=no/such/adapter"], {},
+     "--lora-modules sql=no/such/adapter: not a PEFT adapter folder"),
+    (["--speculative-config", '{"model": 123}'], {}, "model must be the draft's name, folder or .gguf, got 123"),
+    (["--speculative-config", '{"model": "no/such/draft"}'], {},
+     "--speculative-config: the draft model: model 'no/such/draft' not found"),
 ])
 def test_bad_values_stop_the_server_before_loading(args, env, message):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,

@@ -53,7 +53,11 @@ def resolve_model_path(name: str) -> Path:
         return Path(found[0].locate()).resolve()
     path = Path(name).expanduser()
     # os.path's tests, not Path's: those raise on a name the OS refuses (too long), these say False.
-    if os.path.isdir(path) or (os.path.isfile(path) and path.suffix == ".gguf"):
+    if os.path.isdir(path):
+        if not os.path.exists(path / "config.json"):
+            raise ModelLoadError(f"{path}: not a model folder: it holds no config.json")
+        return path
+    if os.path.isfile(path) and path.suffix == ".gguf":
         return path
     if os.path.exists(path):
         raise ModelLoadError(f"{path}: not a model folder or a .gguf file")

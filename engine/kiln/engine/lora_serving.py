@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -46,14 +47,19 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank an adapter may have")
 
 
-def check_names(lora_modules: list[tuple[str, str]], model_name: str) -> None:
-    """ValueError for names a request could not tell apart."""
+def check_modules(lora_modules: list[tuple[str, str]], model_name: str) -> None:
+    """ValueError for names a request could not tell apart, and for a path that is no PEFT folder:
+    said before the server listens, not as a failed start once it does."""
     names = [name for name, _ in lora_modules]
     if model_name in names:
         raise ValueError(f"--lora-modules: {model_name!r} is the served model's name")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"--lora-modules: {', '.join(duplicates)} given more than once")
+    for name, path in lora_modules:
+        if not all(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "adapter_model.safetensors")):
+            raise ValueError(f"--lora-modules {name}={path}: not a PEFT adapter folder (adapter_config.json and "
+                             "adapter_model.safetensors)")
 
 
 def model_cards(engine: AsyncEngine | None, model_name: str, base: dict[str, Any]) -> list[dict[str, Any]]:

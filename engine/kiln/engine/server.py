@@ -286,7 +286,6 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         model_path = resolve_model_path(args.model)  # a typo is exit 2 now, not a failed load once listening
         defaults = sampling_defaults(args.generation_config, model_path)
         name = args.served_model_name or served_name(args.model)
-        lora_serving.check_names(args.lora_modules, name)
         api_keys = auth.api_keys(args.api_key)
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -303,6 +302,12 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
                         speculative=SpeculativeConfig.from_json(args.speculative_config)
                         if args.speculative_config else None)
+        lora_serving.check_modules(args.lora_modules, name)
+        if config.speculative is not None and config.speculative.model is not None:
+            try:
+                resolve_model_path(config.speculative.model)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config: the draft model: {e}") from None
     except ValueError as e:
         log.error("bad configuration: %s", e)
         return 2

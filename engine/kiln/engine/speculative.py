@@ -57,6 +57,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative config: method {self.method!r} is not supported "
                              f"({', '.join(map(repr, METHODS))})")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative config: model must be the draft's name, folder or .gguf, got {self.model!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative config: method 'draft_model' takes a model (the draft), and only it does")
         if self.prompt_lookup_min > self.prompt_lookup_max:
