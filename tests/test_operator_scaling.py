@@ -53,13 +53,13 @@ def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, api
     ref = hpa.spec.scale_target_ref
     assert (ref.api_version, ref.kind, ref.name) == (f"{GROUP}/{VERSION}", "InferenceService", "hpa")
     (metric,) = hpa.spec.metrics
-    assert (metric.pods.metric.name, metric.pods.target.average_value) == ("kiln:num_requests_waiting", "2")
+    assert (metric.pods.metric.name, metric.pods.target.average_value) == ("kiln:num_requests_load", "2")
     assert hpa.spec.behavior.scale_down.stabilization_window_seconds == 120
     # The real HPA controller reads the InferenceService's /scale and asks for the metric; with no
     # custom metrics API in this cluster it says so, and the InferenceService passes that on.
     cond = until(lambda: condition(isvc(apis, ns, "hpa"), "ScalingReady").get("reason") == "FailedGetPodsMetric"
                  and condition(isvc(apis, ns, "hpa"), "ScalingReady"), "the HPA's verdict", timeout=120)
-    assert cond["status"] == "False" and "kiln:num_requests_waiting" in cond["message"], cond
+    assert cond["status"] == "False" and "kiln:num_requests_load" in cond["message"], cond
     # Another mode: the HPA goes (one writer of spec.replicas at a time).
     kubectl("patch", "isvc/hpa", "-n", ns, "--type=merge", "-p", '{"spec":{"autoscaling":{"mode":"none"}}}')
     until(lambda: absent(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("hpa", ns)), "the HPA deleted")
@@ -100,9 +100,11 @@ def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, 
         (trigger,) = spec["triggers"]
         assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
         assert f'namespace="{ns}"' in trigger["metadata"]["query"] and '="keda"' in trigger["metadata"]["query"]
-        # From zero only the router's held requests can activate it: no engine reports a queue.
-        assert "kiln:num_requests_waiting{" in trigger["metadata"]["query"]
-        assert "kiln_router_held_requests{" in trigger["metadata"]["query"]
+        # The load as builtin counts it, waiting + running: running requests keep a busy service
+        # active (at waiting 0 KEDA took it to zero); from zero only the router's held requests
+        # can activate it, as no engine reports any.
+        for metric in ("kiln:num_requests_waiting{", "kiln:num_requests_running{", "kiln_router_held_requests{"):
+            assert metric in trigger["metadata"]["query"], metric
         # KEDA's verdict is passed on as ScalingReady.
         apis["custom"].patch_namespaced_custom_object_status(
             "keda.sh", "v1alpha1", ns, "scaledobjects", "keda", {"status": {"conditions": [

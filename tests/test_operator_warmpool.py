@@ -55,7 +55,11 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
     # Replicas count what serves, in status and in /scale (which an HPA reads back): not the standby.
     obj = until(lambda: (o := isvc(apis, ns, NAME))["status"]["readyReplicas"] == 1 and o, "readyReplicas 1")
     assert obj["status"]["replicas"] == 1 and [(r["replicas"], r["ready"]) for r in obj["status"]["revisions"]] == [(1, 1)]
-    assert apis["custom"].get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, NAME)["status"]["replicas"] == 1
+    scale_status = apis["custom"].get_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, NAME)["status"]
+    assert scale_status["replicas"] == 1
+    # An HPA averages its pods metric over /scale's selector: the standby (load 0) is not among them.
+    selected = apis["core"].list_namespaced_pod(ns, label_selector=scale_status["selector"]).items
+    assert [p.metadata.name for p in selected if not p.metadata.deletion_timestamp] == [serving]
     promotions = obj["status"]["warmPool"]["promotions"]  # the first serving pod was a promoted standby too
 
     scale(apis, ns, 2)  # the standby is promoted (the same pod), a new standby refills the pool

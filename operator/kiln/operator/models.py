@@ -283,8 +283,7 @@ class Autoscaling(Spec):
     minReplicas: int = Field(1, ge=0, le=1000)
     maxReplicas: int = Field(4, ge=1, le=1000)
     targetQueueDepth: int = Field(4, ge=1, description=(
-        "Requests per replica: waiting + running for builtin; for hpa and keda the engines' waiting "
-        "queue (kiln:num_requests_waiting), which grows only once a replica's batch is full."))
+        "Requests per replica, waiting + running (every mode; keda adds the requests the router holds)."))
     stableWindow: Duration = "60s"
     panicWindow: Duration = "6s"
     scaleDownDelay: Duration = "5m"

@@ -24,7 +24,7 @@ from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed
 from .placement import Placements, placed
 from .plan import CREATE, DELETE, SCALE, Action, plan
-from .render import LABEL_ISVC, Owner, revision_name, selector_string, service_url
+from .render import LABEL_ISVC, Owner, revision_name, scale_selector, service_url
 from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
                       pod_counts)
@@ -257,7 +257,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
     status = summarize(generation=generation, desired=want, observed=observed, previous=previous,
-                       url=service_url(owner), selector=selector_string(name), now=now(),
+                       url=service_url(owner), selector=scale_selector(name), now=now(),
                        scaling=scaling.condition, autoscaling=scaling.status,
                        rollout=dump(rollout.state, spec.rollout) if rollout else None, warm=warm)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses

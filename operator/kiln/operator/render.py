@@ -70,6 +70,13 @@ def selector_string(name: str, component: str = "engine") -> str:
     return ",".join(f"{k}={v}" for k, v in selector(name, component).items())
 
 
+def scale_selector(name: str) -> str:
+    """/scale's selector (status.selector): the engine pods that serve. An HPA averages its pods
+    metric over them, and a warm pool's standbys (load 0) held it within tolerance of no change.
+    `notin`, not `!=`: the HPA controller parses it as a LabelSelector, which has no `!=`."""
+    return f"{selector_string(name)},{LABEL_SERVING} notin (false)"
+
+
 def labels(name: str, component: str = "engine") -> dict[str, str]:
     return {"app.kubernetes.io/name": f"kiln-{component}", "app.kubernetes.io/instance": name,
             "app.kubernetes.io/managed-by": "kiln-operator", **selector(name, component)}

@@ -162,8 +162,12 @@ def current_replicas(spec: InferenceServiceSpec, observed: Observed, stable: str
 
 
 KEDA_CRD = "scaledobjects.keda.sh"
-# prometheus-adapter serves it under the same name (README, "Autoscaling with an HPA").
-HPA_METRIC = "kiln:num_requests_waiting"
+# A replica's load, as the builtin autoscaler counts it: the requests it runs and those waiting
+# for a seat. Waiting alone is 0 whenever the batches hold everything, which scaled a busy service
+# down to minReplicas (and KEDA, inactive at 0, to zero) until a queue formed again.
+LOAD_METRICS = ("kiln:num_requests_waiting", "kiln:num_requests_running")
+# What prometheus-adapter serves their sum per pod as (README, the rule for `mode: hpa`).
+HPA_METRIC = "kiln:num_requests_load"
 HELD_METRIC = "kiln_router_held_requests"  # the router's (kiln.router.metrics)
 
 
@@ -180,7 +184,8 @@ def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
             "metrics": [{"type": "Pods", "pods": {"metric": {"name": HPA_METRIC},
                                                   "target": {"type": "AverageValue",
                                                              "averageValue": canonical(scaling.targetQueueDepth)}}}],
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": int(seconds(scaling.scaleDownDelay))}},
+            # An hour at most, as the API server takes it (an object stored before the CRD said so).
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": min(int(seconds(scaling.scaleDownDelay)), 3600)}},
         },
     }
 
@@ -190,9 +195,9 @@ def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, prometheus_ur
     assert spec.autoscaling is not None
     scaling = spec.autoscaling
     selector = f'{{namespace="{owner.namespace}",{LABEL_ISVC.replace(".", "_").replace("/", "_")}="{owner.name}"}}'
-    # At zero there are no engines, hence no queue: the requests the router holds are what
+    # At zero there are no engines, hence no load: the requests the router holds are what
     # activates the ScaledObject (its activation threshold is 0).
-    query = f"(sum({HPA_METRIC}{selector}) or vector(0)) + (sum({HELD_METRIC}{selector}) or vector(0))"
+    query = " + ".join(f"(sum({metric}{selector}) or vector(0))" for metric in (*LOAD_METRICS, HELD_METRIC))
     return {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": metadata(owner, owner.name),
         "spec": {
