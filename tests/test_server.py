@@ -657,6 +657,19 @@ def test_metrics_count_requests_and_tokens(server):
     assert after["kiln:engine_gap_seconds_total"] > before["kiln:engine_gap_seconds_total"]
 
 
+def test_latency_histograms_tell_minutes_apart():
+    """A long generation or a backlog takes minutes: with buckets up to 160 s every p99 past that
+    read as 160 s."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from kiln.engine.metrics import ServerMetrics
+    metrics = ServerMetrics("m")
+    metrics.e2e_request_latency.observe(1000.0)
+    (family,) = [f for f in text_string_to_metric_families(metrics.exposition().decode())
+                 if f.name == "kiln:e2e_request_latency_seconds"]
+    counts = {s.labels["le"]: s.value for s in family.samples if s.name.endswith("_bucket")}
+    assert (counts["640.0"], counts["1280.0"]) == (0, 1)
+
+
 def test_cold_start_phases_in_metrics(server):
     m = server.metrics()
     phases = {p: m[f"kiln:startup_phase_seconds{{phase={p}}}"] for p in (*PHASES, "total")}

@@ -1,13 +1,16 @@
 """Prometheus metrics of one `kiln serve` process. Names are stable: HPA/KEDA rules and the
-operator's autoscaler read them (kiln:num_requests_waiting is the scaling signal)."""
+operator's autoscaler read them (kiln:num_requests_waiting + kiln:num_requests_running is the
+scaling signal)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from kiln.engine import EngineStats
 
+# Up to vLLM's top (7680 s): a long generation, a CPU replica or a backlog takes minutes end to end
+# and in the queue, and a top of 160 s read every p99 past it as 160 s.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0, 160.0)
+                   10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0)
 # error: failed by a fatal engine error (the engine loop raised; see async_engine).
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
