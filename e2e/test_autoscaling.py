@@ -138,9 +138,11 @@ def test_scale_to_zero_stays_there_and_the_first_request_is_held_and_answered(
     assert engine_replicas(target, namespace, name) == 0 and scaled_events(target, namespace, name) == events
     if operator is not None:
         # Passes every 0.5 s at zero; only a watch event or the resync (every 5 s here) reads afresh.
-        after = passes(port, namespace, name)
+        # Counted until 20 passes reused a read (a loaded machine runs fewer passes in the 25 s).
+        after = eventually(lambda: (a := passes(port, namespace, name)).get("reused", 0) - before.get("reused", 0)
+                           >= 20 and a, "20 passes that reused a read", timeout=60)
         fresh, reused = (after.get(k, 0) - before.get(k, 0) for k in ("fresh", "reused"))
-        assert reused >= 20 and fresh <= reused / 3, (fresh, reused)
+        assert fresh <= reused / 3, (fresh, reused)
 
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=LOAD_TIMEOUT)
     completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)

@@ -166,12 +166,13 @@ def test_deleting_an_engine_pod_under_load_loses_no_request(target: Target, name
     eventually(lambda: victim not in {p["metadata"]["name"] for p in engine_pods(target, namespace)}, "pod deletion",
                timeout=120, ignore=(KubectlError,))
     time.sleep(15)
+    # Traffic goes on after the deletion (waited for: the replacement's load shares the CPUs).
+    eventually(lambda: len(outcomes) > at_delete + 4, "requests served after the deletion", timeout=300)
     stop.set()
     for w in workers:
         w.join()
     lost = [o for o in outcomes if not o.ok and not o.streamed]
     assert not lost, f"{len(lost)} of {len(outcomes)} requests failed before streaming: {lost[:3]}"
-    assert len(outcomes) > at_delete + 4  # traffic went on after the deletion
     broken = [o for o in outcomes if not o.ok]
     assert not broken, f"streams broken off mid-way: {broken[:3]}"  # the engine drained them
 

@@ -54,6 +54,9 @@ def test_a_timer_pass_that_waited_for_leadership_reads_afresh():
 
         controller = Controller(run_pass, leading=leading)
         controller.trigger(("ns", "a"))
+        async with asyncio.timeout(10):  # a thread runs the first pass: waited for, however busy the machine
+            while not seen:
+                await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the timer's pass is due, and waits for leadership
         assert seen == [True]
         leading.renewed()

@@ -173,7 +173,7 @@ def test_cached_build_is_reused() -> None:
     assert run.returncode == 0, run.stderr
     print(f"second process: op loaded in {float(run.stdout):.3f} s ({time.perf_counter() - start:.1f} s with "
           "interpreter and torch start)")
-    assert float(run.stdout) < 0.5  # a build takes ~15 s here
+    assert float(run.stdout) < 5  # a build takes ~15 s here (the mtime below is the proof; this a backstop)
     assert library.stat().st_mtime_ns == built
 
 

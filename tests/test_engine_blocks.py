@@ -212,7 +212,9 @@ def test_block_hashing_stays_cheap() -> None:
     bm._block_hash(seq, 2047)
     per_block_us = (time.perf_counter() - started) / 2048 * 1e6
     print(f"{per_block_us:.2f} us per 16-token block")
-    assert per_block_us < 50  # a decode step takes milliseconds; hashing must stay a rounding error
+    # A decode step takes milliseconds; hashing must stay a rounding error. Hashing each block's whole
+    # prefix (quadratic) would be ~100x this bound; the bound leaves a loaded CI machine room.
+    assert per_block_us < 500
 
 
 def _run_to_completion(scheduler: Scheduler, seqs: list[Sequence], max_tokens: list[int]) -> int:

@@ -256,7 +256,8 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
     apply(kubectl, ns, smollm2("repair"))
     until(lambda: ready(apis, ns, "repair"), "repair Ready")
     (dep,) = engine_deployments(apis, ns, "repair")
-    before = len(history(apis, ns, "repair"))
+    # Events follow the status write: counted once they say what the status says.
+    before = len(until(lambda: events_match_status(apis, ns, "repair"), "the Events settled"))
     apis["apps"].delete_namespaced_deployment(dep.metadata.name, ns)
     until(lambda: [d for d in engine_deployments(apis, ns, "repair") if d.metadata.uid != dep.metadata.uid]
           and ready(apis, ns, "repair"), "the Deployment back and Ready", timeout=30)

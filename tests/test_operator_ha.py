@@ -86,7 +86,9 @@ def test_killing_the_leader_hands_over_and_the_next_change_is_reconciled(replica
     until(lambda: "16" in max_num_seqs(apis, namespace, "ha"), "the change reconciled by the new leader", timeout=60)
     reconciled = time.monotonic() - killed
     print(f"leader SIGKILLed: Lease taken over after {handed_over:.1f} s, change reconciled after {reconciled:.1f} s")
-    assert handed_over <= leader.HANDOVER_S + 2  # + the test's own polling and a busy CPU
+    # The design's bound plus slack for each of the election's API calls and the test's own polling
+    # on a busy CPU (the figure itself is bench/operator_handover.py's).
+    assert handed_over <= leader.HANDOVER_S + 2 * leader.RETRY_S + 5
 
     # A clean stop releases the Lease: the restarted replica (now the standby) takes it at its next try.
     mark = len(chief.text())

@@ -53,7 +53,7 @@ def test_canaries_start_beside_stable_and_go_on_deadline_change_or_revert(operat
     apply(kubectl, ns, spec("int4-rtn", 8, "1h"))
     second = until(lambda: (c := rollout(apis, ns).get("canary")) != first and c, "the newest canary")
     until(lambda: set(deployments(apis, ns)) == {stable, second}, "the first canary deleted")
-    assert len(reasons(apis, ns, "RolloutStarted")) == 2
+    until(lambda: len(reasons(apis, ns, "RolloutStarted")) == 2, "the second RolloutStarted")  # posted after the status
 
     # Its progress deadline passes: rolled back, said in a Warning, Deployment removed.
     apply(kubectl, ns, spec("int4-rtn", 8, "3s"))

@@ -79,9 +79,10 @@ def test_a_standby_is_never_routed_promoted_on_scale_up_and_refilled(operator, a
 
     scale(apis, ns, 1)  # one serving pod is demoted; the ReplicaSet removes a standby, never a serving pod
     until(lambda: sorted(roles(apis, ns).values()) == ["false", "true"], "1 serving + 1 standby again")
-    (left,) = slice_pods(apis, ns)
+    # The EndpointSlice controller and the operator's Event follow the relabel: waited for, not raced.
+    (left,) = until(lambda: len(s := slice_pods(apis, ns)) == 1 and s, "the demoted pod out of the EndpointSlices")
     assert left in (serving, standby)
-    assert any(e.reason == "Demoted" for e in events(apis, ns, NAME))
+    until(lambda: any(e.reason == "Demoted" for e in events(apis, ns, NAME)), "the Demoted Event")
     (dep,) = apis["apps"].list_namespaced_deployment(ns, label_selector=engines(NAME)).items
     assert dep.spec.replicas == 2
     operator.restart()

@@ -690,4 +690,4 @@ async def test_a_stopping_router_cuts_a_stream_that_never_ends_within_its_shutdo
             assert await stream.content.readline()
             stopping = time.monotonic()
         took = time.monotonic() - stopping
-    assert 1.0 < took < 4.5, took  # about 3 s; twice that before
+    assert 1.0 < took < 5.5, took  # about 3 s; twice that before

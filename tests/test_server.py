@@ -766,8 +766,8 @@ def test_sigterm_drains_in_flight_streams():
             t.start()
         first.wait(timeout=300)  # every stream has its first chunk
         s.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        assert get(s.url + "/ready")[0] == 503
+        from kiln.local.testing import eventually
+        eventually(lambda: get(s.url + "/ready")[0] == 503, "/ready 503 once draining", timeout=30, interval=0.05)
         code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": "late"})
         assert code == 503 and "draining" in reply["error"]["message"]
         for t in threads:
