@@ -259,6 +259,18 @@ async def test_a_slow_shadow_never_delays_the_client() -> None:
         assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 12
 
 
+@on_event_loop
+async def test_a_body_too_large_to_parse_on_the_event_loop_is_not_mirrored() -> None:
+    from kiln.router.affinity import MAX_BODY
+    async with every_request_mirrored() as svc:
+        stable, canary = svc.engines
+        # (the fake engine answers it 413: aiohttp's own 1 MiB limit; the mirror's choice came first)
+        await svc.client.post("/v1/completions", json={"prompt": "x" * MAX_BODY, "fake": "answer"})
+        assert metric(await svc.metrics(), "kiln_router_mirrored_requests_total", outcome="skipped") == 1
+        assert (await svc.complete()).status == 200  # a small one still is
+        await until(lambda: canary.scored == 1)
+
+
 def test_weighted_choice_is_exact_over_each_cycle() -> None:
     choice = WeightedChoice()
     picks = [choice.choose({"a": 30, "b": 70}) for _ in range(10)]

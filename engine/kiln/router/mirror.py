@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from kiln.router.affinity import MAX_BODY
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint
 from kiln.router.metrics import RouterMetrics
@@ -88,7 +89,9 @@ class Mirroring:
         if traffic.mirror is None or traffic.stable is None or traffic.canary is None \
                 or path not in MIRRORED_PATHS or not self._sample.take(traffic.mirror.sample_rate):
             return
-        if len(self._tasks) >= self._max_in_flight:
+        # Too many shadows already, or a body too large to parse on the router's one event loop
+        # (every stream would stall meanwhile), as prefix hashing leaves it.
+        if len(self._tasks) >= self._max_in_flight or len(body) > MAX_BODY:
             self._metrics.mirrored.labels("skipped").inc()
             return
         floor = self._floor.take(traffic.mirror.floor_sample_rate)
