@@ -65,19 +65,39 @@ async def requests_in_flight(url: str, first_chunks: asyncio.Semaphore) -> tuple
         return await asyncio.gather(*streams), await asyncio.gather(*wholes)
 
 
+async def responses_stream(url: str, first_chunk: asyncio.Semaphore) -> list:
+    """One streamed /v1/responses request: its events' types, "broken" for a cut end."""
+    # An answer that cannot end before the fault (no ignore_eos here): 150 numbers at least.
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 150}
+    body = {"model": MODEL, "input": f"R. {PROMPT}", "max_output_tokens": 400, "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "numbers", "schema": numbers}}}
+    events = []
+    async with session(timeout=120) as client, client.post(url, json=body) as r:
+        assert r.status == 200
+        try:
+            async for data in sse_data(r):
+                events.append(data)
+                if len(events) == 1:
+                    first_chunk.release()
+        except aiohttp.ClientPayloadError:
+            events.append("broken")
+    return events
+
+
 def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_503(doomed):
     url = doomed.url + "/v1/completions"
     rss: dict[str, float] = {}
 
-    async def run() -> tuple[list, list]:
+    async def run() -> tuple[list, list, list]:
         first_chunks = asyncio.Semaphore(0)
         traffic = asyncio.create_task(requests_in_flight(url, first_chunks))
-        for _ in range(STREAMS):  # every stream is generating: its prompt's KV pages are touched
+        responses = asyncio.create_task(responses_stream(doomed.url + "/v1/responses", first_chunks))
+        for _ in range(STREAMS + 1):  # every stream is generating: its prompt's KV pages are touched
             await asyncio.wait_for(first_chunks.acquire(), 120)
         rss["serving"] = rss_mib(doomed)
-        return await asyncio.wait_for(traffic, 120)
+        return *await asyncio.wait_for(traffic, 120), await asyncio.wait_for(responses, 120)
 
-    streams, wholes = asyncio.run(run())
+    streams, wholes, responses = asyncio.run(run())
     cause = f"InjectedFault: fault injected in engine step {FAULT_STEP}"
     # Tokens, then one error event naming the cause, then a broken end: ended cleanly, a router
     # counted the failed stream a 200.
@@ -86,6 +106,10 @@ def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_50
         assert end == "broken" and tokens and all("choices" in e for e in tokens), events[:3] + events[-2:]
         assert is_openai_error(last) and last["error"]["code"] == "engine_dead", last
         assert cause in last["error"]["message"], last
+    # The responses stream ends as OpenAI's does: an error event, then response.failed saying why.
+    *_, error, failed, end = responses
+    assert (error["type"], failed["type"], end) == ("error", "response.failed", "broken"), responses[-3:]
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["code"] == "engine_dead"
     for status, reply in wholes:
         assert status == 500 and is_openai_error(reply) and reply["error"]["code"] == "engine_dead", reply
         assert cause in reply["error"]["message"], reply
@@ -101,9 +125,9 @@ def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_50
     m = doomed.metrics()
     killed = m["kiln:request_success_total{finished_reason=error}"]
     rss["dead"] = rss_mib(doomed)
-    print(f"killed {killed:.0f} of {STREAMS + WHOLE} requests in flight at step {FAULT_STEP}; "
+    print(f"killed {killed:.0f} of {STREAMS + WHOLE + 1} requests in flight at step {FAULT_STEP}; "
           f"new requests 503; RSS {rss['serving']:.0f} MiB serving -> {rss['dead']:.0f} MiB dead")
-    assert killed == STREAMS + WHOLE
+    assert killed == STREAMS + WHOLE + 1  # the responses stream too
     assert m["kiln:kv_cache_bytes"] == 0 and m["kiln:num_requests_running"] == 0, m
     assert rss["serving"] - rss["dead"] > 60, rss
     assert "the engine loop failed" in "".join(doomed.log)

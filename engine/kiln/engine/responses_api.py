@@ -155,6 +155,7 @@ class ResponsesServing:
             for event in opening:
                 await resp.write(event)
             await resp.write(answer.event("error", code=e.code, message=e.message, param=e.param))
+            await resp.write(answer.failed(e))  # the SDK's stream ends on a response event
             if e.status >= 500:
                 return broken_stream(request, resp)
         except ConnectionResetError:
@@ -172,6 +173,7 @@ class Answer:
         self.text, self.output, self.sequence = "", [], 0
         self.status, self.incomplete, self.output_tokens, self.opened = "in_progress", None, 0, False
         self.cached_tokens = 0  # of the prompt, found in the prefix cache
+        self.error: dict[str, str] | None = None  # why it failed, once it did
 
     def finish(self, text: str, finish_reason: str | None, output_tokens: int) -> None:
         message = self.shape.full(text, [], finish_reason)["message"]
@@ -201,7 +203,8 @@ class Answer:
     def response(self) -> dict[str, Any]:
         req = self.req
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": self.status, "error": None,
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "error": self.error,
             "incomplete_details": self.incomplete, "instructions": req.instructions, "model": self.model,
             "output": self.output, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None, "store": False,
@@ -221,6 +224,11 @@ class Answer:
         self.sequence += 1
         payload = {"type": type_, "sequence_number": self.sequence - 1, **fields}
         return f"event: {type_}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+    def failed(self, error: APIError) -> bytes:
+        """response.failed, as OpenAI ends a stream whose generation failed."""
+        self.status, self.error = "failed", {"code": error.code or "server_error", "message": error.message}
+        return self.event("response.failed", response=self.response())
 
     def opening(self) -> list[bytes]:
         return [self.event("response.created", response=self.response()),
