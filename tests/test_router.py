@@ -539,6 +539,7 @@ async def test_requests_held_at_zero_replicas_go_to_the_first_ready_ones_once_ea
         assert metric(samples, "kiln_router_cold_start_seconds_count") == 4
         last = metric(samples, "kiln_router_last_cold_start_seconds")
         assert 0 < last <= metric(samples, "kiln_router_cold_start_seconds_sum")
+        assert abs(metric(samples, "kiln_router_last_cold_start_timestamp_seconds") - time.time()) < 60
         assert metric(samples, "kiln_router_requests_total", revision="", code="200") == 5
 
 

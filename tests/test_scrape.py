@@ -52,6 +52,15 @@ def test_load_is_engines_queues_plus_held_requests():
     assert taken.cold_start is None  # 0 means the router never saw a cold start
 
 
+def test_the_cold_start_reported_is_the_newest_routers_not_the_largest():
+    """Each router keeps its last cold start: one router's slow start long ago must not stand for
+    the later, faster ones the others saw."""
+    old = ROUTER.format(held=0, cold=600) + "kiln_router_last_cold_start_timestamp_seconds 1000\n"
+    new = ROUTER.format(held=0, cold=20) + "kiln_router_last_cold_start_timestamp_seconds 5000\n"
+    with serving(ENGINE.format(waiting=0, running=1)) as engine, serving(old) as a, serving(new) as b:
+        assert scrape([engine], [a, b], now=1.0).cold_start == 20
+
+
 def test_requests_queued_at_the_router_count_as_load():
     page = ROUTER.format(held=1, cold=0) + "kiln_router_queued_requests 6\n"
     with serving(ENGINE.format(waiting=0, running=4)) as engine, serving(page) as router:

@@ -64,6 +64,9 @@ class RouterMetrics:
             "kiln_router_last_cold_start_seconds", "The latest cold start's "
             "held-to-first-byte seconds; 0 until there is one (the operator copies it into "
             "the InferenceService's status)", registry=self.registry)
+        self.last_cold_start_time = Gauge(
+            "kiln_router_last_cold_start_timestamp_seconds", "When the latest cold start ended (Unix "
+            "time): of several routers, the operator reports the newest", registry=self.registry)
         # The quality gate (mirror.py), labelled by the revision that scored the stable
         # revision's greedy tokens: the canary, or stable itself (the noise floor).
         self.mirror_tokens = Counter(
@@ -88,6 +91,7 @@ class RouterMetrics:
     def cold_started(self, seconds: float) -> None:
         self.cold_start.observe(seconds)
         self.last_cold_start.set(seconds)
+        self.last_cold_start_time.set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ ENGINE_LOAD = ("kiln:num_requests_waiting", "kiln:num_requests_running")
 ROUTER_HELD = "kiln_router_held_requests"  # waiting for a replica (none ready)
 ROUTER_QUEUED = "kiln_router_queued_requests"  # waiting for a place among the router's --max-in-flight
 ROUTER_COLD_START = "kiln_router_last_cold_start_seconds"
+ROUTER_COLD_START_TIME = "kiln_router_last_cold_start_timestamp_seconds"
 TIMEOUT_S = 1.0
 log = logging.getLogger("kiln.operator")
 T, R = TypeVar("T"), TypeVar("R")
@@ -82,8 +83,10 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
     # Requests a router holds or queues are demand the engines have not seen yet.
     held = [p[ROUTER_HELD] + p.get(ROUTER_QUEUED, 0.0) for p in pages[len(engines):]
             if p is not None and ROUTER_HELD in p and count(p[ROUTER_HELD]) and count(p.get(ROUTER_QUEUED, 0.0))]
-    cold = [p[ROUTER_COLD_START] for p in pages[len(engines):] if p and p.get(ROUTER_COLD_START)]
-    cold_start = max(cold) if cold else None
+    # The newest router's (one router's old slow start must not stand for every later one).
+    cold = [(p.get(ROUTER_COLD_START_TIME, 0.0), p[ROUTER_COLD_START]) for p in pages[len(engines):]
+            if p and p.get(ROUTER_COLD_START)]
+    cold_start = max(cold)[1] if cold else None
     if not held or (engines and not loads):
         return Scrape(None, cold_start)
     # Multiplied before dividing: with every pod answering the sum comes back exact (116 / 7 * 7
