@@ -24,8 +24,9 @@ local-bins: $(STAMP)
 images: $(STAMP)
 	$(PY) -m kiln.cli local images
 
+# The slowest tests listed at the end: where CI's time goes.
 test: $(STAMP) local-bins images
-	$(PY) -m pytest -q tests e2e
+	$(PY) -m pytest -q --durations=25 tests e2e
 
 # The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
 # kubectl apply -k manifests/, the operator running, examples/smollm2.yaml Ready; prints the
