@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kiln.operator import crds
+from kiln.operator.models import InferenceServiceSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,6 +177,13 @@ INVALID = [
      "must be pvc://<claim>/<path> or hostpath:///<absolute path>"),
     ("adapter-named-as-model", "bad", with_spec(model__name="chat", engine__adapters=[
         {"name": "chat", "source": "pvc://loras/a"}]), "requests could not tell them apart"),
+    # No model.name: the served name is the source's last part (ModelSpec.served_name), in CEL too.
+    ("adapter-named-as-source-folder", "bad", {"model": {"source": "pvc://models/llama/"}, "engine": {
+        "adapters": [{"name": "llama", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
+    ("adapter-named-as-gguf", "bad", {"model": {"source": "hostpath:///m/chat.gguf"}, "engine": {
+        "adapters": [{"name": "chat", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
+    ("adapter-named-as-builtin", "bad", {"model": {"source": "builtin://smollm2-135m"}, "engine": {
+        "adapters": [{"name": "smollm2-135m", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
     ("adapter-twice", "bad", with_spec(engine__adapters=[{"name": "a", "source": "pvc://x"},
                                                          {"name": "a", "source": "pvc://y"}]), "Duplicate value"),
     ("pull-secret-twice", "bad", with_spec(imagePullSecrets=[{"name": "regcred"}, {"name": "regcred"}]),
@@ -235,3 +243,9 @@ def test_api_server_fills_defaults_and_keeps_the_full_example(custom_api, kiln_i
     stored = custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace, "inferenceservices",
                                                         {**minimal, "spec": both}, dry_run="All")
     assert stored["spec"]["engine"]["adapters"] == both["engine"]["adapters"]
+    # An adapter named near the served name, not as it: taken (the API server and the operator agree).
+    near = {"model": {"source": "hostpath:///m/chat.gguf"}, "engine": {"adapters": [
+        {"name": "chat.gguf", "source": "pvc://loras/a"}, {"name": "m", "source": "pvc://loras/b"}]}}
+    InferenceServiceSpec.model_validate(near)
+    custom_api.create_namespaced_custom_object("kiln.dev", "v1alpha1", namespace, "inferenceservices",
+                                               {**minimal, "spec": near}, dry_run="All")

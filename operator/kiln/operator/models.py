@@ -377,6 +377,13 @@ class RouterSpec(Spec):
 
 
 ADAPTER_IS_MODEL = "an engine.adapters name is the model's own name: requests could not tell them apart"
+# ModelSpec.served_name in CEL, for the API server to refuse what the operator would: the name, or
+# the source's last part (one trailing slash dropped), a .gguf without its suffix.
+_SOURCE = ("(self.model.source.endsWith('/') ? self.model.source.substring(0, size(self.model.source) - 1)"
+           " : self.model.source)")
+_LAST = f"{_SOURCE}.substring({_SOURCE}.lastIndexOf('/') + 1)"
+SERVED_NAME_CEL = (f"(has(self.model.name) ? self.model.name : "
+                   f"({_LAST}.endsWith('.gguf') ? {_LAST}.substring(0, size({_LAST}) - 5) : {_LAST}))")
 
 
 class InferenceServiceSpec(Spec):
@@ -386,8 +393,8 @@ class InferenceServiceSpec(Spec):
         "resources.gpus must equal engine.tensorParallelSize (one GPU per rank; more would sit idle)"), cel(
         "self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
         "engine.tensorParallelSize is larger than resources.gpus: a tensor-parallel rank needs a GPU of its own"), cel(
-        "!has(self.model.name) || !has(self.engine.adapters) || "
-        "!self.engine.adapters.exists(a, a.name == self.model.name)", ADAPTER_IS_MODEL)))
+        f"!has(self.engine.adapters) || !self.engine.adapters.exists(a, a.name == {SERVED_NAME_CEL})",
+        ADAPTER_IS_MODEL)))
     model: ModelSpec
     replicas: int = Field(1, ge=0, le=1000, description=(
         "Replicas when autoscaling is off; what /scale (HPA, KEDA, kubectl scale) sets."))
