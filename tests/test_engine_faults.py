@@ -38,50 +38,41 @@ def doomed(monkeypatch):
     s.stop()
 
 
-async def requests_in_flight(url: str, first_chunks: asyncio.Semaphore) -> tuple[list, list]:
-    def body(i: int) -> dict:
-        return {"model": MODEL, "prompt": f"{i}. {PROMPT}", "max_tokens": 400, "ignore_eos": True}
-
-    async with session(timeout=120) as client:
-        async def stream(i: int) -> list:
-            events = []
-            async with client.post(url, json={**body(i), "stream": True}) as r:
-                assert r.status == 200
-                try:
-                    async for data in sse_data(r):
-                        events.append(data)
-                        if len(events) == 1:
-                            first_chunks.release()
-                except aiohttp.ClientPayloadError:  # the end a failed stream has: no final chunk
-                    events.append("broken")
-            return events
-
-        async def whole(i: int) -> tuple[int, dict]:
-            async with client.post(url, json=body(i)) as r:
-                return r.status, await r.json()
-
-        streams = [asyncio.create_task(stream(i)) for i in range(STREAMS)]
-        wholes = [asyncio.create_task(whole(STREAMS + i)) for i in range(WHOLE)]
-        return await asyncio.gather(*streams), await asyncio.gather(*wholes)
-
-
-async def responses_stream(url: str, first_chunk: asyncio.Semaphore) -> list:
-    """One streamed /v1/responses request: its events' types, "broken" for a cut end."""
-    # An answer that cannot end before the fault (no ignore_eos here): 150 numbers at least.
-    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 150}
-    body = {"model": MODEL, "input": f"R. {PROMPT}", "max_output_tokens": 400, "stream": True,
-            "text": {"format": {"type": "json_schema", "name": "numbers", "schema": numbers}}}
+async def stream(client: aiohttp.ClientSession, url: str, body: dict, first_chunks: asyncio.Semaphore) -> list:
+    """One streamed request's events, "broken" for a cut end; its first releases `first_chunks`."""
     events = []
-    async with session(timeout=120) as client, client.post(url, json=body) as r:
+    async with client.post(url, json={**body, "stream": True}) as r:
         assert r.status == 200
         try:
             async for data in sse_data(r):
                 events.append(data)
                 if len(events) == 1:
-                    first_chunk.release()
-        except aiohttp.ClientPayloadError:
+                    first_chunks.release()
+        except aiohttp.ClientPayloadError:  # the end a failed stream has: no final chunk
             events.append("broken")
     return events
+
+
+async def requests_in_flight(url: str, first_chunks: asyncio.Semaphore) -> tuple[list, list, list]:
+    """Completions streamed and whole, and one streamed /v1/responses request."""
+    def body(i: int) -> dict:
+        return {"model": MODEL, "prompt": f"{i}. {PROMPT}", "max_tokens": 400, "ignore_eos": True}
+
+    # An answer that cannot end before the fault (no ignore_eos there): 150 numbers at least.
+    numbers = {"type": "array", "items": {"type": "integer"}, "minItems": 150}
+    response = {"model": MODEL, "input": f"R. {PROMPT}", "max_output_tokens": 400,
+                "text": {"format": {"type": "json_schema", "name": "numbers", "schema": numbers}}}
+
+    async with session(timeout=120) as client:
+        async def whole(i: int) -> tuple[int, dict]:
+            async with client.post(url, json=body(i)) as r:
+                return r.status, await r.json()
+
+        streams = [asyncio.create_task(stream(client, url, body(i), first_chunks)) for i in range(STREAMS)]
+        wholes = [asyncio.create_task(whole(STREAMS + i)) for i in range(WHOLE)]
+        responses = asyncio.create_task(
+            stream(client, url.replace("/v1/completions", "/v1/responses"), response, first_chunks))
+        return await asyncio.gather(*streams), await asyncio.gather(*wholes), await responses
 
 
 def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_503(doomed):
@@ -91,11 +82,10 @@ def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_50
     async def run() -> tuple[list, list, list]:
         first_chunks = asyncio.Semaphore(0)
         traffic = asyncio.create_task(requests_in_flight(url, first_chunks))
-        responses = asyncio.create_task(responses_stream(doomed.url + "/v1/responses", first_chunks))
         for _ in range(STREAMS + 1):  # every stream is generating: its prompt's KV pages are touched
             await asyncio.wait_for(first_chunks.acquire(), 120)
         rss["serving"] = rss_mib(doomed)
-        return *await asyncio.wait_for(traffic, 120), await asyncio.wait_for(responses, 120)
+        return await asyncio.wait_for(traffic, 120)
 
     streams, wholes, responses = asyncio.run(run())
     cause = f"InjectedFault: fault injected in engine step {FAULT_STEP}"
