@@ -108,7 +108,8 @@ def test_chat_logprob_bytes_join_into_the_text(tokenizer) -> None:
 def test_sentencepiece_tokens_keep_their_leading_space(decoder) -> None:
     """Alone, a SentencePiece token's text lost its "▁" space (the decoder strips a text's first):
     logprob tokens and bytes of "Hello world" after a prompt joined into "Helloworld"."""
-    hf = HFTokenizer(models.BPE({"<unk>": 0, "▁Say": 1, ":": 2, "▁Hello": 3, "▁world": 4}, [], unk_token="<unk>"))
+    hf = HFTokenizer(models.BPE({"<unk>": 0, "▁Say": 1, ":": 2, "▁Hello": 3, "▁world": 4, "▁▁": 5, "▁▁hi": 6}, [],
+                                unk_token="<unk>"))
     hf.decoder = decoder
     sp = Tokenizer(hf, [], None, None)
     prompt, output = [1, 2], [3, 4]
@@ -117,3 +118,5 @@ def test_sentencepiece_tokens_keep_their_leading_space(decoder) -> None:
     assert "".join(sp.decode_token(i) for i in output) == text
     assert b"".join(sp.token_bytes(i) for i in output) == text.encode()
     assert sp.decode_token(2) == ":"  # no "▁", no space
+    assert [sp.decode_token(i) for i in (5, 6)] == ["  ", "  hi"]  # an indent's spaces, each of them
+    assert sp.decode(prompt + [5, 6])[len(sp.decode(prompt)):] == "    hi"

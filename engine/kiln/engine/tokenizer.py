@@ -103,10 +103,11 @@ class Tokenizer:
     def _decode_token(self, token_id: int) -> str:
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         # SentencePiece decoders (Metaspace, Llama 2's Strip) drop a text's first space, so each
-        # "▁word" alone lost its own: the tokens' texts and bytes no longer joined into the output.
-        if (self.tokenizer.id_to_token(token_id) or "").startswith("▁") and not text.startswith(" "):
-            return " " + text
-        return text
+        # "▁word" (or "▁▁" of an indent) alone lost one: the tokens' texts and bytes no longer
+        # joined into the output. Its piece's leading "▁"s say how many spaces it stands for.
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        missing = (len(piece) - len(piece.lstrip("▁"))) - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (OpenAI's logprob `bytes`): where it holds part of a UTF-8
