@@ -178,11 +178,11 @@ INVALID = [
     ("adapter-named-as-model", "bad", with_spec(model__name="chat", engine__adapters=[
         {"name": "chat", "source": "pvc://loras/a"}]), "requests could not tell them apart"),
     # No model.name: the served name is the source's last part (ModelSpec.served_name), in CEL too.
-    ("adapter-named-as-source-folder", "bad", {"model": {"source": "pvc://models/llama/"}, "engine": {
+    ("adapter-named-as-source-folder", "bad", {"model": {"source": "pvc://models/llama//"}, "engine": {
         "adapters": [{"name": "llama", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
     ("adapter-named-as-gguf", "bad", {"model": {"source": "hostpath:///m/chat.gguf"}, "engine": {
         "adapters": [{"name": "chat", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
-    ("adapter-named-as-builtin", "bad", {"model": {"source": "builtin://smollm2-135m"}, "engine": {
+    ("adapter-named-as-builtin", "bad", {"model": {"name": "", "source": "builtin://smollm2-135m"}, "engine": {
         "adapters": [{"name": "smollm2-135m", "source": "pvc://loras/a"}]}}, "requests could not tell them apart"),
     ("adapter-twice", "bad", with_spec(engine__adapters=[{"name": "a", "source": "pvc://x"},
                                                          {"name": "a", "source": "pvc://y"}]), "Duplicate value"),

@@ -377,12 +377,10 @@ class RouterSpec(Spec):
 
 
 ADAPTER_IS_MODEL = "an engine.adapters name is the model's own name: requests could not tell them apart"
-# ModelSpec.served_name in CEL, for the API server to refuse what the operator would: the name, or
-# the source's last part (one trailing slash dropped), a .gguf without its suffix.
-_SOURCE = ("(self.model.source.endsWith('/') ? self.model.source.substring(0, size(self.model.source) - 1)"
-           " : self.model.source)")
-_LAST = f"{_SOURCE}.substring({_SOURCE}.lastIndexOf('/') + 1)"
-SERVED_NAME_CEL = (f"(has(self.model.name) ? self.model.name : "
+# ModelSpec.served_name in CEL, for the API server to refuse what the operator would: the name if
+# not empty, else the source's last part (trailing slashes dropped), a .gguf without its suffix.
+_LAST = "self.model.source.find('[^/]+/*$').find('^[^/]+')"
+SERVED_NAME_CEL = (f"((has(self.model.name) && self.model.name != '') ? self.model.name : "
                    f"({_LAST}.endsWith('.gguf') ? {_LAST}.substring(0, size({_LAST}) - 5) : {_LAST}))")
 
 
