@@ -144,3 +144,22 @@ def test_a_lease_the_api_server_refuses_stops_the_operator_with_why(local_cluste
     finally:
         proc.stop()
     assert f"kiln operator: the API server refuses Lease {namespace}/kiln-operator: 403 Forbidden" in proc.text()
+
+
+def test_a_lease_deleted_between_read_and_write_is_a_failed_try_not_a_refusal(local_cluster, kiln_installed, lease):
+    """The replace finds the Lease gone (deleted since it was read): the API server says 409 (its
+    resourceVersion is stale), a failed try, and the next creates it; it must not stop the
+    operator as a refused Lease does."""
+    api = kubernetes.client.CoordinationV1Api(local_cluster.api_client)
+    assert leader.LeaseElector(api, LEASE_NAMESPACE, lease, "a").try_acquire_or_renew()  # created
+
+    class DeletedAfterRead(kubernetes.client.CoordinationV1Api):
+        def read_namespaced_lease(self, *args, **kwargs):
+            found = super().read_namespaced_lease(*args, **kwargs)
+            self.delete_namespaced_lease(lease, LEASE_NAMESPACE)
+            return found
+
+    racing = leader.LeaseElector(DeletedAfterRead(local_cluster.api_client), LEASE_NAMESPACE, lease, "a")
+    assert racing.try_acquire_or_renew() is False
+    assert leader.LeaseElector(api, LEASE_NAMESPACE, lease, "a").try_acquire_or_renew()
+    api.delete_namespaced_lease(lease, LEASE_NAMESPACE)

@@ -230,7 +230,7 @@ class Router:
             if turn.cancelled():
                 with contextlib.suppress(ValueError):  # _leave may have dropped it already
                     self._line.remove(turn)
-            else:
+            elif turn.exception() is None:
                 self._leave()  # handed a place just as the client left: pass it on
             raise
         except ShuttingDown:
