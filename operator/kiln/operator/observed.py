@@ -52,6 +52,14 @@ def is_ready(pod: dict[str, Any]) -> bool:
         c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def live(pod: dict[str, Any]) -> bool:
+    """A pod that still counts, as a ReplicaSet counts them: not terminating, and not ended for
+    good (an evicted pod is Failed, with no deletionTimestamp, until it is garbage collected; its
+    replacement is already made)."""
+    return not pod["metadata"].get("deletionTimestamp") and \
+        (pod.get("status") or {}).get("phase") not in ("Failed", "Succeeded")
+
+
 def serves(pod: dict[str, Any]) -> bool:
     """Whether a pod is capacity: every pod of a revision without a warm pool (unlabelled), and
     of one with a pool those not labelled standby. An unlabelled pod of a pooled revision (made

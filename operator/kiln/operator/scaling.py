@@ -10,7 +10,7 @@ from typing import Any
 
 from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
-from .observed import FAILING, Observed, engine_failure, is_ready, replicas_of, serves
+from .observed import FAILING, Observed, engine_failure, is_ready, live, replicas_of, serves
 from .quantity import canonical
 from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, metadata, template_pooled
 from .status import condition
@@ -56,9 +56,7 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
     ready = loading = unschedulable = 0
     why = None
     for pod in observed.pods(revision):
-        # Terminating, or ended for good (an evicted pod is Failed until garbage collected, its
-        # replacement already made): not loading, so not holding a scale-down.
-        if pod["metadata"].get("deletionTimestamp") or (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+        if not live(pod):  # terminating or ended: not loading, so not holding a scale-down
             continue
         if is_ready(pod):
             ready += serves(pod)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .desired import Desired, fully_ready
-from .observed import Observed, deployment_counts, engine_failure, engine_waiting, is_ready, serves
+from .observed import Observed, deployment_counts, engine_failure, engine_waiting, is_ready, live, serves
 from .render import ANNOTATION_QUANTIZATION
 
 # Reasons that are Warnings; for these a new message is news too (another error).
@@ -152,13 +152,11 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
 
 def serving_counts(deployment: dict[str, Any], observed: Observed) -> tuple[int, int]:
     """(replicas, ready replicas) of a revision that serve: its Deployment's, less a warm pool's
-    standbys (pods as a ReplicaSet counts them: not terminating, not ended). What /scale reports
+    standbys (observed.live: as a ReplicaSet counts pods). What /scale reports
     back to the HPA or KEDA that set spec.replicas, and what `kubectl get` shows: standbys are
     status.warmReplicas."""
     replicas, ready = deployment_counts(deployment)
-    standbys = [p for p in observed.pods(deployment["metadata"]["name"])
-                if not serves(p) and not p["metadata"].get("deletionTimestamp")
-                and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+    standbys = [p for p in observed.pods(deployment["metadata"]["name"]) if live(p) and not serves(p)]
     return max(replicas - len(standbys), 0), max(ready - sum(map(is_ready, standbys)), 0)
 
 

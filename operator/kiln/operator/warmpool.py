@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .observed import is_ready
+from .observed import is_ready, live
 from .render import LABEL_SERVING
 from .scaling import epoch, iso
 from .status import condition
@@ -79,17 +79,14 @@ def plan_pool(serving_wanted: int, pods: list[Pod], sleep: bool = False) -> Pool
 
 
 def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
-    """The live pods of a revision as the pool sees them: terminating ones are neither, nor are
-    those that ended for good (an evicted pod is Failed, with no deletionTimestamp, until it is
-    garbage collected; the ReplicaSet has already replaced it)."""
+    """The live pods of a revision (observed.live) as the pool sees them."""
     def pod(p: dict[str, Any]) -> Pod:
         meta, status = p["metadata"], p.get("status") or {}
         restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
         return Pod(meta["name"], is_ready(p), (meta.get("labels") or {}).get(LABEL_SERVING) == "true",
                    meta.get("creationTimestamp") or "", status.get("podIP") or "",
                    (meta.get("annotations") or {}).get(ASLEEP) == str(restarts), restarts)
-    return [pod(p) for p in observed_pods if not p["metadata"].get("deletionTimestamp")
-            and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+    return [pod(p) for p in observed_pods if live(p)]
 
 
 def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted: int, previous: dict[str, Any],
