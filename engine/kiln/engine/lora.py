@@ -60,12 +60,18 @@ class LoRAMapping:
     groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
 
 
-def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Read a PEFT LoRA folder into the model's fused layout, in the model's dtype and device."""
+def adapter_files(name: str, path: str) -> tuple[Path, Path]:
+    """A PEFT folder's adapter_config.json and adapter_model.safetensors; LoRAError if either is missing."""
     folder = Path(path)
     config_file, tensors_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not os.path.isfile(config_file) or not os.path.isfile(tensors_file):  # False, not OSError, for a name too long
         raise LoRAError(f"LoRA adapter {name!r}: {path} must hold adapter_config.json and adapter_model.safetensors")
+    return config_file, tensors_file
+
+
+def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAAdapter:
+    """Read a PEFT LoRA folder into the model's fused layout, in the model's dtype and device."""
+    config_file, tensors_file = adapter_files(name, path)
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8

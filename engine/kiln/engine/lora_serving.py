@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from kiln.engine.lora import LoRAError
+from kiln.engine.lora import LoRAError, adapter_files
 from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
@@ -57,9 +56,10 @@ def check_modules(lora_modules: list[tuple[str, str]], model_name: str) -> None:
     if duplicates:
         raise ValueError(f"--lora-modules: {', '.join(duplicates)} given more than once")
     for name, path in lora_modules:
-        if not all(os.path.isfile(os.path.join(path, f)) for f in ("adapter_config.json", "adapter_model.safetensors")):
-            raise ValueError(f"--lora-modules {name}={path}: not a PEFT adapter folder (adapter_config.json and "
-                             "adapter_model.safetensors)")
+        try:
+            adapter_files(name, path)
+        except LoRAError as e:
+            raise ValueError(f"--lora-modules {name}={path}: not a PEFT adapter folder ({e})") from None
 
 
 def model_cards(engine: AsyncEngine | None, model_name: str, base: dict[str, Any]) -> list[dict[str, Any]]:
