@@ -6,6 +6,7 @@ over many rounds: bench/operator_handover.py)."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 import uuid
 
@@ -163,3 +164,36 @@ def test_a_lease_deleted_between_read_and_write_is_a_failed_try_not_a_refusal(lo
     assert racing.try_acquire_or_renew() is False
     assert leader.LeaseElector(api, LEASE_NAMESPACE, lease, "a").try_acquire_or_renew()
     api.delete_namespaced_lease(lease, LEASE_NAMESPACE)
+
+
+def test_a_renewal_in_flight_when_the_operator_stops_does_not_undo_the_release(local_cluster, kiln_installed, lease):
+    """The campaign's renewal runs in a thread that cancelling the task does not stop. When it read
+    the Lease before the release did and wrote after, the release's write was a 409, silently
+    dropped: the Lease stayed held and the next leader waited for it to expire (CI saw 17.6 s)."""
+    api = kubernetes.client.CoordinationV1Api(local_cluster.api_client)
+    renewal_read, release_read = threading.Event(), threading.Event()
+    renewal = threading.Thread(target=lambda: elector.try_acquire_or_renew())
+
+    class SlowRenewal(kubernetes.client.CoordinationV1Api):
+        def read_namespaced_lease(self, *args, **kwargs):
+            found = super().read_namespaced_lease(*args, **kwargs)
+            # The race, made certain: renewal reads, release reads, renewal writes, release writes.
+            if threading.current_thread() is renewal:
+                renewal_read.set()
+                release_read.wait(timeout=3)
+            elif renewal_read.is_set():
+                release_read.set()
+                renewal.join(timeout=3)
+            return found
+
+    elector = leader.LeaseElector(SlowRenewal(local_cluster.api_client), LEASE_NAMESPACE, lease, "a")
+    try:
+        assert elector.try_acquire_or_renew()  # creates it
+        renewal.start()
+        assert renewal_read.wait(timeout=10)
+        elector.release()
+        renewal.join()
+        assert holder(api, lease) is None
+        assert elector.try_acquire_or_renew() is False and holder(api, lease) is None  # it tries no more
+    finally:
+        api.delete_namespaced_lease(lease, LEASE_NAMESPACE)

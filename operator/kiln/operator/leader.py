@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -44,10 +45,18 @@ class LeaseElector:
         self._clock = clock
         self._seen: tuple[str | None, object] | None = None  # (holder, renewTime) last read
         self._seen_at = 0.0
+        # A renewal still running in its thread when the operator stops must not race the release
+        # (its write would turn the release into a 409, and the Lease would have to expire).
+        self._lock = threading.Lock()
+        self._released = False
 
     def try_acquire_or_renew(self) -> bool:
         """One attempt; True when this candidate holds the Lease afterwards. A conflicting
-        write (another candidate won the race) is a plain False."""
+        write (another candidate won the race) is a plain False; after release(), always False."""
+        with self._lock:
+            return not self._released and self._try()
+
+    def _try(self) -> bool:
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
         except ApiException as err:
@@ -84,16 +93,19 @@ class LeaseElector:
         return True
 
     def release(self) -> None:
-        """Give the Lease up if held, so a follower need not wait for it to expire."""
-        lease = self.api.read_namespaced_lease(self.name, self.namespace)
-        if lease.spec is None or lease.spec.holder_identity != self.identity:
-            return
-        lease.spec.holder_identity, lease.spec.lease_duration_seconds = None, 1
-        try:
-            self.api.replace_namespaced_lease(self.name, self.namespace, lease)
-        except ApiException as err:
-            if err.status != 409:
-                raise
+        """Give the Lease up if held, so a follower need not wait for it to expire; this candidate
+        tries no more."""
+        with self._lock:
+            self._released = True
+            lease = self.api.read_namespaced_lease(self.name, self.namespace)
+            if lease.spec is None or lease.spec.holder_identity != self.identity:
+                return
+            lease.spec.holder_identity, lease.spec.lease_duration_seconds = None, 1
+            try:
+                self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+            except ApiException as err:
+                if err.status != 409:  # another candidate took it meanwhile: nothing left to give up
+                    raise
 
 
 class Leadership:
