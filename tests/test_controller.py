@@ -4,9 +4,18 @@ pass in place of reconcile: it tells a pass an event asked for from one only its
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 
+import kubernetes
+import pytest
+import urllib3
+
+from kiln.operator import controller as controller_module
+from kiln.operator.api import timed
 from kiln.operator.controller import Controller
-from kiln.operator.leader import RENEW_DEADLINE_S, Leadership
+from kiln.operator.leader import RENEW_DEADLINE_S, Leadership, campaign
 
 
 def test_a_pass_is_told_whether_an_event_or_its_timer_woke_it():
@@ -42,7 +51,7 @@ def test_a_timer_pass_that_waited_for_leadership_reads_afresh():
         seen: list[bool] = []
         clock = [0.0]
         leading = Leadership(clock=lambda: clock[0])
-        leading.renewed()
+        leading.renewed(clock[0])
         second = asyncio.Event()
 
         def run_pass(namespace: str, name: str, woken: bool) -> float:
@@ -59,7 +68,7 @@ def test_a_timer_pass_that_waited_for_leadership_reads_afresh():
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the timer's pass is due, and waits for leadership
         assert seen == [True]
-        leading.renewed()
+        leading.renewed(clock[0])
         await asyncio.wait_for(second.wait(), 10)
         await controller.stop()
         return seen
@@ -75,3 +84,160 @@ def test_the_operator_watches_only_its_children_in_pages():
     settings = build_settings()
     selected = {(s.group, s.version, s.any_name): v for s, v in settings.watching.label_selectors.items()}
     assert selected == {child: LABEL_ISVC for child in CHILDREN} and settings.watching.chunk_size == 500
+
+
+def test_a_long_run_of_failed_passes_does_not_end_the_loop(monkeypatch):
+    """The backoff's 2 ** failures overflowed a float at 1024 failures in a row (17 hours at the
+    60 s cap): the loop ended and the object was never reconciled again."""
+    monkeypatch.setattr(controller_module, "MAX_BACKOFF_S", 1e-4)
+    calls = []
+
+    def run_pass(namespace: str, name: str, woken: bool) -> float:
+        calls.append(woken)
+        if len(calls) <= 1100:
+            raise RuntimeError("the API server says no")
+        return 60.0
+
+    async def scenario() -> None:
+        controller = Controller(run_pass)
+        controller.trigger(("ns", "a"))
+        async with asyncio.timeout(120):
+            while len(calls) <= 1100:
+                await asyncio.sleep(0.01)
+        await controller.stop()
+
+    asyncio.run(scenario())
+    assert len(calls) == 1101
+
+
+def test_stop_returns_only_once_the_running_pass_has_finished():
+    """Cancelling a loop leaves its pass running in its thread; the operator released the Lease
+    while that pass still wrote, and the next leader's writes raced it."""
+    started, go, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def run_pass(namespace: str, name: str, woken: bool) -> float:
+        started.set()
+        go.wait(timeout=10)
+        finished.set()
+        return 60.0
+
+    async def scenario() -> None:
+        controller = Controller(run_pass)
+        controller.trigger(("ns", "a"))
+        assert await asyncio.to_thread(started.wait, 10)
+        stopping = asyncio.create_task(controller.stop())
+        await asyncio.sleep(0.2)
+        assert not stopping.done()
+        go.set()
+        await asyncio.wait_for(stopping, 10)
+        assert finished.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_a_recreated_namesakes_pass_waits_for_the_deleted_ones_and_state_is_dropped_after_it():
+    """Deleted and made again under the same name while a pass ran: the new object's loop started
+    a second pass alongside. And what passes keep per object is dropped after the last pass (a
+    pass still running when the deletion came kept it again), not at the deletion, and not when
+    the operator merely stops."""
+    running, overlaps, gone = [0], [], []
+    first, go = threading.Event(), threading.Event()
+
+    def run_pass(namespace: str, name: str, woken: bool) -> float:
+        running[0] += 1
+        overlaps.append(running[0])
+        first.set()
+        go.wait(timeout=10)
+        running[0] -= 1
+        return 60.0
+
+    async def scenario() -> None:
+        controller = Controller(run_pass, on_gone=lambda key: gone.append((key, running[0])))
+        controller.trigger(("ns", "a"))
+        assert await asyncio.to_thread(first.wait, 10)
+        controller.forget(("ns", "a"))  # deleted...
+        controller.trigger(("ns", "a"))  # ...and made again
+        await asyncio.sleep(0.3)
+        assert overlaps == [1] and gone == []
+        go.set()
+        async with asyncio.timeout(10):
+            while len(overlaps) < 2:
+                await asyncio.sleep(0.01)
+        await controller.stop()
+
+    asyncio.run(scenario())
+    assert overlaps == [1, 1]
+    assert gone == [(("ns", "a"), 0)]  # once, after the deleted one's pass; not at stop()
+
+
+def test_a_pass_waiting_for_a_worker_slot_checks_leadership_again():
+    """Queued behind another object's pass while the Lease lapsed (a frozen replica waking): it
+    ran anyway, alongside the new leader."""
+    clock = [0.0]
+    leading = Leadership(clock=lambda: clock[0])
+    leading.renewed(clock[0])
+    ran, go = [], threading.Event()
+
+    def run_pass(namespace: str, name: str, woken: bool) -> float:
+        ran.append(name)
+        if name == "a":
+            go.wait(timeout=10)
+        return 60.0
+
+    async def scenario() -> None:
+        controller = Controller(run_pass, workers=1, leading=leading)
+        controller.trigger(("ns", "a"))
+        async with asyncio.timeout(10):
+            while not ran:
+                await asyncio.sleep(0.01)
+        controller.trigger(("ns", "b"))  # waits for the one slot
+        await asyncio.sleep(0.2)
+        clock[0] += RENEW_DEADLINE_S + 1
+        go.set()
+        await asyncio.sleep(0.5)
+        assert ran == ["a"]
+        leading.renewed(clock[0])  # leads again: b's pass runs
+        async with asyncio.timeout(10):
+            while "b" not in ran:
+                await asyncio.sleep(0.01)
+        await controller.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_renewal_counts_from_when_it_was_tried():
+    """A renewal whose answer came 20 s after it was sent re-armed leadership for another
+    RENEW_DEADLINE_S, though followers count the Lease from the write: two leaders at once."""
+    clock = [0.0]
+    leading = Leadership(clock=lambda: clock[0])
+
+    class SlowElector:
+        namespace, name, identity = "kiln-system", "lease", "me"
+
+        def try_acquire_or_renew(self) -> bool:
+            clock[0] += 20.0
+            return True
+
+    async def scenario() -> None:
+        task = asyncio.create_task(campaign(SlowElector(), leading, lambda why: None))
+        async with asyncio.timeout(10):
+            while not leading.ever():
+                await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert not leading.held()
+
+
+def test_an_api_call_on_a_connection_that_never_answers_times_out():
+    """The Kubernetes client sets no timeout of its own: a dead connection blocked a pass for good."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        host, port = silent.getsockname()
+        client = timed(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=f"http://{host}:{port}")),
+                       (1.0, 1.0))
+        started = time.monotonic()
+        with pytest.raises(urllib3.exceptions.HTTPError):
+            kubernetes.client.CoreV1Api(client).read_namespace("default")
+        assert time.monotonic() - started < 10

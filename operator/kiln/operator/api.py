@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# Each call's limit unless it sets its own. The client sets none: a call on a connection that went
+# dead without a reset (an API server gone behind a load balancer) blocked its pass, and so that
+# object's reconciles, or the Lease's renewal, for good.
+REQUEST_TIMEOUT_S = (5.0, 30.0)  # (connect, read)
+
+
+def timed(client: kubernetes.client.ApiClient, timeout: tuple[float, float] = REQUEST_TIMEOUT_S
+          ) -> kubernetes.client.ApiClient:
+    """`client`, its calls limited to `timeout` unless they say otherwise."""
+    request = client.rest_client.request
+
+    def limited(*args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        return request(*args, _request_timeout=_request_timeout or timeout, **kwargs)
+    client.rest_client.request = limited
+    return client
+
 import kubernetes
 from kubernetes.client.rest import ApiException
 
@@ -28,7 +44,7 @@ class Api:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
             kubernetes.config.load_kube_config()  # $KUBECONFIG or ~/.kube/config
-        return cls.of(kubernetes.client.ApiClient())
+        return cls.of(timed(kubernetes.client.ApiClient()))
 
     @classmethod
     def of(cls, client: kubernetes.client.ApiClient) -> Api:

@@ -114,16 +114,18 @@ class Leadership:
     replica frozen past its Lease (SIGSTOP, a stalled node) runs no pass when it wakes."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+        self.clock = clock
         self._renewed: float | None = None
         self._changed = asyncio.Event()
 
-    def renewed(self) -> None:
-        self._renewed = self._clock()
+    def renewed(self, tried_at: float) -> None:
+        """A renewal that began at `tried_at` (by `clock`) succeeded. Its start, not its end: the
+        write may have landed long before a slow answer came, and followers count from the write."""
+        self._renewed = tried_at
         self._changed.set()
 
     def held(self) -> bool:
-        return self._renewed is not None and self._clock() - self._renewed < RENEW_DEADLINE_S
+        return self._renewed is not None and self.clock() - self._renewed < RENEW_DEADLINE_S
 
     def ever(self) -> bool:
         return self._renewed is not None
@@ -150,6 +152,7 @@ async def campaign(elector: LeaseElector, leading: Leadership, lost: Callable[[s
     where = f"Lease {elector.namespace}/{elector.name}"
     log.info("leader election: %s waits for %s", elector.identity, where)
     while True:
+        tried_at = leading.clock()
         try:
             held = await asyncio.to_thread(elector.try_acquire_or_renew)
         except ApiException as err:
@@ -166,7 +169,7 @@ async def campaign(elector: LeaseElector, leading: Leadership, lost: Callable[[s
         if held:
             if not leading.held():
                 log.info("leader election: %s leads (Lease %s/%s)", elector.identity, elector.namespace, elector.name)
-            leading.renewed()
+            leading.renewed(tried_at)
         elif leading.ever() and not leading.held():
             log.error("leader election: %s lost %s; stopping", elector.identity, where)
             lost(f"lost the leader {where}; exiting so a fresh start follows again")

@@ -28,7 +28,7 @@ from . import leader, metrics, placement
 from .controller import Controller
 from .models import GROUP, OBJECT_NAME, PLURAL, VERSION
 from .api import Api
-from .reconcile import DEFAULT_PROMETHEUS, Settings, reconcile
+from .reconcile import DEFAULT_PROMETHEUS, Settings, forget, reconcile
 from .render import LABEL_ISVC, engine_image
 
 CHILDREN = [("apps", "v1", "deployments"), ("", "v1", "pods"), ("", "v1", "services"),
@@ -43,7 +43,8 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
     operator stops."""
     registry = kopf.OperatorRegistry()
     leading = leader.Leadership() if elector else None
-    controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading)
+    controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading,
+                            on_gone=functools.partial(forget, settings))
     election: list[asyncio.Task] = []
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -66,9 +67,6 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
     async def on_service(event: kopf.RawEvent, namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
         if event["type"] == "DELETED":
             controller.forget((namespace, name))
-            settings.own_writes.pop((namespace, name), None)
-            settings.samples.pop((namespace, name), None)
-            settings.reads.pop((namespace, name), None)
         elif settings.own_writes.get((namespace, name)) != meta.get("resourceVersion"):  # not our status write
             controller.trigger((namespace, name))
 

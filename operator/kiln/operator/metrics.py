@@ -19,6 +19,14 @@ IDLE_GPU_SECONDS = Counter("kiln_operator_warm_pool_idle_gpu_seconds",
                            ["namespace", "inferenceservice"])
 
 
+def forget(namespace: str, name: str) -> None:
+    """An InferenceService is gone: its series go too (kube-state-metrics does the same)."""
+    for read in ("fresh", "reused"):
+        PASSES.remove(namespace, name, read)
+    PROMOTIONS.remove(namespace, name)
+    IDLE_GPU_SECONDS.remove(namespace, name)
+
+
 def serve(port: int) -> None:
     """/metrics on `port` in a daemon thread."""
     start_http_server(port)

@@ -183,6 +183,14 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
                     observed, stable)
 
 
+def forget(settings: Settings, key: tuple[str, str]) -> None:
+    """Drop what passes kept for an InferenceService that is gone (after its last pass: one still
+    running when the deletion was seen would keep them again)."""
+    for kept in (settings.own_writes, settings.samples, settings.reads, settings.baselines):
+        kept.pop(key, None)
+    metrics.forget(*key)
+
+
 def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bool = True) -> float | None:
     """One pass; returns the seconds until the next pass is due (the autoscaler's tick or the
     resync), None when the InferenceService is gone (its children go by garbage collection).
