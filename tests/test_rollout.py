@@ -391,3 +391,42 @@ def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revisi
     baselines[key] = Baseline(50, canary, {"router-uid": {canary: Figures(requests=20, errors=20)}})
     replaced = roll(owner, spec_of("int4"), observed, {}, previous, baselines, 55)
     assert replaced.state.canary == other and key not in baselines
+
+
+def test_a_fail_in_the_scale_up_step_holds_promotion_until_a_check_passes():
+    """The Fail blocked promotion in its own pass only: the next pass promoted a canary whose
+    newest verdict was Fail."""
+    d = run(None, "canary-b", READY, None, 0)
+    for now, check_ in ((1, None), (40, verdict(PASS)), (80, verdict(PASS))):
+        d = run(d.state, "canary-b", READY, check_, now)
+    assert d.full_size(ROLLOUT)
+    d = run(d.state, "canary-b", FULL, verdict(FAIL), 90)
+    assert d.state.phase == PROGRESSING and d.state.failed == 1
+    d = run(d.state, "canary-b", FULL, None, 91)
+    assert d.state.phase == PROGRESSING and d.canary == "canary-b"
+    d = run(d.state, "canary-b", FULL, verdict(PASS), 100)
+    assert d.state.phase == PROMOTED
+
+
+def test_a_retry_asked_for_mid_rollout_does_not_rerun_the_canary_it_rolls_back():
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    annotated = Facts(canary_ready=1, canary_full=False, retry_token="1")
+    d = run(d.state, "canary-b", annotated, verdict(FAIL), 20)
+    d = run(d.state, "canary-b", annotated, verdict(FAIL), 30)
+    assert d.state.phase == ROLLED_BACK
+    assert run(d.state, "canary-b", annotated, None, 40).state == d.state  # no new rollout
+    assert run(d.state, "canary-b", Facts(0, False, retry_token="2"), None, 50).canary == "canary-b"
+
+
+def test_each_step_takes_its_own_baseline():
+    """A step's first check measured mostly the step before (another weight): the baseline
+    was only taken again when a rollout started or ended."""
+    from kiln.operator.canary import Baseline, roll
+    owner, key = Owner("chat", "ns", "uid"), ("ns", "chat")
+    stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    observed = Observed.of(desired(owner, spec_of("none"), Observed(), "img").stable.deployment,
+                           ready_pod(canary, "canary-0"))
+    previous = {"rollout": dump(State(PROGRESSING, stable, canary, step=1, since=0, passed=1), ROLLOUT)}
+    baselines = {key: Baseline(35, canary, {"router-uid": {canary: Figures(requests=20)}})}
+    d = roll(owner, spec_of("int8"), observed, {}, previous, baselines, 40)  # the pause is over
+    assert d.state.step == 2 and key not in baselines

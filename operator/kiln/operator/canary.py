@@ -114,9 +114,10 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
     decision = advance(spec.rollout, state, stable, target, facts, result, now)
-    if not decision.state.active or any(e.reason == "RolloutStarted" for e in decision.events):
+    if not decision.state.active or any(e.reason in ("RolloutStarted", "RolloutStep") for e in decision.events):
         # The rollout ended (promoted, rolled back, aborted) or another began: one that starts
         # later, even of the same revision, must not count this one's requests in its first interval.
+        # Nor may a step's first check judge the last step's traffic (another weight).
         baselines.pop((owner.namespace, owner.name), None)
     return decision
 

@@ -125,7 +125,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         if check.verdict == FAIL:  # the step's earlier passes no longer carry it on
             state = replace(state, failed=state.failed + 1, passed=0)
             if state.failed >= max(1, rollout.analysis.failureLimit):
-                return roll_back(state, f"analysis failed {state.failed} time(s): {check.summary()}")
+                return roll_back(state, facts, f"analysis failed {state.failed} time(s): {check.summary()}")
             events.append(Event("Warning", "AnalysisFailed", f"canary {state.canary}: {check.summary()} "
                                 f"({state.failed}/{max(1, rollout.analysis.failureLimit)} failed checks)"))
         elif check.verdict == PASS:
@@ -135,7 +135,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         if facts.canary_ready:
             return next_step(rollout, state, now, events)
         if facts.failing is not None:
-            return roll_back(state, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
+            return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
         # From step 1 on, the deadline runs from when the canary lost its last ready replica,
         # not from the step's start: a step may last longer than the deadline. That time is kept
         # from the first pass that saw it: the pods' own may be gone with them (a Pending
@@ -145,13 +145,14 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
             lost = state.unready_since or max(state.since, facts.unready_since or now)
             state = replace(state, unready_since=lost)
         if now - lost > deadline:
-            return roll_back(state, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
+            return roll_back(state, facts, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
                                     "(progressDeadline)")
         waiting = "to become ready" if state.step == 0 else "to have a ready replica again"
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
     state = replace(state, unready_since=None)
     if state.step > len(steps):
-        if facts.canary_full and not (check is not None and check.verdict == FAIL):
+        # The newest verdict, not only this pass's: a Fail holds promotion until a check passes.
+        if facts.canary_full and (state.analysis or {}).get("verdict") != FAIL:
             return promote(state)
         return Decision(replace(state, message=f"scaling canary {state.canary} to the stable revision's "
                                                f"size before promotion; {analysis_words(state)}"), events)
@@ -195,8 +196,10 @@ def promote(state: State) -> Decision:
                           message=f"{state.canary} promoted to stable at 100%; {state.stable} drains and goes"))
 
 
-def roll_back(state: State, why: str) -> Decision:
+def roll_back(state: State, facts: Facts, why: str) -> Decision:
+    # The retry annotation as it is now: one set mid-rollout asked for no retry of this failure.
     return Decision(replace(state, phase=ROLLED_BACK, canary=None, rolled_back=state.canary,
+                            retry_token=facts.retry_token,
                             message=f"rolled back {state.canary}: {why}; {state.stable} serves 100%"))
 
 
