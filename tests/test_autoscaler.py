@@ -400,18 +400,16 @@ def test_every_engine_answering_sums_exactly_at_a_multiple_of_the_target():
     assert decision.replicas == 29
 
 
-def test_a_load_that_moves_under_a_steady_decision_is_written_every_15_s_not_every_pass():
-    # Steady traffic between 8.5 and 11.7 requests on 3 replicas at 4 each: the decision holds,
-    # but the load (and the message quoting it) changed on most 2 s passes, each a status PATCH.
+def steady_passes(observed, n: int = 150):
+    """n builtin passes, TICK apart, under steady traffic between 8.5 and 11.7 requests on 3
+    replicas at 4 each (the decision holds, the load moves): when status changed, and the last."""
     from kiln.operator.models import InferenceServiceSpec
-    from kiln.operator.observed import Observed
-    from kiln.operator.scaling import LOAD_EVERY_S, builtin
+    from kiln.operator.scaling import builtin
     isvc = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"},
                                                 "autoscaling": spec(stableWindow="6s").model_dump()})
-    observed = Observed.of(*(pod(name, True) for name in "abc"))
     previous: dict = {"autoscaling": {"replicas": 3}}
     now, samples, written = 1_000_000.0, [], []
-    for i in range(150):
+    for i in range(n):
         now += TICK
         samples.append(Sample(now, 8.5 + 0.8 * ((i * 7) % 5)))
         scaling = builtin(isvc, observed, "r1", previous, samples[-30:], now, 3)
@@ -419,10 +417,31 @@ def test_a_load_that_moves_under_a_steady_decision_is_written_every_15_s_not_eve
         if current != previous:
             written.append(now)
         previous = current
-        assert scaling.replicas == 3 and f"load {scaling.status['load']:.1f}" in scaling.condition["message"]
+        assert scaling.replicas == 3
+    return written, isvc, previous, samples, now
+
+
+def test_a_load_that_moves_under_a_steady_decision_is_written_every_15_s_not_every_pass():
+    # The load (and the message quoting it) changed on most 2 s passes, each a status PATCH.
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import LOAD_EVERY_S, builtin
+    observed = Observed.of(*(pod(name, True) for name in "abc"))
+    written, isvc, previous, samples, now = steady_passes(observed)
+    assert f"load {previous['autoscaling']['load']:.1f}" in previous["conditions"][0]["message"]
     gaps = [b - a for a, b in zip(written, written[1:])]
     assert len(written) <= 150 * TICK / LOAD_EVERY_S + 2 and min(gaps) >= LOAD_EVERY_S, written
     # A decision that changes the replicas is written at once.
     samples += [Sample(now + TICK * k, 40.0) for k in range(1, 4)]
     scaling = builtin(isvc, observed, "r1", previous, samples[-30:], now + 3 * TICK, 3)
     assert scaling.replicas > 3 and scaling.status["loadTime"] == iso(now + 3 * TICK)
+
+
+def test_a_pod_waiting_for_a_node_does_not_make_every_pass_write_status():
+    """InsufficientCapacity replaced the decision's reason after the throttle compared them, so
+    the next pass saw another reason and wrote again: every 2 s for as long as a pod waited."""
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import LOAD_EVERY_S
+    observed = Observed.of(*(pod(name, True) for name in "abc"), pod("d", False, unschedulable=True))
+    written, _, previous, _, _ = steady_passes(observed)
+    assert previous["conditions"][0]["reason"] == "InsufficientCapacity"
+    assert len(written) <= 150 * TICK / LOAD_EVERY_S + 2, written

@@ -179,8 +179,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
         window.append(taken.sample)
     window[:] = [s for s in window if s.time >= at - seconds(spec.autoscaling.stableWindow)]
     initial = current_replicas(spec, observed, stable, desired_replicas(spec))
-    return capacity(builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start),
-                    observed, stable)
+    return builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start)
 
 
 def forget(settings: Settings, key: tuple[str, str]) -> None:

@@ -114,17 +114,20 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
         last_cold = saved.get("lastColdStartSeconds")
     if last_cold is not None:
         status["lastColdStartSeconds"] = round(last_cold, 2)
-    cond = condition("ScalingReady", decision.ok, decision.reason, decision.message)
+    cond = unschedulable(observed, stable) or condition("ScalingReady", decision.ok, decision.reason, decision.message)
     changed = state.replicas if new.replicas != state.replicas else None
     # The load, and the message that quotes it, move on every pass: while the decision holds they
     # are rewritten only every LOAD_EVERY_S, or status was PATCHed (and every router watching it
     # woken) every 2 s for as long as a service had traffic.
     shown = next((c for c in previous.get("conditions") or [] if c.get("type") == "ScalingReady"), {})
     written = epoch(saved.get("loadTime"))
-    if changed is None and shown.get("reason") == decision.reason and written is not None \
+    # (Compared with the condition as written: InsufficientCapacity, not the decision's reason,
+    # while pods wait for a node, or every pass rewrote it.)
+    if changed is None and shown.get("reason") == cond["reason"] and written is not None \
             and 0 <= now - written < LOAD_EVERY_S:
         status["load"], status["loadTime"] = saved.get("load"), saved["loadTime"]
-        cond = {**cond, "message": shown.get("message", cond["message"])}
+        if cond["reason"] != "InsufficientCapacity":  # its message moves with the pods, not the load
+            cond = {**cond, "message": shown.get("message", cond["message"])}
     else:
         status["loadTime"] = iso(now)
     return Scaling(decision.replicas, cond, {k: v for k, v in status.items() if v is not None}, changed)
@@ -136,14 +139,19 @@ def manual() -> Scaling:
                                    "(kubectl scale isvc/<name> --replicas=N)"))
 
 
-def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
-    """Pods the scheduler cannot place override any other report: it is what a cluster
-    autoscaler acts on."""
-    _, _, unschedulable, why = pod_counts(observed, stable)
+def unschedulable(observed: Observed, stable: str) -> dict[str, Any] | None:
+    """ScalingReady for pods the scheduler cannot place, if any: it overrides any other report,
+    being what a cluster autoscaler acts on."""
+    _, _, count, why = pod_counts(observed, stable)
     if why is None:
-        return scaling
-    return replace(scaling, condition=condition("ScalingReady", False, "InsufficientCapacity",
-                                                f"{unschedulable} replica(s) cannot be scheduled: {why}"))
+        return None
+    return condition("ScalingReady", False, "InsufficientCapacity", f"{count} replica(s) cannot be scheduled: {why}")
+
+
+def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
+    """`scaling`, its condition InsufficientCapacity while pods cannot be scheduled."""
+    cond = unschedulable(observed, stable)
+    return scaling if cond is None else replace(scaling, condition=cond)
 
 
 def serving_replicas(spec: InferenceServiceSpec, deployment: dict[str, Any] | None) -> int:
