@@ -368,6 +368,8 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
     # `kubectl scale isvc --replicas=N` is obeyed, zero and above four included.
     for replicas in (0, 9):
         assert desired_replicas(spec_of(replicas=replicas, autoscaling={"mode": "none"})) == replicas
+    # hpa at zero (left there by keda, say): the HPA, whose floor is 1, turns itself off (ScalingDisabled).
+    assert desired_replicas(spec_of(replicas=0, autoscaling={"mode": "hpa", "minReplicas": 0})) == 1
 
 
 def test_a_draft_model_reaches_the_engine_with_its_volume():
