@@ -184,3 +184,26 @@ def test_contains_compares_what_we_set_only():
     assert not contains({"a": [1, 2]}, {"a": [1]})  # lists are ours whole: no item is extra
     assert not contains({"a": "1"}, {"a": 1})
     assert not contains({}, {"a": None})
+
+
+def test_replicas_the_create_set_are_taken_over_even_when_they_match(recording):
+    """A pass that ended between a Deployment's create (which sets its replicas under the main
+    field manager) and the scale left no scale to do (the count matched), so the next template
+    apply, which leaves replicas out, reset them to 1."""
+    wanted, _ = replay(recording)
+    revision = wanted.stable.name
+    replicas = named(recording["objects"], "Deployment", revision)["spec"]["replicas"]
+    created_only = [{"manager": "kiln-operator", "operation": "Apply",
+                     "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}}}]
+
+    def edit(objects):
+        named(objects, "Deployment", revision)["metadata"]["managedFields"] = created_only
+        return objects
+    assert replay(recording, edit=edit)[1] == [(SCALE, "Deployment", revision, replicas)]
+    taken_over = created_only + [{"manager": "kiln-replicas", "operation": "Apply",
+                                  "fieldsV1": {"f:spec": {"f:replicas": {}}}}]
+
+    def settled(objects):
+        named(objects, "Deployment", revision)["metadata"]["managedFields"] = taken_over
+        return objects
+    assert replay(recording, edit=settled)[1] == []

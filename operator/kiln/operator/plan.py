@@ -41,6 +41,9 @@ def contains(stored: Any, wanted: Any) -> bool:
     return stored == wanted
 
 
+# spec.replicas of engine Deployments has a field manager of its own, so the operator's main
+# apply can leave the field out without resetting it (see docs/architecture.md, "One writer").
+REPLICAS_MANAGER = "kiln-replicas"
 APPLIED = "kiln.dev/applied"  # annotation: the hash of the object as the operator last applied it
 
 
@@ -62,7 +65,8 @@ def plan(desired: Desired, observed: Observed) -> list[Action]:
             actions.append(Action(PATCH, kind, name, obj))
     for revision in desired.revisions:
         stored = observed.engine(revision.name)
-        if revision.replicas is not None and (stored is None or replicas_of(stored) != revision.replicas):
+        if revision.replicas is not None and (stored is None or replicas_of(stored) != revision.replicas
+                                              or not replicas_handed_over(stored)):
             actions.append(Action(SCALE, "Deployment", revision.name, replicas=revision.replicas))
     # Whatever we own and no longer want goes: retired revisions and their Services, an HPA
     # after a switch of autoscaling mode. (Old revisions still serving are wanted as they are.)
@@ -71,6 +75,16 @@ def plan(desired: Desired, observed: Observed) -> list[Action]:
     actions += [Action(DELETE, kind, name) for kind, name in sorted(observed.objects)
                 if kind != "Pod" and (kind, name) not in wanted]
     return actions
+
+
+def replicas_handed_over(stored: dict[str, Any]) -> bool:
+    """Whether REPLICAS_MANAGER owns the Deployment's spec.replicas. Not when a pass ended between
+    the create, which sets them, and the scale that takes them over: the next template apply,
+    which leaves them out, would then reset them to 1. (An object without managedFields, as in
+    recordings, tells nothing: taken as handed over.)"""
+    managers = stored["metadata"].get("managedFields")
+    return not managers or any(m.get("manager") == REPLICAS_MANAGER
+                               and "f:replicas" in ((m.get("fieldsV1") or {}).get("f:spec") or {}) for m in managers)
 
 
 def with_initial_replicas(obj: dict[str, Any], desired: Desired) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from .desired import Desired, desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed
 from .placement import Placements, placed
-from .plan import CREATE, DELETE, SCALE, Action, plan
+from .plan import CREATE, DELETE, REPLICAS_MANAGER, SCALE, Action, plan
 from .render import LABEL_ISVC, Owner, revision_name, scale_selector, service_url
 from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
@@ -33,9 +33,6 @@ from .status import WARNING_REASONS, invalid, summarize, transitions
 from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
 
 FIELD_MANAGER = "kiln-operator"
-# spec.replicas of engine Deployments has a field manager of its own, so the operator's main
-# apply can leave the field out without resetting it (see docs/architecture.md, "One writer").
-REPLICAS_MANAGER = "kiln-replicas"
 APPLY = "application/apply-patch+yaml"
 log = logging.getLogger("kiln.operator")
 
