@@ -291,6 +291,12 @@ def test_namespaces_that_yaml_reads_as_numbers_or_booleans_render_as_strings():
     spaces = [d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]]
     spaces += [s["namespace"] for d in docs for s in d.get("subjects") or [] if "namespace" in s]
     assert set(spaces) == {"2024", "123", "on"}, spaces
+    # So do release names (a label value the API server refuses as an integer or a boolean).
+    for release in ("123", "on"):
+        docs = [d for d in yaml.safe_load_all(helm("template", release, str(CHART), "--kube-version",
+                                                   KUBE_VERSION).stdout) if d]
+        values = [v for d in docs for v in (d["metadata"].get("labels") or {}).values()]
+        assert values and all(isinstance(v, str) for v in values), values
 
 
 @pytest.mark.parametrize("value", ["engine.gpu.tolerations={nvidia.com/gpu:NoScheduled}",
