@@ -68,6 +68,32 @@ def test_the_engine_image_carries_torch_and_the_default_model(built):
     print(f"engine image: {built['engine'].size / 1e9:.2f} GB")
 
 
+# What Triton does on a GPU's first kernel (triton/runtime/build.py): compile a C launcher as a
+# Python extension with the system's C compiler, against Python's headers, and import it.
+LAUNCHER = r"""
+import importlib.util, os, shutil, subprocess, sysconfig, tempfile
+work = tempfile.mkdtemp()
+source = os.path.join(work, "launcher.c")
+with open(source, "w") as f:
+    f.write('#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "launcher"};\n'
+            'PyMODINIT_FUNC PyInit_launcher(void) { return PyModule_Create(&m); }\n')
+built = os.path.join(work, "launcher" + sysconfig.get_config_var("EXT_SUFFIX"))
+subprocess.run([shutil.which("gcc"), "-shared", "-fPIC", "-O3", source, "-I", sysconfig.get_paths()["include"],
+                "-o", built], check=True)
+spec = importlib.util.spec_from_file_location("launcher", built)
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print("launcher built")
+"""
+
+
+def test_the_engine_image_can_build_tritons_launcher(built):
+    """Without a C compiler and Python's headers every GPU engine failed at its first kernel
+    ("Failed to find C compiler"); CPU tests never compile one."""
+    done = images.podman("run", "--rm", "--network", "none", "--entrypoint", "/opt/kiln/bin/python",
+                         built["engine"].reference, "-c", LAUNCHER)
+    assert "launcher built" in done.stdout
+
+
 @pytest.fixture(scope="module")
 def container_operator(built, target: Target, namespace: str, tmp_path_factory) -> Iterator[OperatorProcess]:
     """`kiln operator` for this namespace with the default engine image (this version's), its pods
