@@ -624,6 +624,23 @@ def test_an_error_is_news_once_per_message():
     assert len(transitions(first, invalid(first, 2, "InvalidSpec", "bad field y", "t2"))) == 1
 
 
+def test_a_refused_child_keeps_readys_transition_time_and_a_bad_spec_claims_no_other_condition():
+    """Rejected was stamped against the freshly summarized Ready=True: its time moved, and status
+    was written, on every pass. And InvalidSpec gave the kept conditions (CanaryReady=True, say)
+    the new generation, which `kubectl wait` then took for the new spec's verdict."""
+    from kiln.operator.status import invalid
+    spec = spec_of(replicas=2)
+    serving = [deployment(revision_name("chat", spec), replicas=2, ready=2)]
+    stored = invalid(status_for(spec, serving), 4, "Rejected", "Service chat is not ours", "t1")
+    again = invalid(status_for(spec, serving, previous=stored, now="t2"), 4, "Rejected",
+                    "Service chat is not ours", "t2", stored=stored)
+    ready = {c["type"]: c for c in again["conditions"]}["Ready"]
+    assert (ready["status"], ready["lastTransitionTime"]) == ("False", "t1") and transitions(stored, again) == []
+    bad = invalid(stored, 5, "InvalidSpec", "bad field x", "t3")
+    generations = {c["type"]: c["observedGeneration"] for c in bad["conditions"]}
+    assert generations.pop("Ready") == 5 and set(generations.values()) == {4}
+
+
 def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     from kiln import cli
     for interval in ("0", "nan", "inf"):

@@ -265,7 +265,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
                        scaling=scaling.condition, autoscaling=scaling.status,
                        rollout=dump(rollout.state, spec.rollout) if rollout else None, warm=warm)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses
-        status = invalid(status, generation, "Rejected", "; ".join(rejected), now())
+        status = invalid(status, generation, "Rejected", "; ".join(rejected), now(), stored=previous)
     report(api, body, previous, status, settings)
     for event in rollout.events if rollout else []:
         post_event(api, body, event.type, event.reason, event.message)

@@ -160,12 +160,16 @@ def serving_counts(deployment: dict[str, Any], observed: Observed) -> tuple[int,
     return max(replicas - len(standbys), 0), max(ready - sum(map(is_ready, standbys)), 0)
 
 
-def invalid(previous: dict[str, Any], generation: int, reason: str, message: str, now: str) -> dict[str, Any]:
-    """Status for a spec this operator cannot act on: Ready says why; the rest is kept."""
-    others = [c for c in previous.get("conditions") or [] if c.get("type") != "Ready"]
-    conditions = [condition("Ready", False, reason, message), *others]
-    return {**previous, "observedGeneration": generation,
-            "conditions": stamp(conditions, previous.get("conditions") or [], generation, now)}
+def invalid(current: dict[str, Any], generation: int, reason: str, message: str, now: str,
+            stored: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`current` with Ready False saying why (a spec this operator cannot act on, or a child the
+    API server refused). Ready's transition time is judged against `stored`, the status as
+    written (default `current`): against a freshly summarized Ready=True it moved on every pass.
+    The other conditions are kept as they are, with the generation they saw."""
+    stored = current if stored is None else stored
+    others = [c for c in current.get("conditions") or [] if c.get("type") != "Ready"]
+    ready = stamp([condition("Ready", False, reason, message)], stored.get("conditions") or [], generation, now)
+    return {**current, "observedGeneration": generation, "conditions": [*ready, *others]}
 
 
 def transitions(previous: dict[str, Any], status: dict[str, Any]) -> list[dict[str, Any]]:
