@@ -516,11 +516,16 @@ def test_an_engine_that_cannot_start_says_why_as_its_kubelet_does():
     """A typo in the image, a Secret the env names that is missing: not "Loading" for ever."""
     spec = spec_of()
     rev = revision_name("chat", spec)
-    for reason, message in (("ImagePullBackOff", 'Back-off pulling image "ghcr.io/kiln/engine:0.1.O"'),
-                            ("CreateContainerConfigError", 'secret "hf-token" not found')):
-        stuck = {"ready": False, "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}
+    pull = "pod chat-a: the engine cannot start: image ghcr.io/kiln/engine:0.1.O cannot be pulled " \
+           "(kubectl describe pod chat-a shows the registry's error)"
+    for reason, message, why in (
+            ("ImagePullBackOff", 'Back-off pulling image "ghcr.io/kiln/engine:0.1.O"', pull),
+            ("ErrImagePull", "manifest unknown", pull),  # the kubelet alternates the two: one message, one Event
+            ("CreateContainerConfigError", 'secret "hf-token" not found',
+             'pod chat-a: the engine cannot start: CreateContainerConfigError: secret "hf-token" not found')):
+        stuck = {"ready": False, "restartCount": 0, "image": "ghcr.io/kiln/engine:0.1.O",
+                 "state": {"waiting": {"reason": reason, "message": message}}}
         status = status_for(spec, [deployment(rev), engine_pod("chat-a", rev, stuck)])
-        why = f"pod chat-a: the engine cannot start: {reason}: {message}"
         model = next(c for c in status["conditions"] if c["type"] == "ModelLoaded")
         assert (model["status"], model["reason"], model["message"]) == ("False", "EngineFailing", why)
         assert conditions(status)["Ready"] == ("False", "EngineFailing")

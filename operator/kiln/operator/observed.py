@@ -109,6 +109,7 @@ def engine_failure(pods: list[dict[str, Any]], min_restarts: int = 0) -> str | N
 # A container waiting for one of these is failing, not loading: it may never start.
 FAILING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName",
            "CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+PULLING = {"ErrImagePull", "ImagePullBackOff"}
 
 
 def engine_waiting(pods: list[dict[str, Any]]) -> str | None:
@@ -118,8 +119,14 @@ def engine_waiting(pods: list[dict[str, Any]]) -> str | None:
     for pod in pods:
         for container in (pod.get("status") or {}).get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting") or {}
+            name = pod["metadata"]["name"]
+            if waiting.get("reason") in PULLING:
+                # One message for both: the kubelet alternates them (only ErrImagePull says the
+                # registry's error), and each new message of a Warning condition is an Event.
+                return (f"pod {name}: the engine cannot start: image {container.get('image')} cannot be pulled "
+                        f"(kubectl describe pod {name} shows the registry's error)")
             if waiting.get("reason") in FAILING - {"CrashLoopBackOff"}:
                 said = f": {waiting['message'][:400]}" if waiting.get("message") else ""
-                return f"pod {pod['metadata']['name']}: the engine cannot start: {waiting['reason']}{said}"
+                return f"pod {name}: the engine cannot start: {waiting['reason']}{said}"
     return None
 
