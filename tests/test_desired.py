@@ -629,6 +629,18 @@ def test_an_error_is_news_once_per_message():
     assert len(transitions(first, invalid(first, 2, "InvalidSpec", "bad field y", "t2"))) == 1
 
 
+def test_a_scaler_failure_is_a_warning_event():
+    """An HPA without its metrics adapter said so only in a Normal Event (its reasons are not ours)."""
+    from kiln.operator.scaling import scaler_condition
+    from kiln.operator.status import event_type
+    hpa = {"status": {"conditions": [{"type": "AbleToScale", "status": "True", "reason": "SucceededGetScale"},
+                                     {"type": "ScalingActive", "status": "False", "reason": "FailedGetPodsMetric",
+                                      "message": "unable to get metric kiln:num_requests_load"}]}}
+    assert event_type(scaler_condition(hpa, "HorizontalPodAutoscaler")) == "Warning"
+    hpa["status"]["conditions"][1].update(status="True", reason="ValidMetricFound")
+    assert event_type(scaler_condition(hpa, "HorizontalPodAutoscaler")) == "Normal"
+
+
 def test_a_refused_child_keeps_readys_transition_time_and_a_bad_spec_claims_no_other_condition():
     """Rejected was stamped against the freshly summarized Ready=True: its time moved, and status
     was written, on every pass. And InvalidSpec gave the kept conditions (CanaryReady=True, say)

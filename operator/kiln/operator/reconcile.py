@@ -29,7 +29,7 @@ from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
                       pod_counts)
 from .scrape import scrape
-from .status import WARNING_REASONS, invalid, summarize, transitions
+from .status import event_type, invalid, summarize, transitions
 from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
 
 FIELD_MANAGER = "kiln-operator"
@@ -354,5 +354,5 @@ def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: 
         _content_type="application/merge-patch+json")
     settings.own_writes[(meta["namespace"], meta["name"])] = written["metadata"]["resourceVersion"]
     for cond in transitions(previous, status):
-        post_event(api, body, "Warning" if cond["reason"] in WARNING_REASONS else "Normal", cond["reason"],
+        post_event(api, body, event_type(cond), cond["reason"],
                    f"{cond['type']}={cond['status']}: {cond['message']}")

@@ -11,6 +11,15 @@ from .render import ANNOTATION_QUANTIZATION
 # Reasons that are Warnings; for these a new message is news too (another error).
 WARNING_REASONS = {"EngineFailing", "ProgressDeadlineExceeded", "FailedCreate", "InvalidSpec", "Rejected",
                    "InsufficientCapacity", "MetricsUnavailable", "KEDANotInstalled", "RolledBack"}
+
+
+def event_type(cond: dict[str, Any]) -> str:
+    """The Event type of a condition's change: Warning for our failure reasons, and for the
+    `Failed...` reasons an HPA passes on through ScalingReady (FailedGetPodsMetric: no adapter)."""
+    failed = cond.get("status") == "False" and cond.get("reason", "").startswith("Failed")
+    return "Warning" if cond.get("reason") in WARNING_REASONS or failed else "Normal"
+
+
 # status.rollout.phase -> the CanaryReady condition (status, reason); its changes are the
 # rollout's Events (a rollback is a Warning, naming the failed check and its figures).
 CANARY = {"Progressing": (None, "Progressing"), "Paused": (None, "Paused"), "Promoted": (True, "Promoted"),
