@@ -166,6 +166,24 @@ async def test_client_going_away_mid_stream_reaches_the_engine() -> None:
 
 
 @on_event_loop
+async def test_a_stream_that_stalls_until_the_client_leaves_still_counts_its_wait() -> None:
+    """A canary that sends its headers and then nothing: every client gave up (499, nobody's
+    failure) and no chunk came to time, so the canary analysis saw nothing wrong at all."""
+    async with service(1, revisions=["canary"]) as svc:
+        response = await svc.complete("paced")  # headers, then a token only per step: none comes
+        await asyncio.sleep(0.6)
+        response.close()
+        await until(lambda: svc.hits() == [1])
+        for _ in range(200):
+            samples = await svc.metrics()
+            if metric(samples, "kiln_router_requests_total", revision="canary", code="499") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert metric(samples, "kiln_router_time_to_first_token_seconds_count", revision="canary") == 1
+        assert metric(samples, "kiln_router_time_to_first_token_seconds_sum", revision="canary") >= 0.5
+
+
+@on_event_loop
 async def test_client_hanging_up_before_the_answer_cancels_the_engine_request() -> None:
     async with service(1) as svc:
         request = asyncio.create_task(svc.complete("hold"))  # not streamed: no byte yet

@@ -84,6 +84,7 @@ class _Exchange:
     code: int | None = None  # set where it differs from the response's status
     held: float | None = None  # when it began waiting for a replica, if it had to
     last_chunk: float | None = None  # when the previous chunk of a stream came
+    streaming: bool = False  # the replica answered with an SSE stream
 
 
 class Router:
@@ -137,6 +138,11 @@ class Router:
             return response
         except asyncio.CancelledError:  # handler cancellation: the client hung up
             exchange.code = CLIENT_GONE
+            if exchange.streaming:
+                # What it waited for the next token counts, at least: a replica that stalls
+                # until clients give up (their 499s count as nobody's failure) must still show
+                # in the latencies the canary analysis compares.
+                self._time_chunk(exchange)
             raise
         finally:
             self.metrics.answered(exchange.revision, exchange.code or 500,
@@ -412,7 +418,7 @@ class Router:
         replica broke off mid-way or sent nothing for stream_idle_timeout. Client-side write
         errors are the caller's to handle; a client that took nothing for stream_idle_timeout
         (its receive window shut) is one (ConnectionResetError), or it held its place for ever."""
-        streamed = upstream.content_type == "text/event-stream"
+        streamed = exchange.streaming = upstream.content_type == "text/event-stream"
         idle = self.limits.stream_idle_timeout or None
         while True:
             try:
