@@ -600,6 +600,13 @@ def test_a_short_warm_pool_keeps_nothing_from_serving_and_a_failing_one_is_said_
     assert conditions(status)["Ready"] == ("True", "Serving") and status["desiredReplicas"] == 2
     assert conditions(status_for(spec, [deployment(rev, replicas=4, ready=1)]))["Ready"] == (
         "False", "ReplicasNotReady")
+    # A full pool: the message counts the serving replicas, not "4/2" with the standbys.
+    standbys = [{"kind": "Pod", "metadata": {"name": f"s{i}", "labels": {
+        "kiln.dev/component": "engine", LABEL_REVISION: rev, "kiln.dev/serving": "false"}},
+        "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}} for i in range(2)]
+    full = next(c for c in status_for(spec, [deployment(rev, replicas=4, ready=4), *standbys])["conditions"]
+                if c["type"] == "WorkloadReady")
+    assert full["message"] == f"2/2 replicas of {rev} ready"
     # The old revision goes once the new one serves at full strength, not once its pool is full too
     # (the pool may need the GPUs the old revision holds).
     fresh = want(spec, Observed.of(deployment(rev, replicas=4, ready=2), deployment("chat-0ld0ld00", replicas=2,

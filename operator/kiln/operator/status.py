@@ -31,7 +31,8 @@ def condition(type_: str, ok: bool | None, reason: str, message: str) -> dict[st
     return {"type": type_, "status": status, "reason": reason, "message": message}
 
 
-def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str, Any]:
+def workload_condition(current: dict[str, Any] | None, desired: int, ready: int) -> dict[str, Any]:
+    """`ready`: the revision's ready replicas that serve (a warm pool's standbys left out)."""
     if current is None:
         return condition("WorkloadReady", False, "Creating", "the revision's Deployment does not exist yet")
     name = current["metadata"]["name"]
@@ -45,7 +46,7 @@ def workload_condition(current: dict[str, Any] | None, desired: int) -> dict[str
         if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
             return condition("WorkloadReady", False, cond.get("reason") or "ReplicaFailure",
                              f"{name}: {cond.get('message', '')}")
-    message = f"{deployment_counts(current)[1]}/{desired} replicas of {name} ready"
+    message = f"{ready}/{desired} replicas of {name} ready"
     if desired == 0:
         return condition("WorkloadReady", True, "ScaledToZero", f"{name} is scaled to zero")
     if fully_ready(current, desired):
@@ -125,7 +126,7 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     # and the first one promotes a standby), and a pool still refilling after a promotion, or one no
     # node has room for, keeps nothing from serving. WarmPoolReady tells how the pool stands.
     target = stable.replicas or 0 if stable.serving is None else stable.serving
-    workload = workload_condition(current, target)
+    workload = workload_condition(current, target, serving_counts(current, observed)[1] if current else 0)
     model = model_condition(current, target, observed.pods(stable.name))
     route = route_condition(observed.router())
     conditions = [ready_condition(workload, model, route), workload, model, route]
