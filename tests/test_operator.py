@@ -303,6 +303,27 @@ def test_a_name_taken_by_someone_elses_object_is_refused_not_taken_over(operator
     operator.restart()
 
 
+def test_a_service_deleted_in_the_foreground_says_so_while_its_children_go(operator, apis, ns, kubectl):
+    """Argo CD deletes in the foreground: the object stays until its children are gone, and it
+    said Ready=True Serving all the while."""
+    operator.restart(interval=1)
+    apply(kubectl, ns, smollm2("leaving"))
+    until(lambda: ready(apis, ns, "leaving"), "leaving Ready")
+    (dep,) = engine_deployments(apis, ns, "leaving")
+    hold = [{"op": "add", "path": "/metadata/finalizers", "value": ["kiln.dev/test-hold"]}]
+    apis["apps"].patch_namespaced_deployment(dep.metadata.name, ns, hold)
+    try:
+        apis["custom"].delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "leaving",
+                                                       propagation_policy="Foreground")
+        cond = until(lambda: condition(isvc(apis, ns, "leaving"), "Ready").get("reason") == "Terminating"
+                     and condition(isvc(apis, ns, "leaving"), "Ready"), "Ready=False Terminating")
+        assert cond["status"] == "False"
+    finally:
+        apis["apps"].patch_namespaced_deployment(dep.metadata.name, ns, [{"op": "remove", "path": "/metadata/finalizers"}])
+    until(lambda: absent(lambda: isvc(apis, ns, "leaving")), "leaving gone")
+    operator.restart()
+
+
 def test_killed_operator_converges_and_repairs_drift(operator, apis, ns, kubectl):
     apply(kubectl, ns, smollm2("drift"))
     # Kill it hard in the middle of its first pass, right as the first child appears.

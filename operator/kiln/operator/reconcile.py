@@ -210,6 +210,10 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     metrics.PASSES.labels(namespace, name, "reused" if read else "fresh").inc()
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
+        # Foreground deletion (Argo CD's default) keeps it while its children drain: not Serving.
+        previous = dict(body.get("status") or {})
+        report(api, body, previous, invalid(previous, meta.get("generation") or 0, "Terminating",
+                                            "being deleted: its children and their pods go first", now()), settings)
         return settings.interval
     owner = Owner(name, namespace, meta["uid"])
     previous = dict(body.get("status") or {})
