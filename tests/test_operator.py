@@ -307,8 +307,13 @@ def test_a_service_deleted_in_the_foreground_says_so_while_its_children_go(opera
     """Argo CD deletes in the foreground: the object stays until its children are gone, and it
     said Ready=True Serving all the while."""
     operator.restart(interval=1)
-    apply(kubectl, ns, smollm2("leaving"))
+    body = smollm2("leaving")
+    del body["spec"]["model"]["name"]  # served as the source's last part
+    apply(kubectl, ns, body)
     until(lambda: ready(apis, ns, "leaving"), "leaving Ready")
+    # (`kubectl get`'s Model column showed the spec's name: empty when left out.)
+    listing = kubectl("get", "isvc", "leaving", "-n", ns).stdout
+    assert listing.split("\n")[1].split()[:5] == ["leaving", "True", "Serving", "1", "smollm2-135m"]
     (dep,) = engine_deployments(apis, ns, "leaving")
     hold = [{"op": "add", "path": "/metadata/finalizers", "value": ["kiln.dev/test-hold"]}]
     apis["apps"].patch_namespaced_deployment(dep.metadata.name, ns, hold)

@@ -31,7 +31,8 @@ PRINTER_COLUMNS = [
     # Why it is (not) Ready: Loading, RouterNotReady, Serving, ...
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
-    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+    # As served: spec.model.name may be left out (the source's last part then).
+    {"name": "Model", "type": "string", "jsonPath": ".status.model"},
     {"name": "Source", "type": "string", "jsonPath": ".spec.model.source", "priority": 1},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -266,6 +266,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
     status = summarize(generation=generation, desired=want, observed=observed, previous=previous,
                        url=service_url(owner), selector=scale_selector(name), now=now(),
+                       served_model=spec.model.served_name,
                        scaling=scaling.condition, autoscaling=scaling.status,
                        rollout=dump(rollout.state, spec.rollout) if rollout else None, warm=warm)
     if rejected:  # e.g. a value the CRD schema let through but a child's schema refuses

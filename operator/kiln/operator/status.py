@@ -113,7 +113,7 @@ def stamp(conditions: list[dict[str, Any]], previous: list[dict[str, Any]], gene
 
 
 def summarize(*, generation: int, desired: Desired, observed: Observed, previous: dict[str, Any], url: str,
-              selector: str, now: str, scaling: dict[str, Any] | None = None,
+              selector: str, now: str, served_model: str | None = None, scaling: dict[str, Any] | None = None,
               autoscaling: dict[str, Any] | None = None, rollout: dict[str, Any] | None = None,
               warm: tuple[dict[str, Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The whole status of an InferenceService, from what this pass wants and what it observed;
@@ -148,6 +148,7 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     return {
         "observedGeneration": generation,
         "url": url,
+        **({"model": served_model} if served_model else {}),
         "replicas": sum(r["replicas"] for r in revisions),
         "readyReplicas": sum(r["ready"] for r in revisions),
         "desiredReplicas": target if stable.serving is None else stable.serving,

@@ -109,6 +109,8 @@ class WarmPoolStatus(BaseModel):
 class InferenceServiceStatus(BaseModel):
     observedGeneration: int | None = None
     url: str | None = None
+    model: str | None = Field(None, description="The name the model answers to in requests (spec.model.name, "
+                              "or the source's last part).")
     replicas: int = Field(0, description="Replicas that serve, all revisions (standbys: warmReplicas).")
     readyReplicas: int = Field(0, description="Of those, ready.")
     desiredReplicas: int = 0
