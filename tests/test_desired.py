@@ -206,10 +206,13 @@ def test_engine_container_command_resources_probes_and_hardening():
     assert c["image"] == IMAGE
     assert c["command"] == ["kiln", "serve", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m",
                             "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32",
-                            "--max-num-seqs", "128", "--kv-cache-memory", str(256 << 20),
+                            "--max-num-seqs", "128", "--drain-timeout", "100", "--kv-cache-memory", str(256 << 20),
                             "--max-model-len", "2048", "--no-prefix-caching",
                             "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY,
                             "--tool-call-parser", "hermes"]
+    # In-flight generations may run for the pod's grace period, less the preStop pause and a margin
+    # to stop (the engine's own default, 30 s, cut them with 80 s of the grace period left).
+    assert pod["terminationGracePeriodSeconds"] - c["lifecycle"]["preStop"]["sleep"]["seconds"] - 100 == 10
     # The engine takes the operator's speculative config as written.
     speculative = SpeculativeConfig.from_json(c["command"][-3])
     assert (speculative.num_speculative_tokens, speculative.disable_by_batch_size) == (3, 8)

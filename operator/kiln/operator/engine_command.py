@@ -61,6 +61,12 @@ def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict
 
 
 TP_KV_CACHE_MEMORY = "1Gi"
+# Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
+# covers that pause plus finishing in-flight generations, which the engine's --drain-timeout
+# must then allow for (its default, 30 s, cut them with 80 s of the grace period left).
+PRESTOP_SLEEP_S = 10
+GRACE_PERIOD_S = 120
+DRAIN_TIMEOUT_S = GRACE_PERIOD_S - PRESTOP_SLEEP_S - 10  # 10 s to close connections and stop the engine
 
 
 def option(flag: str, value: str) -> list[str]:
@@ -74,7 +80,7 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
     engine = spec.engine
     args = ["kiln", "serve", "--model", model_arg, *option("--served-model-name", spec.model.served_name),
             "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
-            "--max-num-seqs", str(engine.maxNumSeqs)]
+            "--max-num-seqs", str(engine.maxNumSeqs), "--drain-timeout", str(DRAIN_TIMEOUT_S)]
     # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
     # whose ranks cannot profile a step alone: they keep 1Gi each.
     memory = engine.kvCache.memory or (TP_KV_CACHE_MEMORY if engine.tensorParallelSize > 1 else None)

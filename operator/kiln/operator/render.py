@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import images
-from .engine_command import PORT, engine_args, model_volumes
+from .engine_command import GRACE_PERIOD_S, PORT, PRESTOP_SLEEP_S, engine_args, model_volumes
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec, Toleration
 from .placement import Placement
 from .quantity import canonical
@@ -26,10 +26,6 @@ ANNOTATION_QUANTIZATION = "kiln.dev/quantization"
 LABEL_SERVING = "kiln.dev/serving"
 ROUTER_CLUSTER_ROLE = "kiln-router"
 API_KEYS_ENV = "KILN_API_KEYS"  # what `kiln router` reads its keys from (kiln.router.auth)  # shipped in manifests/base/rbac.yaml
-# Endpoints must drop the pod before SIGTERM starts the engine's drain; the grace period
-# covers that pause plus finishing in-flight generations.
-PRESTOP_SLEEP_S = 10
-GRACE_PERIOD_S = 120
 # A router keeps taking requests while its endpoint is removed everywhere, then gets SIGTERM
 # and finishes its streams (kiln router's own shutdown timeout is 25 s).
 ROUTER_PRESTOP_SLEEP_S = 5
