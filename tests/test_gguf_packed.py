@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_loader import Q, write_gguf, write_gguf_like_llama_cpp  # noqa: E402
 
-from kiln.engine.config import Config  # noqa: E402
+from kiln.engine.config import Config, ModelLoadError  # noqa: E402
 from kiln.engine.context import prefill_context, reset_context, set_context  # noqa: E402
 from kiln.engine.gguf_loader import dequantize, open_gguf, unpermute_qk  # noqa: E402
 from kiln.engine.gguf_quant import PackedWeight, read_packed  # noqa: E402
@@ -139,6 +139,23 @@ def test_tiny_llama_mixed_types_load_packed(tmp_path: Path, tiny_llama_dir: Path
     torch.testing.assert_close(tiny_logits(packed.model, ids), tiny_logits(plain.model, ids), rtol=1e-6, atol=1e-6)
     asked = load_model(Config(model=str(path), dtype="float32", device="cpu", quantization="int8"))
     assert all(m.group_size is None for m in asked.model.modules() if isinstance(m, Int8Linear))  # requantized
+
+
+def test_packed_projections_that_disagree_with_the_config_are_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """Served packed, the projections were built from the file's own shapes and never checked:
+    feed_forward_length 96 against 128-row tensors loaded, and answered garbage."""
+    import json
+    import shutil
+    folder = tmp_path / "lying"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))  # the metadata only
+    types = {f"blk.{layer}.ffn_{part}.weight": Q.Q8_0 for layer in (0, 1) for part in ("gate", "up", "down")}
+    path = write_gguf_like_llama_cpp(folder, tmp_path / "lying.gguf", types)
+    for dequantized in (False, True):
+        with pytest.raises(ModelLoadError, match=r"lying\.gguf: tensor '\S*(ffn|mlp)\S*' has shape "
+                                                 r"\((128, 64|64, 128)\), the model expects \((96, 64|64, 96)\)"):
+            load_model(Config(model=str(path), dtype="float32", device="cpu", gguf_dequantize=dequantized))
 
 
 def decoder_weight_count(model: torch.nn.Module) -> int:

@@ -131,6 +131,16 @@ def test_unpermute_qk_inverts_llama_cpp_permutation(heads: int) -> None:
     assert not torch.equal(llama_cpp_permute(weight, heads), weight)
 
 
+def test_q_rows_that_do_not_split_into_the_heads_are_named(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """head_count 6 against 64-row q/k tensors: a torch RuntimeError, naming neither file nor tensor."""
+    path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "heads.gguf")
+    reader = open_gguf(path)
+    (q,) = [t for t in reader.tensors if t.name == "blk.0.attn_q.weight"]
+    with pytest.raises(ModelLoadError, match=r"heads\.gguf: tensor 'blk\.0\.attn_q\.weight' cannot be decoded .*"
+                                             r"64 rows do not split into 6 heads"):
+        dequantize(q, str(path), heads=6)
+
+
 def test_unpermuted_rows_give_rotate_half_rope() -> None:
     # Interleaved RoPE (llama.cpp) on permuted rows == rotate-half RoPE (HF) on HF rows, permuted.
     heads, dim = 2, 8
@@ -269,6 +279,7 @@ def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir
      r"rope_scaling\.factor must be a positive number, got '2'"),
     ("config.json", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
      r"config\.json: unsupported rope_scaling type 'yarn'"),
+    ("config.json", {"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),  # ran as silu
     ("tokenizer_config.json", "{bad", r"tokenizer_config\.json: invalid JSON"),
     ("tokenizer_config.json", json.dumps({"chat_template": "{{ x | no_such_filter }}"}),
      r"tokenizer_config\.json: the chat template does not compile"),
@@ -281,6 +292,18 @@ def test_corrupt_folder_files_are_named(tmp_path: Path, tiny_llama_dir: Path, fi
         text = json.dumps({**json.loads((folder / file).read_text()), **text})
     (folder / file).write_text(text)
     with pytest.raises(ModelLoadError, match=message):
+        load_model(Config(model=str(folder), dtype="float32"))
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, folder)
+    shutil.move(folder / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    with safe_open(tmp_path / "elsewhere.safetensors", "pt") as f:
+        names = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../elsewhere.safetensors" for name in names}}))
+    with pytest.raises(ModelLoadError, match=r"names shards that are not in the folder: \['\.\./elsewhere"):
         load_model(Config(model=str(folder), dtype="float32"))
 
 

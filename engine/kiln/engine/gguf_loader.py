@@ -73,6 +73,8 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time permutation of q/k rows (interleaved RoPE pairs) back to
     HF's rotate-half layout. Works for weights [out, in] and biases [out]."""
     rest = weight.shape[1:]
+    if weight.shape[0] % (2 * num_heads):  # (a torch RuntimeError naming neither file nor tensor)
+        raise ValueError(f"its {weight.shape[0]} rows do not split into {num_heads} heads of rotary pairs")
     return weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
@@ -182,6 +184,13 @@ def install_packed(model: nn.Module, plans: dict[str, PackedPlan], source: str) 
     and in its dtype. The Linear's (still empty) bias moves over, for load_weights to fill."""
     for name, plan in plans.items():
         linear = model.get_submodule(name)
+        # Checked here as load_weights checks the tensors it copies: built from the file's own
+        # shapes, a projection that disagrees with the config loaded and answered garbage.
+        rows = model.shard_sizes(name.rpartition(".")[2]) if len(plan) > 1 else [linear.weight.shape[0]]
+        for (tensor, _), want in zip(plan, rows):
+            shape, expected = tuple(int(d) for d in reversed(tensor.shape)), (want, linear.weight.shape[1])
+            if shape != expected:
+                raise ModelLoadError(f"{source}: tensor {tensor.name!r} has shape {shape}, the model expects {expected}")
         parts = []
         for tensor, heads in plan:
             try:

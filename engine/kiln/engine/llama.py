@@ -197,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.backend.linear(hidden, weight).float()
 
-    def _shard_sizes(self, fused: str) -> list[int]:
+    def shard_sizes(self, fused: str) -> list[int]:
         cfg = self.config
         if fused == "qkv_proj":
             kv = cfg.num_key_value_heads * cfg.head_dim
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"{source}: unexpected tensor {name!r} for this Llama-family model")
             dest = param.data
             if shard is not None:
-                sizes = self._shard_sizes(target.split(".")[-2])
+                sizes = self.shard_sizes(target.split(".")[-2])
                 dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -102,6 +102,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
     qwen2 = "Qwen2ForCausalLM" in archs
     if raw.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias is not supported")
+    if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # swish is silu; the MLP computes silu only
+        raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
     if raw.get("use_sliding_window") or (not qwen2 and raw.get("sliding_window")):
         raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     # transformers >= 5 writes rope_parameters (theta included); older versions rope_scaling + rope_theta.

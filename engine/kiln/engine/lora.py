@@ -131,7 +131,7 @@ def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, di
     layers = model.model.layers
     if layer >= len(layers):
         raise LoRAError(f"LoRA adapter {name!r} has weights for layer {layer}; the model has {len(layers)}")
-    sizes = model._shard_sizes(fused) if fused in ("qkv_proj", "gate_up_proj") else None
+    sizes = model.shard_sizes(fused) if fused in ("qkv_proj", "gate_up_proj") else None
     cfg = model.config
     in_features = cfg.intermediate_size if fused == "down_proj" else \
         cfg.num_attention_heads * cfg.head_dim if fused == "o_proj" else cfg.hidden_size

@@ -86,7 +86,9 @@ def weight_files(folder: Path) -> list[Path]:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ModelLoadError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-    missing = [n for n in names if not isinstance(n, str) or not (folder / n).is_file()]
+    # A shard is a file of the folder by its bare name: "../other/x.safetensors" or an absolute
+    # path read another model's weights, quietly.
+    missing = [n for n in names if not isinstance(n, str) or Path(n).name != n or not (folder / n).is_file()]
     if missing:
         raise ModelLoadError(f"{index} names shards that are not in the folder: {missing[:5]}")
     return [folder / n for n in names]
