@@ -436,3 +436,24 @@ def test_cli_ctrl_c_exits_130_without_a_traceback() -> None:
         proc.kill()
     assert proc.returncode == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kiln generate: interrupted"
+
+
+def test_queued_outputs_do_not_each_copy_the_text_so_far() -> None:
+    """Each RequestOutput kept the text made so far: a streaming client that stopped reading left
+    every step's output queued, each with its own copy, O(length^2) in memory (30 MiB at 4000
+    tokens). The text an output gives is still the one of its step."""
+    import tracemalloc
+
+    from kiln.engine.sequence import Sequence
+    seq = Sequence("slow-reader", [1, 2, 3], SamplingParams(max_tokens=5000), 0)
+    tracemalloc.start()
+    outputs = []
+    for _ in range(3000):
+        seq.token_ids.append(7)
+        seq.text += "word "
+        outputs.append(LLMEngine._output(seq))
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held < 4 << 20, f"{held / 2**20:.1f} MiB for 3000 queued outputs"  # copies: 22 MiB
+    assert [outputs[k].text for k in (0, 999, 2999)] == ["word " * (k + 1) for k in (0, 999, 2999)]
+    assert "".join(o.new_text for o in outputs) == outputs[-1].text

@@ -29,8 +29,8 @@ from kiln.engine.tokenizer import IncrementalDetokenizer
 class RequestOutput:
     """A request's state after a step. new_token_ids and new_text are this step's. The cumulative
     fields (prompt_token_ids, token_ids, text, logprobs: all so far) are read from the sequence's
-    lists, cut at this step's lengths, only when asked: a step copies nothing that grows with the
-    request (copied every step, they made a request cost O(length^2)). The lists only ever change
+    lists and text, cut at this step's lengths, only when asked: a step copies nothing that grows with
+    the request (copied every step, they made a request cost O(length^2)). The lists only ever change
     past an output's lengths (appends, and speculative drafts replaced), so the cut is stable."""
 
     def __init__(self, seq: Sequence, new_token_ids: list[int], new_text: str, visible_chars: int) -> None:
@@ -44,7 +44,10 @@ class RequestOutput:
         self.finish_reason = seq.finish_reason  # "stop" | "length" | "abort" | "error" | None
         self.error = seq.error  # with "error": what went wrong; the text so far is not a whole answer
         self.num_cached_tokens = seq.num_cached_tokens
-        self._seq, self._num_tokens, self._text, self._visible = seq, len(seq), seq.text, visible_chars
+        # The text is cut from the sequence's when asked, not kept: a string per step, each a copy of
+        # all the text so far, made a stalled streaming client's queued outputs O(length^2) in
+        # memory. (The text only grows, and a stop string is cut off past what was made visible.)
+        self._seq, self._num_tokens, self._visible = seq, len(seq), visible_chars
         self._num_logprobs = None if seq.logprobs is None else len(seq.logprobs)
 
     @cached_property
@@ -57,7 +60,7 @@ class RequestOutput:
 
     @cached_property
     def text(self) -> str:
-        return self._text[:self._visible]  # str is immutable: the step's own value
+        return self._seq.text[:self._visible]
 
     @cached_property
     def logprobs(self) -> list[dict[str, Any]] | None:
