@@ -329,6 +329,32 @@ def test_a_service_deleted_in_the_foreground_says_so_while_its_children_go(opera
     operator.restart()
 
 
+def test_a_template_change_is_not_ready_for_its_generation_before_it_rolls_out(operator, apis, ns, kubectl):
+    """A change that patches the stable Deployment's template (resources: no new revision) was
+    judged on the Deployment as read before the patch: the first status of the new generation said
+    Ready=True, and `kubectl wait --for=condition=Ready` right after `kubectl apply` returned at once."""
+    operator.restart(interval=300)
+    apply(kubectl, ns, smollm2("rolling"))
+    until(lambda: ready(apis, ns, "rolling"), "rolling Ready")
+    since = isvc(apis, ns, "rolling")["metadata"]["resourceVersion"]
+    kubectl("patch", "isvc/rolling", "-n", ns, "--type=merge", "-p", '{"spec":{"resources":{"cpu":"3"}}}')
+    generation = isvc(apis, ns, "rolling")["metadata"]["generation"]
+    watch = kubernetes.watch.Watch()
+    first = None
+    for event in watch.stream(apis["custom"].list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,
+                              field_selector="metadata.name=rolling", resource_version=since, timeout_seconds=60):
+        if (event["object"].get("status") or {}).get("observedGeneration") == generation:
+            first = event["object"]
+            break
+    watch.stop()
+    assert first is not None, "no status for the new generation"
+    assert condition(first, "Ready")["status"] != "True", condition(first, "Ready")
+    until(lambda: ready(apis, ns, "rolling"), "rolling Ready once rolled out")
+    (dep,) = engine_deployments(apis, ns, "rolling")
+    assert dep.spec.template.spec.containers[0].resources.requests["cpu"] == "3"
+    operator.restart()
+
+
 def test_killed_operator_converges_and_repairs_drift(operator, apis, ns, kubectl):
     apply(kubectl, ns, smollm2("drift"))
     # Kill it hard in the middle of its first pass, right as the first child appears.

@@ -23,7 +23,7 @@ from .desired import Desired, desired, desired_replicas, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed
 from .placement import Placements, placed
-from .plan import CREATE, DELETE, REPLICAS_MANAGER, SCALE, Action, plan
+from .plan import CREATE, DELETE, PATCH, REPLICAS_MANAGER, SCALE, Action, plan
 from .render import LABEL_ISVC, Owner, revision_name, scale_selector, service_url
 from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
@@ -95,7 +95,8 @@ def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
     return Observed.of(*objects)
 
 
-def execute(api: Api, owner: Owner, action: Action) -> None:
+def execute(api: Api, owner: Owner, action: Action) -> dict[str, Any] | None:
+    """Carry out one action; the object as stored after it (None for a delete)."""
     ns = owner.namespace
     if action.verb == DELETE:
         try:
@@ -103,7 +104,7 @@ def execute(api: Api, owner: Owner, action: Action) -> None:
         except ApiException as err:
             if err.status != 404:
                 raise
-        return
+        return None
     if action.verb == CREATE:
         refuse_foreign(api, owner, action)
     # Server-side apply, forcing ownership back from anyone who hand-edited our fields.
@@ -112,7 +113,9 @@ def execute(api: Api, owner: Owner, action: Action) -> None:
         body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": action.name, "namespace": ns},
                 "spec": {"replicas": action.replicas}}
         manager = REPLICAS_MANAGER
-    api.call("patch", action.kind)(action.name, ns, body, field_manager=manager, force=True, _content_type=APPLY)
+    stored = api.call("patch", action.kind)(action.name, ns, body, field_manager=manager, force=True,
+                                            _content_type=APPLY)
+    return stored if isinstance(stored, dict) else api.client.sanitize_for_serialization(stored)
 
 
 class NotOurs(Exception):
@@ -237,10 +240,11 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
     actions = plan(want, observed)
+    applied: dict[tuple[str, str], dict[str, Any]] = {}  # engine templates written in this pass, as stored
     for action in actions:
         log.info("%s/%s: %s", namespace, name, action)
         try:
-            execute(api, owner, action)
+            stored = execute(api, owner, action)
         except ApiException as err:
             if err.status not in (400, 422):  # not a verdict on what we sent: try again later
                 raise
@@ -249,6 +253,8 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         except NotOurs as err:
             rejected.append(f"{action}: {err}")
             continue
+        if action.kind == "Deployment" and action.verb in (CREATE, PATCH) and stored is not None:
+            applied[(action.kind, action.name)] = stored
         if action.kind == "Deployment" and action.verb == CREATE and action.name in rendered:
             post_event(api, body, "Normal", "RevisionCreated", f"created revision {action.name}")
         if action.kind == "Deployment" and action.verb == DELETE:  # only revisions are ever deleted
@@ -264,7 +270,10 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
                            spec.resources.gpus, time.time())
         idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
-    status = summarize(generation=generation, desired=want, observed=observed, previous=previous,
+    # A template this pass changed is not rolled out yet: judged as read before the patch, it was
+    # Ready for the new generation at once (`kubectl wait` right after `apply` returned at once).
+    settling = Observed({**observed.objects, **applied})
+    status = summarize(generation=generation, desired=want, observed=settling, previous=previous,
                        url=service_url(owner), selector=scale_selector(name), now=now(),
                        served_model=spec.model.served_name,
                        scaling=scaling.condition, autoscaling=scaling.status,
