@@ -170,6 +170,41 @@ def test_a_recreated_namesakes_pass_waits_for_the_deleted_ones_and_state_is_drop
     assert gone == [(("ns", "a"), 0)]  # once, after the deleted one's pass; not at stop()
 
 
+def test_a_name_made_again_while_a_pass_found_it_gone_is_reconciled():
+    """The pass that found the object gone (404) ended the loop by name: it took the recreated
+    object's wake-up (or its successor loop's) with it, and the new object got no pass at all."""
+    calls, first = [], threading.Event()
+    go = threading.Event()
+
+    def run_pass(namespace: str, name: str, woken: bool) -> float | None:
+        calls.append(woken)
+        if len(calls) == 1:
+            first.set()
+            go.wait(timeout=10)
+            return None  # it read a 404
+        return 60.0
+
+    async def scenario(delete_first: bool) -> None:
+        calls.clear()
+        first.clear()
+        go.clear()
+        controller = Controller(run_pass)
+        controller.trigger(("ns", "a"))
+        assert await asyncio.to_thread(first.wait, 10)
+        if delete_first:  # the DELETED event, then the new object's: a successor loop
+            controller.forget(("ns", "a"))
+        controller.trigger(("ns", "a"))  # made again (or, without the DELETED seen yet, a wake-up)
+        go.set()
+        async with asyncio.timeout(10):
+            while len(calls) < 2:
+                await asyncio.sleep(0.01)
+        await controller.stop()
+
+    for delete_first in (True, False):
+        asyncio.run(scenario(delete_first))
+        assert len(calls) == 2, delete_first
+
+
 def test_a_pass_waiting_for_a_worker_slot_checks_leadership_again():
     """Queued behind another object's pass while the Lease lapsed (a frozen replica waking): it
     ran anyway, alongside the new leader."""

@@ -108,7 +108,10 @@ class Controller:
                         continue
                 failures = 0
                 if next_in is None:
-                    self.forget(key)
+                    # Gone as this pass read it; but a wake-up since (the name made again) asks for
+                    # another pass, and a successor's loop is not this one's to end.
+                    if self._wake.get(key) is wake and not wake.is_set():
+                        self.forget(key)
                 else:
                     due = next_in
         finally:
