@@ -404,8 +404,17 @@ def test_a_fail_in_the_scale_up_step_holds_promotion_until_a_check_passes():
     assert d.state.phase == PROGRESSING and d.state.failed == 1
     d = run(d.state, "canary-b", FULL, None, 91)
     assert d.state.phase == PROGRESSING and d.canary == "canary-b"
+    assert "a failed check holds promotion" in d.state.message
     d = run(d.state, "canary-b", FULL, verdict(PASS), 100)
     assert d.state.phase == PROMOTED
+    # With no check to come (routers that cannot be scraped), a person may promote it anyway.
+    held = run(run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1).state,
+               "canary-b", READY, None, 2)
+    for now, check_ in ((40, verdict(PASS)), (80, verdict(PASS)), (90, verdict(FAIL)), (91, None)):
+        held = run(held.state, "canary-b", FULL if now >= 90 else READY, check_, now)
+    assert held.state.phase == PROGRESSING
+    resumed = run(held.state, "canary-b", Facts(2, True, resume_token="go"), None, 92)
+    assert resumed.state.phase == PROMOTED and resumed.state.resume_token == "go"
 
 
 def test_a_retry_asked_for_mid_rollout_does_not_rerun_the_canary_it_rolls_back():

@@ -151,11 +151,14 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
     state = replace(state, unready_since=None)
     if state.step > len(steps):
-        # The newest verdict, not only this pass's: a Fail holds promotion until a check passes.
-        if facts.canary_full and (state.analysis or {}).get("verdict") != FAIL:
-            return promote(state)
-        return Decision(replace(state, message=f"scaling canary {state.canary} to the stable revision's "
-                                               f"size before promotion; {analysis_words(state)}"), events)
+        # The newest verdict, not only this pass's: a Fail holds promotion until a later check is
+        # no Fail, or a person resumes (no check comes while the routers cannot be scraped).
+        held = (state.analysis or {}).get("verdict") == FAIL and facts.resume_token == state.resume_token
+        if facts.canary_full and not held:
+            return promote(replace(state, resume_token=facts.resume_token))
+        words = f"a failed check holds promotion (annotate {RESUME_ANNOTATION} to promote anyway)" if held \
+            else f"scaling canary {state.canary} to the stable revision's size before promotion"
+        return Decision(replace(state, message=f"{words}; {analysis_words(state)}"), events)
     pause = steps[state.step - 1].pause
     if pause is None:
         if facts.resume_token != state.resume_token:
