@@ -212,15 +212,14 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         body = read.body
     metrics.PASSES.labels(namespace, name, "reused" if read else "fresh").inc()
     meta = body["metadata"]
+    previous = dict(body.get("status") or {})
+    generation = meta.get("generation") or 0
     if meta.get("deletionTimestamp"):
         # Foreground deletion (Argo CD's default) keeps it while its children drain: not Serving.
-        previous = dict(body.get("status") or {})
-        report(api, body, previous, invalid(previous, meta.get("generation") or 0, "Terminating",
+        report(api, body, previous, invalid(previous, generation, "Terminating",
                                             "being deleted: its children and their pods go first", now()), settings)
         return settings.interval
     owner = Owner(name, namespace, meta["uid"])
-    previous = dict(body.get("status") or {})
-    generation = meta.get("generation") or 0
     try:
         spec = placed(parse_spec(body), settings.placements)
     except ValueError as err:
@@ -240,7 +239,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
     actions = plan(want, observed)
-    applied: dict[tuple[str, str], dict[str, Any]] = {}  # engine templates written in this pass, as stored
+    applied: dict[tuple[str, str], dict[str, Any]] = {}  # Deployments written in this pass, as stored
     for action in actions:
         log.info("%s/%s: %s", namespace, name, action)
         try:
