@@ -51,10 +51,11 @@ def test_quantile_interpolates_inside_the_bucket_like_prometheus():
     assert quantile(0.95, {}) is None
 
 
-def test_an_interval_is_the_difference_and_a_router_restart_counts_from_zero():
-    before, after = Figures(requests=100, tokens=50), Figures(requests=130, tokens=20)
+def test_an_interval_is_the_difference():
+    before, after = Figures(requests=100, tokens=50, ttft={1.0: 4}), Figures(requests=130, tokens=70, ttft={1.0: 9})
     delta = after.minus(before)
-    assert (delta.requests, delta.tokens) == (30, 20)
+    assert (delta.requests, delta.tokens, delta.ttft) == (30, 20, {1.0: 5})
+    assert not after.fell_below(before) and before.fell_below(after)
 
 
 def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
@@ -372,6 +373,22 @@ def test_an_interval_is_taken_router_by_router():
     restarted = {"a": router(600), "b": router(7, 1)}
     assert (interval(restarted, two, "canary").requests, interval(restarted, two, "canary").errors) == (48, 1)
     assert interval(two, base, "canary").ttft == {0.1: 0, 0.5: 0, 1.0: 0, float("inf"): 0}
+
+
+def test_a_restarted_router_counts_from_zero_all_at_once():
+    """Judged counter by counter, the requests that had climbed back past their old count gave an
+    increase of 20 beside a lifetime's 4 errors, and tokens beside the increase of agreed ones:
+    a false Fail of a healthy canary."""
+    from kiln.operator.canary import interval
+    before = {"r": {"c": Figures(requests=100, errors=5, tokens=1000, agreed=950)}}
+    after = {"r": {"c": Figures(requests=120, errors=4, tokens=990, agreed=960)}}
+    got = interval(after, before, "c")
+    assert (got.requests, got.errors, got.tokens, got.agreed) == (120, 4, 990, 960)
+    # One revision's counter going down restarts the others' of the same router too.
+    before["r"]["s"], after["r"]["s"] = Figures(requests=50), Figures(requests=3)
+    assert interval(after, before, "c").requests == 120
+    assert interval({"r": {"c": Figures(requests=130, errors=5, ttft={1.0: 9})}},
+                    {"r": {"c": Figures(requests=100, errors=5, ttft={1.0: 10})}}, "c").requests == 130
 
 
 def test_an_ended_rollout_leaves_no_baseline_for_the_next_one_of_the_same_revision():

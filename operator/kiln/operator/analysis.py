@@ -6,7 +6,7 @@ All figures are the routers' own, so they are what clients saw: requests and the
 codes, time to first token and inter-token latency of streamed responses, and the quality
 gate's teacher-forced greedy agreement from mirrored requests. Counters only grow, so an
 interval's figures are the difference of two snapshots, taken router by router (canary.py); a
-router that restarted in between counts from zero again (as Prometheus' increase() does)."""
+router that restarted in between counts from zero again, all of its counters at once."""
 from __future__ import annotations
 
 import math
@@ -38,13 +38,18 @@ class Figures:
                        add(self.itl, other.itl), self.tokens + other.tokens, self.agreed + other.agreed)
 
     def minus(self, before: Figures) -> Figures:
-        """What happened since `before`; a counter that went down was reset (a router restart)."""
-        def inc(now: float, then: float) -> float:
-            return now - then if now >= then else now
-        return Figures(inc(self.requests, before.requests), inc(self.errors, before.errors),
-                       {le: inc(n, before.ttft.get(le, 0.0)) for le, n in self.ttft.items()},
-                       {le: inc(n, before.itl.get(le, 0.0)) for le, n in self.itl.items()},
-                       inc(self.tokens, before.tokens), inc(self.agreed, before.agreed))
+        """What happened since `before` (counters only grow: see fell_below for a restart)."""
+        def sub(a: dict[float, float], b: dict[float, float]) -> dict[float, float]:
+            return {le: n - b.get(le, 0.0) for le, n in a.items()}
+        return Figures(self.requests - before.requests, self.errors - before.errors, sub(self.ttft, before.ttft),
+                       sub(self.itl, before.itl), self.tokens - before.tokens, self.agreed - before.agreed)
+
+    def fell_below(self, before: Figures) -> bool:
+        """Whether any counter went down since `before`: its router restarted."""
+        def down(a: dict[float, float], b: dict[float, float]) -> bool:
+            return any(a.get(le, 0.0) < n for le, n in b.items())
+        return (self.requests < before.requests or self.errors < before.errors or self.tokens < before.tokens
+                or self.agreed < before.agreed or down(self.ttft, before.ttft) or down(self.itl, before.itl))
 
 
 Sample = tuple[str, Mapping[str, str], float]  # (sample name, labels, value) from a metrics page

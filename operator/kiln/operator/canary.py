@@ -63,10 +63,15 @@ def interval(taken: dict[str, dict[str, Figures]], base: dict[str, dict[str, Fig
     """What the routers counted for `revision` since `base`, router by router, as Prometheus'
     increase() takes each series before a sum: a router missing from one scrape (slow, not
     ready) must not turn the others' lifetime counts into this interval's. A router missing
-    from either snapshot adds nothing."""
+    from either snapshot adds nothing. A router that restarted (any of its counters went down)
+    counts from zero, every counter of it: judged counter by counter, those that had climbed
+    back past their old values mixed an increase with lifetime counts (a false error rate)."""
     empty, total = Figures(), Figures()
     for router in taken.keys() & base.keys():
-        total = total.plus(taken[router].get(revision, empty).minus(base[router].get(revision, empty)))
+        now, then = taken[router], base[router]
+        if any(now.get(r, empty).fell_below(figures) for r, figures in then.items()):
+            then = {}
+        total = total.plus(now.get(revision, empty).minus(then.get(revision, empty)))
     return total
 
 
