@@ -62,8 +62,9 @@ def test_ranks_and_top_k_on_ties() -> None:
     logits = torch.tensor([[3.0, 1.0, 3.0, 0.0], [0.0, 2.0, 1.0, 2.0], [5.0, 4.0, 3.0, 2.0]])
     whole = score_rows(lambda h: h, logits, [2, 2, 3], 2, chunk=8)
     assert score_rows(lambda h: h, logits, [2, 2, 3], 2, chunk=2) == whole  # chunking changes nothing
-    assert [s.rank for s in whole] == [1, 3, 4]  # a tie with the argmax is rank 1
-    assert [[r for _, _, r in s.top] for s in whole] == [[1, 1], [1, 1], [1, 2]]
+    # Ties rank as greedy decoding picks: the lower id first (rank 1 is the token it emits).
+    assert [s.rank for s in whole] == [2, 3, 4]
+    assert [[r for _, _, r in s.top] for s in whole] == [[1, 2], [1, 2], [1, 2]]
     assert whole[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())
     assert score_rows(lambda h: h, logits, [0, 1, 2], 0, chunk=8)[0].top == []
 
@@ -78,6 +79,10 @@ def test_non_finite_logits_give_finite_figures() -> None:
     # A NaN target ranks last, in an all-NaN row too: a variant that outputs NaN agrees with nothing.
     assert [s.rank for s in score_rows(lambda h: h, logits, [0, 0, 3], 0, chunk=8)] == [4, 4, 1]
     assert scored[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())  # finite rows unchanged
+    # A row all +inf (an overflow) or all equal (dead weights): one token, greedy's, ranks first.
+    broken = torch.tensor([[float("inf")] * 4, [0.5] * 4])
+    assert [[s.rank for s in score_rows(lambda h: h, broken, [t, t], 0, chunk=8)] for t in range(4)] == \
+        [[1, 1], [2, 2], [3, 3], [4, 4]]
 
 
 def test_chunked_prefill_matches_plain_forward(llm: LLM) -> None:

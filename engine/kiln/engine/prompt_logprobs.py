@@ -58,13 +58,22 @@ def _score(logits: torch.Tensor, targets: list[int], k: int) -> list[ScoredPosit
     target_logits = logits.gather(1, index)
     # A NaN logit is never preferred, so its token ranks last. In a row of NaNs every bounded
     # logit ties and would rank first: a broken canary would "agree" with every token.
-    ranks = torch.where(nan_target, logits.shape[-1], 1 + (logits > target_logits).sum(-1))
+    ranks = torch.where(nan_target, logits.shape[-1], _ranks(logits, index).squeeze(1))
     top_logits, top_ids = logits.topk(k, dim=-1)
-    # Anything strictly above a top-k logit is itself in the top k, so comparing within it is enough.
-    top_ranks = 1 + (top_logits.unsqueeze(-2) > top_logits.unsqueeze(-1)).sum(-1)
+    top_ranks = _ranks(logits, top_ids)
     rows = zip(targets, (target_logits - log_norm).squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
                (top_logits - log_norm).tolist(), top_ranks.tolist())
     return [ScoredPosition(t, lp, r, list(zip(ids, lps, rks))) for t, lp, r, ids, lps, rks in rows]
+
+
+def _ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """ids [R, m] -> their ranks [R, m]: 1 + the tokens greedy decoding prefers to each, a greater
+    logit or an equal one at a lower id (argmax takes the first). Rank 1 is greedy's token: with
+    ties sharing it, a canary whose logits were all equal (or all +inf) "agreed" with every token."""
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    ranks = [1 + ((logits > own) | ((logits == own) & (vocab < ids[:, j:j + 1]))).sum(-1)
+             for j in range(ids.shape[1]) for own in [logits.gather(1, ids[:, j:j + 1])]]
+    return torch.stack(ranks, 1) if ranks else ids.new_zeros(ids.shape)
 
 
 def entry(scored: ScoredPosition, decode: Callable[[int], str]) -> PromptLogprob:
