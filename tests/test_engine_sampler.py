@@ -238,6 +238,18 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
 
     assert draw(7, 0) == draw(7, 3)
     assert draw(7, 0) != draw(8, 0)
+    # A CPU generator keeps a seed's low 32 bits alone: seeds 2^32 or 2^63 apart were one seed.
+    assert draw(7, 0) != draw(7 + 2**32, 0) and draw(-7, 0) != draw(2**63 - 7, 0)
+
+
+def test_a_uniform_draw_of_zero_never_picks_a_filtered_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """U = 0 (one float32 draw in 2^24) made -log(U) infinite: in a row that top_k=1 left one
+    token, every p / noise was 0 and the draw was token 0."""
+    logits = torch.randn(1, VOCAB)
+    logits[0, 7] = 5.0
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, **_: self.zero_())
+    tokens, _ = Sampler(seed=0)(logits, make_seqs([SamplingParams(temperature=1.0, top_k=1)]))
+    assert tokens == [7]
 
 
 def test_a_seeded_draw_depends_on_its_output_position_alone() -> None:
