@@ -159,7 +159,24 @@ def test_a_constraint_that_fails_while_generating_ends_in_error_not_stop(llm, ki
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
 
 
+def chain(links: int) -> dict[str, str]:
+    """A grammar of `links` rules each naming the next: llguidance compiles it by recursion."""
+    return dict(grammar="start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(links)) + f'r{links}: "yes"\n')
+
+
+def test_long_chains_of_rules_and_refs_compile_and_hold(llm):
+    """5000 rules (a 70 KB grammar) or $refs: on an 8 MiB stack compiling them crashed the
+    process (SIGSEGV), every request on the replica lost."""
+    refs = {"$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(5000)} | {"d5000": {"enum": ["yes"]}},
+            "$ref": "#/$defs/d0"}
+    outs = llm.generate(["Say yes:", "Answer:"], [constrained("grammar", chain(5000)["grammar"], max_tokens=8),
+                                                   constrained("json", refs, max_tokens=8)])
+    assert [(o.text, o.finish_reason) for o in outs] == [("yes", "stop"), ('"yes"', "stop")]
+
+
 @pytest.mark.parametrize("spec,message", [
+    (chain(40_000), r"the grammar is too large: \d+ characters as a grammar, at most 524288"),
+    (dict(json="[" * 5000 + "]" * 5000), "json is not a JSON schema"),  # a RecursionError, once a 500
     (dict(regex="[a-"), "the regex does not compile"),
     (dict(grammar="start: nothing_defined"), "the grammar does not compile"),
     (dict(json={"type": "martian"}), "the json does not compile"),

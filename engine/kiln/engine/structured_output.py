@@ -13,6 +13,8 @@ and outgrows those bounds only as tokens come ends its request in error (a 400 t
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,14 @@ from kiln.engine.sampling_params import StructuredOutputs
 if TYPE_CHECKING:
     from kiln.engine.sequence import Sequence
     from kiln.engine.tokenizer import Tokenizer
+
+
+# llguidance follows a chain of rules (r0: r1, r1: r2, ...) or of $refs by recursion, about 3 KiB
+# of stack a link: on a thread's usual 8 MiB one 40 KB request crashed the server (SIGSEGV).
+# Matchers are compiled on a thread of COMPILE_STACK_BYTES (address space; pages are taken as
+# touched), and a constraint over MAX_GRAMMAR_CHARS is refused: at most ~35k links, ~100 MiB.
+MAX_GRAMMAR_CHARS = 512 * 1024
+COMPILE_STACK_BYTES = 512 * 2**20
 
 
 def to_grammar(spec: StructuredOutputs) -> str:
@@ -47,7 +57,7 @@ def _schema(schema: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ValueError(f"structured outputs: json is not a JSON schema: {e}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"structured outputs: a JSON schema is a JSON object, got {type(schema).__name__}")
@@ -67,12 +77,26 @@ class Grammars:
         return llguidance.LLTokenizer(self._tokenizer.tokenizer.to_str(), n_vocab=self.vocab_size,
                                       eos_token=self._tokenizer.eos_token_ids)
 
+    @cached_property
+    def _compiler(self) -> ThreadPoolExecutor:
+        """One thread with a deep stack (see COMPILE_STACK_BYTES), made at once while the size is set."""
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            compiler = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+            compiler.submit(lambda: None).result()
+        finally:
+            threading.stack_size(previous)
+        return compiler
+
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
         """A fresh matcher at the start of the output; ValueError naming what is wrong with it."""
-        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(spec), log_level=0)
+        kind, grammar = spec.kinds[0].replace("_", " "), to_grammar(spec)
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured outputs: the {kind} is too large: {len(grammar)} characters as a "
+                             f"grammar, at most {MAX_GRAMMAR_CHARS} are taken")
+        matcher = self._compiler.submit(llguidance.LLMatcher, self.tokenizer, grammar, log_level=0).result()
         if matcher.is_error():
-            raise ValueError(f"structured outputs: the {spec.kinds[0].replace('_', ' ')} does not compile: "
-                             f"{matcher.get_error().strip()}")
+            raise ValueError(f"structured outputs: the {kind} does not compile: {matcher.get_error().strip()}")
         return matcher
 
 
