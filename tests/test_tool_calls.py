@@ -8,6 +8,7 @@ import logging
 import re
 from typing import Literal
 
+import llguidance
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -16,6 +17,7 @@ from kiln.cli import main as cli_main
 from kiln.engine.api_errors import APIError
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_serving import ChatShape
+from kiln.engine.structured_output import to_grammar
 from kiln.engine.tool_calls import NO_PARAMETERS, tool_calls
 from kiln.engine.tool_parsers import PARSERS
 from test_server import CLOCK, MODEL, WEATHER, ServerProcess, post
@@ -45,6 +47,11 @@ OSLO = ("get_weather", '{"city": "Oslo", "unit": "celsius"}')
     (HERMES, '<tool_call>{"name": "f", "arguments": null}</tool_call>', (None, [("f", "{}")])),
     (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"city\\": \\"Z\\u00fcrich\\"}"}</tool_call>',
      (None, [("f", '{"city": "Zürich"}')])),  # a JSON string of the object; the text as written
+    # Either key, whatever the template shows: "parameters" in a hermes block ran with no arguments.
+    (HERMES, '<tool_call>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}</tool_call>',
+     (None, [OSLO])),
+    (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}]', (None, [OSLO])),
+    (LLAMA, '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}', (None, [OSLO])),
 ])
 def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, parsed) -> None:
     assert parser.parse(text) == parsed
@@ -68,6 +75,8 @@ def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, pars
     (HERMES, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
     (LLAMA, '{"name": "f", "parameters": {"x": Infinity}}'), (PYTHONIC, "[f(x=1e999)]"), (PYTHONIC, "[f(x=b'ab')]"),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": "oops"}]'),
+    # No call at all: content (it was a "tool_calls" finish with no calls, the text lost).
+    (PYTHONIC, "[]"), (MISTRAL, "[TOOL_CALLS][]"), (LLAMA, "<|python_tag|>"),
 ])
 def test_output_that_makes_no_whole_call_is_not_parsed(parser, text) -> None:
     assert parser.parse(text) is None
@@ -238,15 +247,39 @@ def test_tools_that_cannot_be_called_as_sent_are_a_400(tools, message) -> None:
     assert e.value.status == 400 and e.value.param.startswith("tools")
 
 
-@pytest.mark.parametrize("parameters", [{}, {"properties": {"a": {"type": "integer"}}}])
-def test_arguments_are_always_an_object(parameters) -> None:
+def request(parameters: dict, tool_choice: object = "required") -> ChatCompletionRequest:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                 "tool_choice": tool_choice})
+
+
+@pytest.mark.parametrize("parameters,none", [
+    ({}, True), ({"properties": {"a": {"type": "integer"}}}, False),
+    # No properties, as MCP and LangChain write a function of none: any object, and the call was lost.
+    ({"type": "object", "properties": {}}, True), ({"type": "object", "properties": {}, "required": []}, True),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, False),
+])
+def test_arguments_are_always_an_object(parameters, none) -> None:
     # {} is no parameters, as when left out; a schema without a type still takes only objects
     # (a bare {} let a named call's "arguments" be "hello" or [1]).
-    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
-    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
-                                                "tool_choice": {"type": "function", "function": {"name": "f"}}})
-    schema = tool_calls(req).structured_outputs().json
-    assert schema["type"] == "object" and (parameters or schema == NO_PARAMETERS)
+    schema = tool_calls(request(parameters, {"type": "function", "function": {"name": "f"}})).structured_outputs().json
+    assert schema["type"] == "object" and (schema == NO_PARAMETERS) == none
+
+
+def test_a_schema_with_its_own_id_compiles_under_required() -> None:
+    """Moved under the array's $defs, its local refs were resolved against its $id and missed
+    (400 "Pointer '/$defs/tool0/$defs/A' does not exist"); named calls took it."""
+    parameters = {"$id": "https://example.com/f", "type": "object", "$defs": {"A": {"type": "integer"}},
+                  "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}
+    assert llguidance.LLMatcher.validate_grammar(to_grammar(tool_calls(request(parameters)).structured_outputs())) == ""
+
+
+def test_required_arguments_beyond_float_are_content_not_infinity() -> None:
+    """The grammar takes 1e400; read back and written again it was "Infinity", which no client parses."""
+    calls = tool_calls(request({"type": "object", "properties": {"x": {"type": "number"}}}))
+    assert calls.message('[{"name": "f", "parameters": {"x": 1e400}}]', "stop") == \
+        ({"content": '[{"name": "f", "parameters": {"x": 1e400}}]'}, "stop")
+    assert calls.message('[{"name": "f", "parameters": {"x": 1e30}}]', "stop")[1] == "tool_calls"
 
 
 def test_with_a_parser_special_tokens_stay_in_the_text_it_reads(server) -> None:

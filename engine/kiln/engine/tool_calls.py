@@ -82,8 +82,9 @@ class ToolCalls:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             try:
-                calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in json.loads(text)]
-            except ValueError:  # cut short by max_tokens
+                calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False, allow_nan=False))
+                         for call in json.loads(text)]
+            except ValueError:  # cut short by max_tokens, or a number beyond float (1e400: no JSON again)
                 return {"content": text}, finish_reason
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         tool_calls = [{"id": self.call_id(), "type": "function",
@@ -95,9 +96,12 @@ class ToolCalls:
 
 def _arguments_schema(parameters: dict[str, Any] | None, param: str) -> dict[str, Any]:
     """The schema a call's arguments follow: always an object, as clients json.loads them into one.
-    Left out or {}, parameters mean none (OpenAI's "an empty parameter list"): any object let a
-    model write keys until max_tokens cut the call short, so it was never made."""
-    if not parameters:
+    Left out, {} or an object with no properties (as MCP and LangChain write it), parameters mean
+    none (OpenAI's "an empty parameter list"): any object let a model write keys until max_tokens
+    cut the call short, so it was never made."""
+    if not parameters or (not parameters.get("properties") and not parameters.get("required")
+                          and parameters.keys() <= {"type", "properties", "required", "title", "description", "$schema"}
+                          and parameters.get("type", "object") == "object"):
         return NO_PARAMETERS
     if parameters.get("type", "object") != "object":
         raise APIError(400, f"{param}: a function's parameters are a JSON schema of type \"object\", "
@@ -107,12 +111,15 @@ def _arguments_schema(parameters: dict[str, Any] | None, param: str) -> dict[str
 
 def _rebased(schema: dict[str, Any], base: str) -> dict[str, Any]:
     """schema with its local $refs ("#" and "#/...") made to point into `base`, where it is put.
-    Through JSON and an object hook, not a recursive walk: a schema nested as deep as the request's
-    JSON may be would pass Python's recursion limit (a 500)."""
+    Its own $id goes: kept, local refs resolved against it, not the document, and none was found
+    (an anchor, "#name", is the document's wherever it sits, so it stays). Through JSON and an
+    object hook, not a recursive walk: a schema nested as deep as the request's JSON may be would
+    pass Python's recursion limit (a 500)."""
     def rebase(node: dict[str, Any]) -> dict[str, Any]:
         ref = node.get("$ref")
-        return {**node, "$ref": base + ref[1:]} if isinstance(ref, str) and ref.startswith("#") else node
-    return json.loads(json.dumps(schema), object_hook=rebase)
+        local = isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))
+        return {**node, "$ref": base + ref[1:]} if local else node
+    return json.loads(json.dumps({k: v for k, v in schema.items() if k != "$id"}), object_hook=rebase)
 
 
 def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCalls | None:

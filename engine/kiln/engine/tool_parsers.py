@@ -26,11 +26,13 @@ from typing import Callable
 Calls = list[tuple[str, str]]
 
 
-def _call(obj: object, arguments_key: str) -> tuple[str, str]:
-    """(name, arguments as a JSON string) of one parsed call; ValueError if it is not one."""
+def _call(obj: object) -> tuple[str, str]:
+    """(name, arguments as a JSON string) of one parsed call; ValueError if it is not one.
+    Models write "arguments" or "parameters" whatever their template shows: either is read (a
+    hermes call with "parameters" was run with no arguments)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
-    arguments = obj.get(arguments_key, obj.get("arguments"))
+    arguments = obj.get("arguments", obj.get("parameters"))
     if isinstance(arguments, str):  # some models write the object as a JSON string
         arguments = json.loads(arguments)
     if arguments is None:
@@ -46,7 +48,7 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def _hermes(calls_text: str) -> Calls:
     # A last block that max_tokens cut before its end tag still counts when its JSON is whole.
-    return [_call(json.loads(block), "arguments") for block in _HERMES_BLOCK.findall(calls_text)]
+    return [_call(json.loads(block)) for block in _HERMES_BLOCK.findall(calls_text)]
 
 
 def _llama3_json(calls_text: str) -> Calls:
@@ -58,7 +60,7 @@ def _llama3_json(calls_text: str) -> Calls:
         # person's, say) is content, as in vLLM, unless it carries the call's parameters too.
         if isinstance(obj, dict) and not {"parameters", "arguments"} & obj.keys():
             raise ValueError("no parameters: an answer in JSON, not a call")
-        calls.append(_call(obj, "parameters"))
+        calls.append(_call(obj))
         rest = text[position:].strip()
         if not rest:
             return calls
@@ -74,13 +76,13 @@ def _mistral(calls_text: str) -> Calls:
     text = calls_text.removeprefix("[TOOL_CALLS]")
     if text.lstrip().startswith(("[", "{")):
         calls = json.loads(text)
-        return [_call(c, "arguments") for c in (calls if isinstance(calls, list) else [calls])]
+        return [_call(c) for c in (calls if isinstance(calls, list) else [calls])]
     calls = []
     for segment in text.split("[TOOL_CALLS]"):
         match = _MISTRAL_V11_CALL.fullmatch(segment)
         if match is None:
             raise ValueError("not name[ARGS]{...}")
-        calls.append(_call({"name": match[1], "arguments": json.loads(match[2])}, "arguments"))
+        calls.append(_call({"name": match[1], "arguments": json.loads(match[2])}))
     return calls
 
 
@@ -100,7 +102,7 @@ def _pythonic(calls_text: str) -> Calls:
         arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
         if len(arguments) != len(node.keywords):
             raise ValueError("**kwargs is not a literal argument")
-        calls.append(_call({"name": node.func.id, "arguments": arguments}, "arguments"))
+        calls.append(_call({"name": node.func.id, "arguments": arguments}))
     return calls
 
 
@@ -136,7 +138,8 @@ class ToolParser:
             calls = self.read(text[start:])
         except (ValueError, TypeError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             return None
-        return (text[:start] or None), calls
+        # No call at all ("[]"): the answer is content, or it was lost under a "tool_calls" finish.
+        return ((text[:start] or None), calls) if calls else None
 
     def streamable(self, text: str) -> int:
         """How much of text, from the start, a stream may send as content now: up to the calls,
