@@ -14,6 +14,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from kiln.cli import main as cli_main
+from kiln.engine import openapi
 from kiln.engine.api_errors import APIError
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_serving import ChatShape
@@ -280,6 +281,16 @@ def test_required_arguments_beyond_float_are_content_not_infinity() -> None:
     assert calls.message('[{"name": "f", "parameters": {"x": 1e400}}]', "stop") == \
         ({"content": '[{"name": "f", "parameters": {"x": 1e400}}]'}, "stop")
     assert calls.message('[{"name": "f", "parameters": {"x": 1e30}}]', "stop")[1] == "tool_calls"
+
+
+def test_a_call_answer_follows_the_served_document(server) -> None:
+    """/openapi.json said content is a string and finish_reason "stop" or "length": a client
+    generated from it rejected every answer that made a call."""
+    code, answer = post(server.url + "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": TOOLS,
+        "tool_choice": "required", "max_tokens": 60, "temperature": 0})
+    assert code == 200 and answer["choices"][0]["finish_reason"] == "tool_calls", answer
+    openapi.ChatCompletion.model_validate(answer)
 
 
 def test_with_a_parser_special_tokens_stay_in_the_text_it_reads(server) -> None:

@@ -74,7 +74,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "failed"]  # failed: a stream's response.failed
     model: str
     output: list[OutputItem]
     usage: ResponseUsage | None
