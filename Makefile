@@ -36,7 +36,7 @@ up: $(STAMP) local-bins
 	$(PY) -m kiln.local.demo up
 
 down: $(STAMP)
-	$(PY) -m kiln.local.demo down $(if $(FORCE),--force)
+	$(PY) -m kiln.local.demo down $(if $(filter 1 yes true,$(FORCE)),--force)
 
 clean-venv:
 	rm -rf $(VENV)

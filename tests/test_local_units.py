@@ -92,6 +92,19 @@ def test_down_removes_nothing_from_a_directory_without_state(tmp_path):
     assert all((project / e / "important.txt").exists() for e in ("logs", "certs", "pki", "src"))
 
 
+def test_up_refuses_a_directory_with_a_users_entries_and_leaves_them(tmp_path, monkeypatch):
+    """The refusal ran inside the clean-up of a failed start, which deleted the very folders it
+    had refused to touch."""
+    monkeypatch.setattr(build, "ensure_built", lambda **_: pytest.fail("up went on to build"))
+    project = tmp_path / "project"
+    for entry in ("logs", "certs", "src"):
+        (project / entry).mkdir(parents=True)
+        (project / entry / "important.txt").write_text("keep me")
+    with pytest.raises(RuntimeError, match=r"holds \['logs', 'certs'\] from something else"):
+        cluster.up(project)
+    assert all((project / e / "important.txt").read_text() == "keep me" for e in ("logs", "certs", "src"))
+
+
 def test_a_dir_that_is_a_file_is_one_line_not_a_traceback(tmp_path, capsys):
     from kiln.cli import main
     afile = tmp_path / "afile.txt"
@@ -353,3 +366,23 @@ def test_make_down_can_force(tmp_path, monkeypatch, sleeper, capsys):
     assert (directory / "state.json").exists()
     assert demo.main(["down", "--force"]) == 0
     assert not (directory / "state.json").exists()
+
+
+@pytest.mark.parametrize("raised,code,said", [(KeyboardInterrupt(), 130, "make up: interrupted"),
+                                              (FileNotFoundError(2, "No such file or directory", "ip"), 1,
+                                               "make up: [Errno 2] No such file or directory: 'ip'")])
+def test_make_up_fails_in_one_line(monkeypatch, capsys, raised, code, said):
+    """Ctrl-C in the long wait, or a missing tool, was a traceback."""
+    def up(*_, **__):
+        raise raised
+    monkeypatch.setattr(cluster, "up", up)
+    assert demo.main(["up"]) == code
+    assert capsys.readouterr().err.strip() == said
+
+
+@pytest.mark.parametrize("force,forced", [("1", True), ("yes", True), ("0", False), ("no", False), ("", False)])
+def test_make_down_forces_only_when_asked(force, forced):
+    """FORCE=0 forced the teardown under running test sessions (make's $(if) takes any non-empty word)."""
+    plan = subprocess.run(["make", "-n", "-C", str(Path(__file__).parents[1]), "down", f"FORCE={force}"],
+                          capture_output=True, text=True, check=True).stdout
+    assert ("--force" in plan) == forced, plan

@@ -271,6 +271,10 @@ def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBN
             if c.state():  # left over from a crash or a partial up: clean it before starting over
                 print(f"cleaning up a stale local cluster in {c.dir}", file=log)
                 teardown(c)
+            # Before the try: the clean-up of a failed start removes these entries, a user's too.
+            leftovers = [e for e in ENTRIES if (c.dir / e).exists()]
+            if leftovers:
+                raise RuntimeError(f"{c.dir} holds {leftovers} from something else; use an empty directory")
             build.ensure_built(log=log)
             try:
                 start(c, bridge, ipaddress.IPv4Network(subnet), dir_created, log, timeout)
@@ -300,9 +304,6 @@ def leave(c: Cluster, user: int) -> bool:
 
 def start(c: Cluster, bridge: str, subnet: ipaddress.IPv4Network, dir_created: bool, log: TextIO,
           timeout: float) -> None:
-    leftovers = [e for e in ENTRIES if (c.dir / e).exists()]
-    if leftovers:
-        raise RuntimeError(f"{c.dir} holds {leftovers} from something else; use an empty directory")
     ports = {k: free_port() for k in ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")}
     state = {"bridge": bridge, "subnet": str(subnet), "ports": ports, "processes": {}, "bridge_created": False,
              "dir_created": dir_created}

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kubernetes.client.rest import ApiException
+
 from kiln.local import cluster, processes
 from kiln.local.kwok import EXTERNAL_READINESS
 from kiln.local.testing import api_client, eventually, kubectl, service_account_kubeconfig
@@ -116,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return up() if args.action == "up" else down(args.force)
-    except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as exc:  # kubectl failed, a wait timed out
+    except KeyboardInterrupt:  # safe to run again: up cleans a half-made cluster, applies are idempotent
+        print(f"make {args.action}: interrupted", file=sys.stderr)
+        return 130
+    # kubectl failed, a wait timed out, a tool (ip, kubectl) missing, the API server refused
+    except (RuntimeError, AssertionError, subprocess.TimeoutExpired, OSError, ApiException) as exc:
         print(f"make {args.action}: {exc}", file=sys.stderr)
         return 1
 
