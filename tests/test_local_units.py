@@ -386,3 +386,17 @@ def test_make_down_forces_only_when_asked(force, forced):
     plan = subprocess.run(["make", "-n", "-C", str(Path(__file__).parents[1]), "down", f"FORCE={force}"],
                           capture_output=True, text=True, check=True).stdout
     assert ("--force" in plan) == forced, plan
+
+
+def test_a_go_build_from_other_inputs_is_not_current(tmp_path, monkeypatch):
+    """The cache was keyed by version alone: a go.mod bump (etcd 3.7.0 -> 3.7.1) was never built."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "GOBUILD", tmp_path / "gobuild")
+    (tmp_path / "gobuild" / "tool").mkdir(parents=True)
+    (tmp_path / "gobuild" / "tool" / "go.mod").write_text("require example.com/x v1.0.0\n")
+    target = build.Target("tool", "v1", ("example.com/x/cmd/tool",))
+    assert not build.is_current(target)
+    build.bin_dir(target).mkdir(parents=True)
+    assert build.is_current(target)  # built before digests were kept: taken as is, and recorded
+    (tmp_path / "gobuild" / "tool" / "go.mod").write_text("require example.com/x v1.0.1\n")
+    assert not build.is_current(target)

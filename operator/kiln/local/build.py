@@ -9,6 +9,7 @@ go to a temporary folder that is renamed only after every binary linked.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -70,6 +71,25 @@ def bin_dir(target: Target) -> Path:
     return cache_root() / f"{target.module}-{target.version}" / "bin"
 
 
+def inputs_digest(target: Target) -> str:
+    """What the build reads beside the version: the module's go.mod, go.sum and sources, the flags."""
+    digest = hashlib.sha256(f"{target.packages}\0{target.ldflags()}\0".encode())
+    for path in sorted(p for p in (GOBUILD / target.module).rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(GOBUILD)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def is_current(target: Target) -> bool:
+    """Built, and from these inputs: a go.mod bump under the same version was never rebuilt. A
+    build from before the digest was recorded is taken as current, and gets the record."""
+    record = bin_dir(target).parent / "inputs.sha256"
+    if not bin_dir(target).is_dir():
+        return False
+    if not record.exists():
+        record.write_text(inputs_digest(target))
+    return record.read_text() == inputs_digest(target)
+
+
 def binary(name: str) -> Path:
     """Path of a built binary by name (kube-apiserver, etcd, kwok, ...)."""
     for target in TARGETS:
@@ -102,7 +122,9 @@ def build_target(target: Target, jobs: int = 2, log: TextIO = sys.stderr) -> flo
     missing = [b for b in target.binaries if not (tmp / b).exists()]
     if missing:
         raise RuntimeError(f"go build produced no {missing} in {tmp}")
+    shutil.rmtree(final, ignore_errors=True)  # a build from other inputs
     tmp.rename(final)
+    (final.parent / "inputs.sha256").write_text(inputs_digest(target))
     seconds = time.monotonic() - start
     print(f"built {target.module} in {seconds:.0f}s -> {final}", file=log, flush=True)
     return seconds
@@ -114,4 +136,4 @@ def ensure_built(jobs: int = 2, log: TextIO = sys.stderr) -> dict[str, float]:
     # Two test sessions starting at once must not both write the same bin.tmp.
     with open(cache_root() / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return {t.module: build_target(t, jobs, log) for t in TARGETS if not bin_dir(t).is_dir()}
+        return {t.module: build_target(t, jobs, log) for t in TARGETS if not is_current(t)}
