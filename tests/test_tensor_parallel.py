@@ -25,6 +25,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.quantization import Int4Linear, quantize_int4
 from kiln.engine.tensor_parallel import ShardingError, _column_slice, _row_slice
+from kiln.engine import tp_ranks
 from kiln.engine.tp_ranks import JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
 from tiny_models import write_tiny_model
 
@@ -291,9 +292,20 @@ def eventually_ranks(pid: int) -> list[psutil.Process]:
     raise AssertionError("no rank was spawned within 60 s")
 
 
-def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv(JOIN_TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match=f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got 'soon'"):
+@pytest.mark.parametrize("value", ["soon", "inf", "nan", "-1"])  # inf was an OverflowError, its ranks left running
+def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir, monkeypatch, value):
+    monkeypatch.setenv(JOIN_TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match=f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got '{value}'"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+    assert not rank_processes()
+
+
+def test_ranks_do_not_outlive_a_start_that_fails_after_they_joined(tiny_llama_dir, monkeypatch):
+    """Only the failures _await handles stopped the ranks: rank 0's own join failing left them running."""
+    def refused(*_, **__):
+        raise RuntimeError("rank 0 could not join")
+    monkeypatch.setattr(tp_ranks.dist, "init_process_group", refused)
+    with pytest.raises(RuntimeError, match="rank 0 could not join"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
     assert not rank_processes()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import pickle
 import signal
@@ -53,7 +54,7 @@ def _seconds(env: str, default: float) -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if not 0 < seconds < math.inf:  # inf passed, and timedelta then raised OverflowError
         raise ValueError(f"{env} must be a positive number of seconds, got {value!r}")
     return seconds
 
@@ -113,19 +114,23 @@ class WorkerGroup:
         atexit.register(self.close)
         if device.type == "cpu":  # the ranks compute at once on the same CPUs: each takes its share
             torch.set_num_threads(max(1, self._threads_before // self.size))
-        for rank in range(1, self.size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
-                               args=(rank, config, store.port, child, torch.get_num_threads(), shared_block_bytes,
-                                     os.getpid()))
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
-        self.rank_threads = [torch.get_num_threads(), *self._await("joined", join_s)]
-        log.info("tensor parallel: %d ranks, torch threads per rank %s", self.size, self.rank_threads)
-        dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
-                                timeout=timedelta(seconds=collective_s))
+        try:  # whatever stops the start (Ctrl-C while ranks join, rank 0's own join failing) stops the ranks
+            for rank in range(1, self.size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, name=f"kiln-tp-rank{rank}",
+                                   args=(rank, config, store.port, child, torch.get_num_threads(),
+                                         shared_block_bytes, os.getpid()))
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            self.rank_threads = [torch.get_num_threads(), *self._await("joined", join_s)]
+            log.info("tensor parallel: %d ranks, torch threads per rank %s", self.size, self.rank_threads)
+            dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
+                                    timeout=timedelta(seconds=collective_s))
+        except BaseException:
+            self.close(grace=0)
+            raise
 
     def _await(self, what: str, timeout: float | None) -> list[Any]:
         """Each worker's next message, which must be `what`; a clear error for a rank that exits,
