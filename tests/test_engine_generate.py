@@ -317,6 +317,8 @@ def kiln(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess:
         (["--prompt", "hi", "--temperature", "warm"], "invalid float"),
         (["--prompt", "hi", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
         (["--prompt", "hi", "--kv-cache-memory", "0"], "not a positive size"),
+        # Beyond any address space: was a traceback and exit 1.
+        (["--prompt", "hi", "--kv-cache-memory", str(2**50)], "GiB, kv_cache_memory) cannot be allocated on cpu"),
         (["--prompt", "hi", "--load-format", "zeros"], "invalid choice: 'zeros'"),
         (["--prompt", "hi", "--temperature", "nan"], "temperature must be a finite number"),
         (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number"),

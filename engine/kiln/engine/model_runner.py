@@ -134,7 +134,13 @@ class ModelRunner:
                          model_config.num_key_value_heads, model_config.head_dim)
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.2f GiB (%s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, num_blocks * block_bytes / GiB, self.kv_source)
-        self.allocate_kv_cache()
+        try:
+            self.allocate_kv_cache()
+        except (RuntimeError, MemoryError) as e:  # torch's CPU "can't allocate", CUDA's OutOfMemoryError
+            if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+                raise
+            raise ValueError(f"the KV cache ({num_blocks * block_bytes / GiB:.2f} GiB, {self.kv_source}) cannot be "
+                             f"allocated on {self.device}: ask for less memory") from None
         return num_blocks
 
     def _kv_budget(self, config: Config) -> tuple[int, str]:
