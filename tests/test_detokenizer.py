@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models
 
-from kiln.engine.openai_responses import chat_logprobs
+from kiln.engine.openai_responses import chat_logprobs, completion_logprobs
 from kiln.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from test_server import MODEL, ServerProcess
 
@@ -80,6 +80,16 @@ def test_a_prompt_ending_in_half_a_character_streams_it_whole(server, tokenizer)
     # Greedy SmolLM2 finishes the rocket (the premise; the assertion shows what it did if not).
     assert tokenizer.decode(prompt_ids + token_ids).endswith(ROCKETS), token_ids
     assert texts == ["🚀"]  # was nothing: the two continuation bytes alone never decode
+
+
+def test_legacy_top_logprobs_keep_the_taken_tokens_own_figure() -> None:
+    """Keyed by text, tokens that read the same (byte pieces of one character: all U+FFFD) took
+    each other's place: a later top token overwrote the taken one's logprob."""
+    text = {1: "\ufffd", 2: "\ufffd", 3: "的", 4: "\ufffd"}.__getitem__
+    entries = [{"token_id": 1, "logprob": -3.0, "top": [(3, -2.5), (2, -2.9), (4, -3.5)]}]
+    assert completion_logprobs(entries, text, 0)["top_logprobs"] == [{"\ufffd": -3.0, "的": -2.5}]
+    entries = [{"token_id": 3, "logprob": -2.5, "top": [(3, -2.5), (2, -2.9), (4, -3.5)]}]
+    assert completion_logprobs(entries, text, 0)["top_logprobs"] == [{"的": -2.5, "\ufffd": -2.9}]
 
 
 def test_chat_logprob_bytes_join_into_the_text(tokenizer) -> None:

@@ -116,6 +116,23 @@ def test_completion_stream_reassembles_to_greedy_text_with_usage(server, tokeniz
     assert chunks[-1].usage.total_tokens == full.usage.prompt_tokens + 24
 
 
+def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(server):
+    """As /v1/responses did: chat and completions never said, so clients saw no cache hit."""
+    prompt = "A long shared preamble about the weather in Oslo, Lima and Cairo, repeated. " * 4 + "Now: "
+    cold = complete(server, prompt + "one", max_tokens=2, n=2)  # both choices computed it: none cached for both
+    warm = complete(server, prompt + "two", max_tokens=2)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < warm.usage.prompt_tokens_details.cached_tokens < warm.usage.prompt_tokens
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt + "three", temperature=0, max_tokens=2,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == warm.usage.prompt_tokens_details.cached_tokens
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=2)
+    again = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > chat.usage.prompt_tokens_details.cached_tokens
+
+
 def test_chat_stream_matches_nonstream(server, tokenizer):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     full = server.client.chat.completions.create(model=MODEL, messages=messages, temperature=0,

@@ -15,9 +15,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """cached_tokens: of the prompt tokens, those the prefix cache held (OpenAI's prompt_tokens_details)."""
+    counts: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
+
+
+class Cached:
+    """The prompt tokens a response's prefix cache held, each prompt counted once as its tokens
+    are: of a prompt's n choices, what all of them found cached."""
+
+    def __init__(self) -> None:
+        self._by_prompt: dict[int, int] = {}
+
+    def saw(self, prompt: int, cached_tokens: int) -> None:
+        self._by_prompt[prompt] = min(self._by_prompt.get(prompt, cached_tokens), cached_tokens)
+
+    def tokens(self) -> int:
+        return sum(self._by_prompt.values())
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -56,9 +74,19 @@ def completion_logprobs(entries: list[dict[str, Any]], token_text: Callable[[int
         tokens.append(token_text(e["token_id"]))
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
-        tops.append(None if e["top"] is None else {tokens[-1]: e["logprob"]} | {token_text(t): lp for t, lp in e["top"]})
+        tops.append(None if e["top"] is None else _top(tokens[-1], e["logprob"], e["top"], token_text))
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _top(text: str, logprob: float, top: list[tuple[int, float]], token_text: Callable[[int], str]) -> dict[str, float]:
+    """A position's legacy top_logprobs, keyed by text: the token taken keeps its own logprob and
+    of other tokens with the same text (byte pieces of one character all read "\ufffd") the
+    likeliest stays; a later one overwrote the token taken's figure."""
+    entries = {text: logprob}
+    for token_id, value in top:
+        entries.setdefault(token_text(token_id), value)
+    return entries
 
 
 def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None]) -> list[dict[str, Any]]:

@@ -18,7 +18,7 @@ from kiln.engine.lora import LoRANotLoadedError
 from kiln.engine.openai_protocol import (
     INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
-    chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
+    Cached, chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
 from kiln.engine.output_streams import merged, new_entries
 from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.tool_calls import ToolCalls, tool_calls
@@ -120,6 +120,7 @@ class _Choice:
     echo: str | None = None  # the prompt's text, to send before the first of the choice's own
     stream: RequestStream | None = None
     prompt_only: bool = False  # echo with max_tokens 0: what the engine generates is not sent
+    prompt: int = 0  # which of the request's prompts it answers
 
     def seen(self, out: RequestOutput) -> RequestOutput:
         return _PromptOnly(out) if self.prompt_only else out  # type: ignore[return-value]
@@ -328,7 +329,7 @@ class OpenAIServing:
         prompt's text, to send first; prompt_only: that alone (max_tokens 0)."""
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
                            _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None,
-                           prompt_only=prompt_only)
+                           prompt_only=prompt_only, prompt=i)
                    for i, ids in enumerate(prompts) for j in range(req.n)]
         request_id = new_id(choices[0].shape.id_prefix)
         # Whatever ends this handler early (a choice refused, client gone, cancelled, write failed)
@@ -363,9 +364,10 @@ class OpenAIServing:
         echoes: dict[int, str] = {c.index: "" for c in choices}
         entries: dict[int, list[dict]] = {c.index: [] for c in choices}
         done: dict[int, dict[str, Any]] = {}
-        completion_tokens = 0
+        completion_tokens, cached = 0, Cached()
         async with contextlib.aclosing(merged(choices)) as outputs:
             async for choice, out in outputs:
+                cached.saw(choice.prompt, out.num_cached_tokens)
                 out = choice.seen(out)
                 echo, new = choice.echoed(out, "", new_entries(out))
                 echoes[choice.index] += echo
@@ -377,7 +379,7 @@ class OpenAIServing:
                                           **choice.fields.prompt(out.prompt_token_ids, out),
                                           **choice.fields.generated(out.token_ids)}
         body = envelope(request_id, choices[0].shape.object_full, model, [done[i] for i in sorted(done)],
-                        usage=usage(prompt_tokens, completion_tokens))
+                        usage=usage(prompt_tokens, completion_tokens, cached.tokens()))
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req, request_id: str, model: str, choices: list[_Choice],
@@ -393,7 +395,7 @@ class OpenAIServing:
 
         object_chunk = choices[0].shape.object_chunk
         completion_tokens = made = 0  # made: the tokens so far, for continuous usage
-        opened = False
+        opened, cached = False, Cached()
         try:
             async with contextlib.aclosing(merged(choices)) as outputs:
                 async for c, out in outputs:
@@ -404,10 +406,11 @@ class OpenAIServing:
                         for o in choices:
                             for opening in o.shape.opening():
                                 await resp.write(chunk([{**opening, **o.fields.prompt(o.prompt_ids, None)}]))
+                    cached.saw(c.prompt, out.num_cached_tokens)
                     out = c.seen(out)
                     made += len(out.new_token_ids)
                     if req.continuous_usage:
-                        extra["usage"] = usage(prompt_tokens, made)
+                        extra["usage"] = usage(prompt_tokens, made, cached.tokens())
                     text, entries = c.echoed(out, out.new_text, new_entries(out))
                     # A chunk for every step that made a token, even when its text is empty (a special
                     # token, text held back as it may begin a stop string, half a character), as vLLM
@@ -425,7 +428,7 @@ class OpenAIServing:
                         await resp.write(chunk([choice]))
                     completion_tokens += len(out.token_ids) if out.finished else 0
             if req.include_usage:
-                await resp.write(chunk([], usage=usage(prompt_tokens, completion_tokens)))
+                await resp.write(chunk([], usage=usage(prompt_tokens, completion_tokens, cached.tokens())))
             await resp.write(sse("[DONE]"))
         except APIError as e:  # headers are gone: report in-band, as OpenAI does
             await resp.write(sse(e.body()))

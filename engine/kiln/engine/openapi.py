@@ -33,10 +33,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(ge=0)  # of the prompt's tokens, those the prefix cache held
+
+
 class Usage(BaseModel):
     prompt_tokens: int = Field(ge=0)
     completion_tokens: int = Field(ge=0)
     total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptTokenLogprob(BaseModel):
