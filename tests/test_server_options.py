@@ -173,6 +173,10 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(ti
         assert len({c.choices[0].message.content for c in hot}) > 1
         assert s.client.completions.create(model=MODEL, prompt="w1", extra_body={"ignore_eos": True}) \
             .usage.completion_tokens == 16  # as vLLM: max_new_tokens bounds chats; completions keep 16
+        # A response tells the settings it ran with (it said temperature 1.0, top_p 1.0, no limit).
+        told = s.client.responses.create(model=MODEL, input="w5 w6 w7")
+        assert (told.temperature, told.top_p, told.max_output_tokens) == (0.0, 0.5, 5)
+        assert told.status == "incomplete" and told.usage.output_tokens == 5
     finally:
         s.stop()
     with LLM(str(folder), dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=4 << 20) as llm:

@@ -25,6 +25,7 @@ from kiln.engine.openai_responses import new_id
 from kiln.engine.openai_serving import ChatShape, OpenAIServing, broken_stream
 from kiln.engine.output_streams import until_finished
 from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
+from kiln.engine.sampling_params import SamplingParams
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -125,7 +126,7 @@ class ResponsesServing:
             ids, params, tools, lora = self.serving.chat_inputs(chat)
         except APIError as e:
             raise _in_our_names(e) from None
-        answer = Answer(req, lora or self.serving.model_name, len(ids), ChatShape(None, False, 0, tools))
+        answer = Answer(req, params, lora or self.serving.model_name, len(ids), ChatShape(None, False, 0, tools))
         (stream,) = await self.serving.submit([(answer.id, ids, params)], lora)
         try:
             if not req.stream:
@@ -167,8 +168,10 @@ class ResponsesServing:
 class Answer:
     """One response, built as it is generated: its output items, and the events that tell them."""
 
-    def __init__(self, req: ResponsesRequest, model: str, prompt_tokens: int, shape: ChatShape) -> None:
+    def __init__(self, req: ResponsesRequest, params: SamplingParams, model: str, prompt_tokens: int,
+                 shape: ChatShape) -> None:
         self.req, self.model, self.prompt_tokens, self.shape = req, model, prompt_tokens, shape
+        self.params = params  # what it runs with: the request's settings over the server's defaults
         self.id, self.message_id, self.created = new_id("resp"), new_id("msg"), int(time.time())
         self.text, self.output, self.sequence = "", [], 0
         self.status, self.incomplete, self.output_tokens, self.opened = "in_progress", None, 0, False
@@ -206,10 +209,10 @@ class Answer:
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "error": self.error,
             "incomplete_details": self.incomplete, "instructions": req.instructions, "model": self.model,
-            "output": self.output, "max_output_tokens": req.max_output_tokens,
+            "output": self.output, "max_output_tokens": self.params.max_tokens,
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None, "store": False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": "disabled",
+            # The settings it ran with: a server's --generation-config defaults too, as told.
+            "temperature": self.params.temperature, "top_p": self.params.top_p, "truncation": "disabled",
             "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {"format": {"type": "text"}},
             "tool_choice": req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
             else req.tool_choice or "auto",
