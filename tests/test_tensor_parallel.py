@@ -26,7 +26,7 @@ from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.quantization import Int4Linear, quantize_int4
 from kiln.engine.tensor_parallel import ShardingError, _column_slice, _row_slice
 from kiln.engine import tp_ranks
-from kiln.engine.tp_ranks import JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
+from kiln.engine.tp_ranks import COLLECTIVE_TIMEOUT_ENV, JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
 from tiny_models import write_tiny_model
 
 # Lengths 5..70 under a 32-token budget: long prompts are prefilled in chunks while the short
@@ -290,6 +290,30 @@ def eventually_ranks(pid: int) -> list[psutil.Process]:
             return ranks
         time.sleep(0.05)
     raise AssertionError("no rank was spawned within 60 s")
+
+
+@pytest.mark.timeout(180)  # without the fix it blocked for good
+def test_a_rank_that_hangs_breaks_the_group_within_the_collective_timeout(tmp_path, monkeypatch):
+    """A command larger than the pipe's buffer (a 20k-token prefill's ids, positions and slots:
+    480 KB) to a rank that hangs, alive but not reading, blocked rank 0 for good, past every
+    timeout; its Ctrl-C and close blocked too."""
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "5")
+    folder = write_tiny_model("llama", tmp_path / "long", max_position_embeddings=32768)
+    tokens = 20_000
+    llm = LLM(str(folder), tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=tokens + 8,
+              max_num_batched_tokens=tokens + 8, kv_cache_memory=16 << 20)
+    (worker,) = rank_processes()
+    worker.suspend()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="collective"):
+            llm.generate([[5 + i % 80 for i in range(tokens)]], SamplingParams(temperature=0, max_tokens=1))
+        assert time.monotonic() - started < 60
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
+        llm.close()
+    assert not rank_processes()
 
 
 @pytest.mark.parametrize("value", ["soon", "inf", "nan", "-1"])  # inf was an OverflowError, its ranks left running

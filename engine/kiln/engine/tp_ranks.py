@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -94,6 +95,12 @@ class WorkerGroup:
         self._failing = threading.Lock()  # the watchdog and the engine thread may both see the death
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
+        # Commands go out from a thread of their own: written from the engine thread, a message
+        # larger than the pipe's buffer to a rank that hangs (alive, not reading) blocked rank 0
+        # for good, past every timeout, with /health still 200. Now rank 0 goes on to its part,
+        # whose first collective times out (COLLECTIVE_TIMEOUT_ENV) and breaks the group.
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_all, name="kiln-tp-sender", daemon=True)
         device = config.torch_device
         if device.type == "cuda" and self.size > torch.cuda.device_count():
             raise TensorParallelError(f"tensor_parallel_size {self.size} is larger than the "
@@ -124,6 +131,7 @@ class WorkerGroup:
                 child.close()
                 self._procs.append(proc)
                 self._conns.append(parent)
+            self._sender.start()
             self.rank_threads = [torch.get_num_threads(), *self._await("joined", join_s)]
             log.info("tensor parallel: %d ranks, torch threads per rank %s", self.size, self.rank_threads)
             dist.init_process_group(backend, store=store, rank=0, world_size=self.size,
@@ -203,26 +211,34 @@ class WorkerGroup:
     def send(self, *message: Any) -> None:
         if self.failure is not None:
             raise self.failure
-        data = pickle.dumps(tuple(_to_host(v) for v in message), protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self._conns:
-            conn.send_bytes(data)
+        # Pickled here, at once: the step's tensors may change as soon as this returns.
+        self._outbox.put(pickle.dumps(tuple(_to_host(v) for v in message), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_all(self) -> None:
+        """Each command to every worker, in order, until None."""
+        while (data := self._outbox.get()) is not None:
+            for conn in self._conns:
+                try:
+                    conn.send_bytes(data)
+                except OSError:
+                    pass  # that rank is gone: the watchdog reports it
 
     def close(self, grace: float = _STOP_GRACE_S) -> None:
         """Stop every worker (asked first, killed past the grace period); safe to call again."""
         if self._closing:
             return
         self._closing = True
-        for conn in self._conns:
-            try:
-                conn.send_bytes(pickle.dumps(("stop",)))
-            except OSError:
-                pass  # already gone
+        if grace > 0:
+            self._outbox.put(pickle.dumps(("stop",)))
         deadline = time.monotonic() + grace
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        if self._sender.is_alive():  # its writes fail now that no rank reads: it ends
+            self._outbox.put(None)
+            self._sender.join()
         for conn in self._conns:
             conn.close()
         torch.set_num_threads(self._threads_before)
