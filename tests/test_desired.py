@@ -689,7 +689,11 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
                        (["--liveness", "foo"], "--liveness takes http://HOST:PORT/PATH"),
                        (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://HOST:PORT/PATH"),
                        (["--leader-elect", "--lease-name", "Kiln_Operator"], "--lease-name 'Kiln_Operator' is not"),
-                       (["--leader-elect", "--lease-namespace", "kiln system"], "--lease-namespace 'kiln system' is not")):
+                       (["--leader-elect", "--lease-namespace", "kiln system"], "--lease-namespace 'kiln system' is not"),
+                       (["--namespace", "Bad_NS"], "--namespace 'Bad_NS' is not a namespace name"),
+                       (["-n", "ok", "--namespace="], "--namespace '' is not a namespace name"),
+                       (["--engine-image="], "--engine-image '' is not an image reference"),
+                       (["--prometheus-url", "notaurl"], "--prometheus-url takes http(s)://HOST[:PORT]")):
         assert cli.main(["operator", *argv]) == 2, argv
         assert said in capsys.readouterr().err, argv
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))

@@ -182,6 +182,21 @@ def check_lease(args: argparse.Namespace) -> None:
                          "digits and '-', at most 63)")
 
 
+def check_targets(args: argparse.Namespace) -> None:
+    """--namespace, --engine-image and --prometheus-url as a cluster takes them: a typo is said
+    now, not as every object's failure once running."""
+    for namespace in args.namespace:
+        if not DNS_LABEL.match(namespace):
+            raise ValueError(f"--namespace {namespace!r} is not a namespace name (lowercase letters, digits and "
+                             "'-', at most 63)")
+    if not args.engine_image or any(c.isspace() for c in args.engine_image):
+        raise ValueError(f"--engine-image {args.engine_image!r} is not an image reference")
+    url = urllib.parse.urlsplit(args.prometheus_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"--prometheus-url takes http(s)://HOST[:PORT], e.g. {DEFAULT_PROMETHEUS}, "
+                         f"got {args.prometheus_url!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):  # nan compares False with everything
         print("kiln operator: --interval must be positive", file=sys.stderr)
@@ -195,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         where = placements(args)
         check_liveness(args.liveness)
         check_lease(args)
+        check_targets(args)
     except ValueError as err:
         print(f"kiln operator: {err}", file=sys.stderr)
         return 2
