@@ -40,8 +40,16 @@ from cpu_common import ceilings, cpu_kind, machine
 from online import BENCH, CACHE, ServerUnderTest, free_port, prompt, run_load, served_gguf, versions
 
 VARIANTS = ("none", "int8", "int4", "int4-rtn", "fp8", "gguf-q8_0", "gguf-q4_0", "gguf-q4_1")
-PEER_GGUF = {"none": "F32", "int8": "Q8_0", "fp8": "Q8_0", "int4": "Q4_1", "int4-rtn": "Q4_1",
+PEER_GGUF = {"int8": "Q8_0", "fp8": "Q8_0", "int4": "Q4_1", "int4-rtn": "Q4_1",
              "gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0", "gguf-q4_1": "Q4_1"}
+
+
+def peer_gguf(variant: str, dtype: str) -> str:
+    """The llama-server GGUF a variant is measured against: the unquantized model's in Kiln's own
+    dtype (an F32 peer beside Kiln in bf16 read twice the bytes a token: no like-for-like ratio)."""
+    if variant == "none":
+        return "BF16" if dtype == "bfloat16" else "F32"
+    return PEER_GGUF[variant]
 LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -89,6 +97,8 @@ def make_ggufs(quantize_bin: Path | None, needed: set[str], bf16: Path) -> dict[
     source = resolve_model_path("smollm2-135m")
     source_type = gguf_contents(source)["ffn_down"]
     files = {source_type: source} if source_type in needed else {}
+    if "BF16" in needed:
+        files["BF16"] = bf16
     for qtype in sorted(needed - set(files)):
         out = bf16.parent / f"smollm2-135m.{qtype.lower()}.gguf"
         if not out.exists():
@@ -216,13 +226,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def figures(record: dict, variant: str) -> dict:
     """The row's ratios against the unquantized model and against its llama-server peer."""
     kiln, base = record["kiln"].get(variant, {}), record["kiln"].get("none", {})
-    peer = record["llama_server"].get(PEER_GGUF[variant], {})
+    qtype = peer_gguf(variant, record["workload"]["dtype"])
+    peer = record["llama_server"].get(qtype, {})
     b1 = lambda r: r.get("batch1", {}).get("decode_tokens_per_s")  # noqa: E731
     cc = lambda r: r.get("concurrent", {}).get("output_tokens_per_s")  # noqa: E731
     return {"weight_bytes_over_unquantized": ratio(kiln.get("weight_bytes"), base.get("weight_bytes")),
             "batch1_over_unquantized": ratio(b1(kiln), b1(base)),
             "concurrent_over_unquantized": ratio(cc(kiln), cc(base)),
-            "peer": PEER_GGUF[variant], "batch1_over_llama": ratio(b1(kiln), b1(peer)),
+            "peer": qtype, "batch1_over_llama": ratio(b1(kiln), b1(peer)),
             "concurrent_over_llama": ratio(cc(kiln), cc(peer))}
 
 
@@ -238,7 +249,8 @@ def print_table(record: dict) -> None:
         if "error" in row:
             print(f"{variant:<10} error: {row['error']}")
             continue
-        f, peer = record["ratios"][variant], record["llama_server"].get(PEER_GGUF[variant], {})
+        f = record["ratios"][variant]
+        peer = record["llama_server"].get(f["peer"], {})
         print(f"{variant:<10} {row['weight_bytes'] / 1e6:10.1f} {row['linear_bytes'] / 1e6:10.1f} "
               f"{fmt(f['weight_bytes_over_unquantized'], '7.2f')} {row['batch1']['decode_tokens_per_s']:8.1f} "
               f"{fmt(f['batch1_over_unquantized'], '6.2f')} {row['concurrent']['output_tokens_per_s']:9.1f} "
@@ -278,7 +290,7 @@ def main() -> None:
     args.log_dir.mkdir(parents=True, exist_ok=True)
 
     # GGUFs: each gguf-* variant's file, and with the peer every peer's file too.
-    needed = {PEER_GGUF[v] for v in variants if v.startswith("gguf-") or not args.no_peer}
+    needed = {peer_gguf(v, args.dtype) for v in variants if v.startswith("gguf-") or not args.no_peer}
     server_bin = quantize_bin = None
     llama_version = "not used"
     if needed - {"Q4_1"}:  # the packaged model is Q4_1: anything else needs llama.cpp built
@@ -303,7 +315,7 @@ def main() -> None:
                            "kiln": "in-process LLMEngine/LLM, kv_cache_memory 256 MiB, max_model_len 1024",
                            "llama_server": f"fresh server per measurement, -np 1 / -np {args.concurrency}, "
                                            f"-c 512 per slot, -t {args.threads}, loopback HTTP streaming",
-                           "peer_gguf": {v: PEER_GGUF[v] for v in variants},
+                           "peer_gguf": {v: peer_gguf(v, args.dtype) for v in variants},
                            "ggufs": {q: gguf_contents(path) for q, path in {"BF16": bf16, **ggufs}.items()}},
               "notes": args.notes, "kiln": {}, "llama_server": {}, "ratios": {}}
     print(json.dumps(cpu), json.dumps(record["ceilings"]), f"Kiln dtype {args.dtype}", flush=True)
@@ -314,7 +326,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a variant that fails is recorded, the run goes on
             record["kiln"][variant] = row = {"error": repr(e)[:500]}
         print(f"  {json.dumps(row)}", flush=True)
-        qtype = PEER_GGUF[variant]
+        qtype = peer_gguf(variant, args.dtype)
         if server_bin and not args.no_peer and qtype in ggufs and qtype not in record["llama_server"]:
             print(f"llama-server {qtype} ...", flush=True)
             try:
