@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test up down e2e bench clean-venv local-bins images
+.PHONY: test up down clean-venv local-bins images
 
 $(PY):
 	python3 -m venv $(VENV)
