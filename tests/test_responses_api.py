@@ -110,6 +110,11 @@ def test_max_output_tokens_makes_it_incomplete(server):
     with server.client.responses.stream(**kwargs) as stream:
         kinds = [e.type for e in stream]
     assert kinds[-1] == "response.incomplete"
+    # A named call cut short: its item is incomplete too (it said "completed", its arguments cut).
+    cut = server.client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                                         tool_choice={"type": "function", "name": "get_weather"},
+                                         max_output_tokens=3, temperature=0)
+    assert cut.status == "incomplete" and [(o.type, o.status) for o in cut.output] == [("function_call", "incomplete")]
 
 
 def test_tools_give_function_calls_whose_outputs_go_back_as_input(server):

@@ -186,8 +186,9 @@ class Answer:
         self.output_tokens = output_tokens
         self.status = "incomplete" if finish_reason == "length" else "completed"
         self.incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        # A call cut short (a named call's arguments at max_output_tokens) is as incomplete as its response.
         self.output = ([self._message(text, self.status)] if text or not calls else []) + [
-            {"id": new_id("fc"), "type": "function_call", "status": "completed", "call_id": c["id"],
+            {"id": new_id("fc"), "type": "function_call", "status": self.status, "call_id": c["id"],
              "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
 
     def _open_message(self) -> list[bytes]:
