@@ -165,6 +165,7 @@ def test_text_format_json_schema_gives_json_of_the_schema(server):
     ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {}}]}, "input.0.arguments"),
     ({"input": [{"type": "function_call_output", "output": "sunny"}]}, "input.0.call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c1", "output": 3}]}, "input.0.output"),
+    ({"input": [{"type": "message", "content": "hi"}]}, "input.0.role"),  # was "type not supported"
 ])
 def test_what_it_cannot_take_is_a_400_naming_it(server, body, param):
     code, reply = post(server.url + "/v1/responses", {"model": MODEL, **body})

@@ -67,7 +67,10 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        if kind == "message" and "role" in item:
+        if kind == "message" and "role" not in item:  # it said the type was not supported
+            raise APIError(400, "a message input item needs a role (user, assistant, system or developer)",
+                           param=f"input.{i}.role")
+        if kind == "message":
             messages.append({"role": item["role"], "content": _text(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call":
             _strings(item, i, "call_id", "name", "arguments")
