@@ -400,3 +400,14 @@ def test_a_go_build_from_other_inputs_is_not_current(tmp_path, monkeypatch):
     assert build.is_current(target)  # built before digests were kept: taken as is, and recorded
     (tmp_path / "gobuild" / "tool" / "go.mod").write_text("require example.com/x v1.0.1\n")
     assert not build.is_current(target)
+
+
+def test_stop_takes_a_process_that_exits_as_it_is_signalled(monkeypatch, sleeper):
+    """Gone between alive() and the signal: ProcessLookupError stopped `kiln local down` half-way."""
+    record = {"pid": sleeper.pid, "start": processes.start_ticks(sleeper.pid)}
+
+    def gone(pid, sig):
+        raise ProcessLookupError(3, "No such process")
+    monkeypatch.setattr(processes.os, "kill", gone)
+    processes.stop(record, grace=0.1)
+    monkeypatch.undo()  # before the sleeper's own kill

@@ -5,6 +5,7 @@ time from /proc as well; stop() signals a pid only while both still match.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -65,7 +66,10 @@ def stop(record: dict, grace: float = 10.0) -> None:
     if not alive(record):
         reap(record["pid"])
         return
-    os.kill(record["pid"], signal.SIGTERM)
+    try:  # it may exit between alive() and the signal: `down` stopped there with a traceback
+        os.kill(record["pid"], signal.SIGTERM)
+    except ProcessLookupError:
+        return
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         reap(record["pid"])
@@ -73,7 +77,8 @@ def stop(record: dict, grace: float = 10.0) -> None:
             return
         time.sleep(0.1)
     if alive(record):
-        os.kill(record["pid"], signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record["pid"], signal.SIGKILL)
     while alive(record):
         reap(record["pid"])
         time.sleep(0.05)
