@@ -7,7 +7,9 @@ Two kinds of chat prompt, greedy, each to its own end of turn (at most --max-tok
 that copy from the prompt (edit this code, fix this text, reformat this list: what prompt
 lookup is for) and open answers (little to copy: what speculation costs when it misses).
 Metric: generated tokens / wall time per kind; the ratios compare each with its own plain run
-and Kiln with transformers. Kiln's speculative tokens are counted where equal to its plain ones.
+and Kiln with transformers. Every generated token counts; how many answers equal the plain run's
+is reported beside the ratio (batched verification may round differently: an answer that
+differs is a different token stream, so read the ratio with that count).
 Then what speculation costs a busy batch: the first 32 requests of the mixed workload
 (../shared/bench, EOS ignored) at once through Kiln plain and speculating (transformers' lookup
 runs at batch 1 only, so Kiln alone).

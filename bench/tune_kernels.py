@@ -245,6 +245,10 @@ def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict
         group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
         fitting = candidates_for(key, group, candidates)
         ms = time_candidates(kernel, key, fitting, shapes, deadline)
+        if time.monotonic() > deadline:  # candidates cut short are inf, not slow: the file's entry stays
+            print(f"{kernel} {key}: cut short by the budget; the file's entry stays")
+            report.append({"kernel": kernel, "key": key, "skipped": "cut short by the budget"})
+            continue
         best = choose(ms)
         if best:
             configs.setdefault(kernel, {})[key] = fitting[best]
