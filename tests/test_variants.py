@@ -188,6 +188,10 @@ def test_quantize_refuses_bad_input(tmp_path, capsys) -> None:
                  str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kiln quantize: error: model") and "not found" in err
+    # The folders above --out are made when the variant is written, not left by a run that failed.
+    assert kiln(["quantize", "--model", str(tmp_path / "missing"), "--method", "int8", "--out",
+                 str(tmp_path / "deep" / "a" / "out")]) == 2
+    assert not (tmp_path / "deep").exists()
 
 
 def test_quantize_refuses_an_unwritable_out_before_loading(tmp_path, capsys) -> None:

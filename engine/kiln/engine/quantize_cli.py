@@ -37,10 +37,13 @@ def check_out_dir(out: Path) -> None:
         raise ValueError(f"--out {out} is a file, not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise ValueError(f"--out {out} is not empty and holds no {MARKER}: refusing to write into it")
+    # Tried in the nearest folder that exists, made by nothing: a run that fails later (a model not
+    # found) left the parents of --out behind. write_quantized_folder makes them, and stages there.
     parent = out.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=parent).cleanup()  # where write_quantized_folder stages the files
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
     except OSError as e:
         raise ValueError(f"--out {out}: cannot write in {parent}: {e.strerror or e}") from None
 
