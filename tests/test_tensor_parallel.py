@@ -109,6 +109,8 @@ class TestTP2:
         assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-4)
 
     def test_tp2_sleep_and_wake_follow_on_every_rank(self, tiny_reference, tiny_tp2):
+        # The pod's pools, every rank's (rank 0's alone was reported: half of what two ranks hold).
+        assert tiny_tp2.engine.stats().kv_cache_bytes == 2 * tiny_tp2.engine.runner.kv_cache.nbytes > 0
         tiny_tp2.engine.sleep()
         assert tiny_tp2.engine.stats().kv_cache_bytes == 0
         tiny_tp2.engine.wake_up()

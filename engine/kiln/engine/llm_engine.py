@@ -228,6 +228,13 @@ class LLMEngine:
                 runner.allocate_kv_cache()
             self.is_sleeping = False
 
+    def _kv_cache_bytes(self) -> int:
+        """Every pool of the engine: under tensor parallelism each rank holds a pool like rank 0's
+        (the same blocks, its own heads), which counted alone said 1/N of what the pod holds."""
+        def held(runner: Any) -> int:
+            return sum(t.nbytes for t in (runner.kv_cache, runner.kv_scales) if t is not None)
+        return held(self.runner) * self.config.tensor_parallel_size + (held(self.drafter.runner) if self.drafter else 0)
+
     def _runners(self) -> list:
         """The target's runner, and the draft model's if there is one (each owns a KV pool)."""
         return [self.runner] + ([self.drafter.runner] if self.drafter else [])
@@ -287,7 +294,7 @@ class LLMEngine:
             kv_cache_usage=bm.usage(),
             num_kv_blocks=bm.num_blocks,
             num_free_kv_blocks=bm.num_free_blocks,
-            kv_cache_bytes=sum(t.nbytes for r in self._runners() for t in (r.kv_cache, r.kv_scales) if t is not None),
+            kv_cache_bytes=self._kv_cache_bytes(),
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
