@@ -174,3 +174,17 @@ def test_what_it_cannot_take_is_a_400_naming_it(server, body, param):
     assert not {"max_completion_tokens", "messages"} & set(reply["error"]["message"].replace(":", " ").split()), reply
     code, reply = post(server.url + "/v1/responses", {"model": "nobody", "input": "hi"})
     assert code == 404 and reply["error"]["code"] == "model_not_found"
+
+
+def test_the_auto_hint_shows_the_responses_shape_of_a_named_choice():
+    """Without a parser "auto" is a 400 saying what to send instead: it showed chat's shape."""
+    from kiln.engine.api_errors import APIError
+    from kiln.engine.responses_api import _in_our_names, chat_request
+    from kiln.engine.responses_protocol import ResponsesRequest
+    from kiln.engine.tool_calls import tool_calls
+    req = ResponsesRequest.model_validate({"input": "hi", "tools": [WEATHER]})
+    with pytest.raises(APIError) as caught:
+        tool_calls(chat_request(req))
+    said = _in_our_names(caught.value)
+    assert said.param == "tool_choice" and '{"type": "function", "name": ...}' in said.message
+    assert '"function": {' not in said.message

@@ -26,6 +26,7 @@ from kiln.engine.openai_serving import ChatShape, OpenAIServing, broken_stream
 from kiln.engine.output_streams import until_finished
 from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.tool_calls import NAMED_CHOICE
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -112,6 +113,9 @@ OUR_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input"}
 
 
 def _in_our_names(e: APIError) -> APIError:
+    if e.param == "tool_choice" and NAMED_CHOICE in e.message:  # it showed chat's shape
+        return APIError(e.status, e.message.replace(NAMED_CHOICE, '{"type": "function", "name": ...}'),
+                        param=e.param, code=e.code, type_=e.type)
     if e.param not in OUR_NAMES:
         return e
     ours = OUR_NAMES[e.param]

@@ -20,6 +20,8 @@ from kiln.engine.openai_protocol import ChatCompletionRequest, NamedToolChoice
 from kiln.engine.sampling_params import StructuredOutputs
 from kiln.engine.tool_parsers import PARSERS, openai_call_id
 
+NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's shape of a named tool_choice
+
 # A function that takes no arguments: its call's arguments are "{}".
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -133,8 +135,7 @@ def tool_calls(req: ChatCompletionRequest, parser: str | None = None) -> ToolCal
     if choice in (None, "auto") and parser is None:
         raise APIError(400, 'tool_choice "auto" (the default with tools) needs a parser for how this model writes '
                             'a call, and this server has none (kiln serve --tool-call-parser): send '
-                            'tool_choice "required", a named function ({"type": "function", "function": '
-                            '{"name": ...}}) or "none"', param="tool_choice")
+                            f'tool_choice "required", a named function ({NAMED_CHOICE}) or "none"', param="tool_choice")
     if choice == "none":
         return None
     if req.structured_outputs is not None or (req.response_format is not None and req.response_format.type != "text"):
