@@ -54,6 +54,19 @@ def test_extras_split_engine_from_operator() -> None:
     assert "kiln[engine,operator]" in extras["test"]
 
 
+def test_every_file_the_engine_reads_beside_its_modules_is_packaged() -> None:
+    """csrc/*.h were left out: a wheel's engine could not compile its C++ CPU ops (it fell back
+    to the slower torch path, quietly). Every non-Python file of the packages must be package data."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for package, patterns in tool["package-data"].items():
+        folder = ROOT / "engine" / Path(*package.split("."))
+        files = [p for p in folder.glob("*/*") if p.is_file() and p.suffix not in (".py", ".pyc")
+                 and p.parent.name != "__pycache__" and not (p.parent / "__init__.py").exists()]
+        missing = [str(p.relative_to(folder)) for p in files if not any(p.relative_to(folder).match(pt)
+                                                                        for pt in patterns)]
+        assert files and not missing, (package, missing)
+
+
 def test_operator_modules_and_cli_without_torch() -> None:
     code = """
 import pkgutil, importlib, kiln.operator, kiln.router
