@@ -65,6 +65,7 @@ def test_adapters_are_listed_and_answer_under_their_name(server, folders, refere
     cards = server.client.models.list().data
     assert [m.id for m in cards] == [MODEL, "sql"]
     assert cards[1].parent == MODEL and cards[1].root == str(folders["sql"])
+    assert server.client.models.retrieve("sql").parent == MODEL
     assert len(set(reference.values())) == 3  # each adapter says something else
     for model, lora in ((MODEL, None), ("sql", "sql")):
         answer = server.client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=16)

@@ -85,6 +85,11 @@ def complete(server: ServerProcess, prompt: str, **kw):
 
 def test_models_and_probes(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
+    card = server.client.models.retrieve(MODEL)  # OpenAI's GET /v1/models/{id}
+    assert card.id == MODEL and card.max_model_len == server.client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError) as missing:
+        server.client.models.retrieve("org/no-such-model")  # an id with a slash is one id, not a sub-path
+    assert missing.value.code == "model_not_found" and "'org/no-such-model'" in missing.value.message
     assert get(server.url + "/health")[0] == 200
     assert json.loads(get(server.url + "/ready")[1]) == {"status": "ready"}
     assert server.metrics()["kiln:model_load_seconds"] > 0

@@ -199,9 +199,10 @@ def retry_later(description: str) -> dict[str, Any]:
 
 
 _NOT_READY = error("the model is still loading, the server is draining, or the engine died")
+_NOT_SERVED = error("no such model on this server (code model_not_found)")
 _GENERATION_ERRORS = {
     "400": error("invalid request: a bad or unsupported parameter, a prompt too long for the context"),
-    "404": error("no such model on this server (code model_not_found)"),
+    "404": _NOT_SERVED,
     "413": error("the request body is over 16 MiB"),
     "429": retry_later("too many requests or prompt tokens already wait for the engine"),
     "500": error("the engine failed while generating"),
@@ -231,8 +232,10 @@ def _generation(summary: str, request: type[BaseModel], answer: type[BaseModel],
     return _with_body(summary, request, {"200": ok, **_GENERATION_ERRORS})
 
 
-def get(summary: str, op_id: str, responses: dict[str, Any]) -> dict[str, Any]:
-    return {"get": {"summary": summary, "operationId": op_id, "responses": responses}}
+def get(summary: str, op_id: str, responses: dict[str, Any],
+        parameters: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": op_id, "responses": responses,
+                    **({"parameters": list(parameters)} if parameters else {})}}
 
 
 def post(summary: str, op_id: str, responses: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +267,9 @@ def v1_paths() -> dict[str, Any]:
         "/v1/responses": _generation("Answer input items (OpenAI's Responses API)", ResponsesRequest, ResponseObject,
                                      "events, `event:` naming each, response.completed (or .incomplete) last"),
         "/v1/models": get("The served model", "listModels", {"200": response("the served model", ModelList)}),
+        "/v1/models/{model}": get("One served model (the base model or a LoRA adapter) by its id", "retrieveModel",
+                                  {"200": response("the model's card", ModelCard), "404": _NOT_SERVED},
+                                  [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]),
     }
 
 

@@ -89,7 +89,7 @@ class Server:
         self.app = web.Application(middlewares=[*keys, self._errors, self._admission], client_max_size=16 * 2**20)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_),
-            web.get("/v1/models", self.models),
+            web.get("/v1/models", self.models), web.get("/v1/models/{model:.+}", self.model),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.post("/v1/responses", self.responses),
             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
@@ -206,14 +206,27 @@ class Server:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One card of /v1/models by its id (OpenAI's models.retrieve); an id may hold slashes."""
+        cards = self._model_cards()
+        wanted = request.match_info["model"]
+        for card in cards:
+            if card["id"] == wanted:
+                return web.json_response(card)
+        served = ", ".join(repr(card["id"]) for card in cards)
+        raise APIError(404, f"model {wanted!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
+
+    def _model_cards(self) -> list[dict]:
         if self.dead is not None:  # a client or router listing models would pick a replica that answers nothing
             raise EngineDeadError(self.dead)
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kiln"}
         if self.serving is not None:
             card["max_model_len"] = self.serving.max_model_len
             card["dtype"] = str(self.config.torch_dtype).removeprefix("torch.")  # what --dtype auto chose
-        cards = lora_serving.model_cards(self.engine, self.model_name, card)  # and the LoRA adapters
-        return web.json_response({"object": "list", "data": cards})
+        return lora_serving.model_cards(self.engine, self.model_name, card)  # and the LoRA adapters
 
     # A standby replica (warm pool) sleeps: its KV cache is released until it is woken, by
     # POST /wake_up or implicitly by its first request. The names are vLLM's sleep-mode endpoints.
