@@ -180,7 +180,9 @@ def test_bad_network_arguments_are_refused():
     assert out.returncode == 2 and "--jobs: must be at least 1, got 0" in out.stderr
 
 
-@pytest.mark.parametrize("text", ["{bad", json.dumps({"processes": {"etcd": {"pid": 1}}})], ids=["not JSON", "no start"])
+@pytest.mark.parametrize("text", ["{bad", json.dumps({"processes": {"etcd": {"pid": 1}}}),
+                                  json.dumps({"processes": {"etcd": {"pid": 1, "start": 2}}})],
+                         ids=["not JSON", "no start", "no network"])
 def test_a_damaged_state_file_is_named_not_a_traceback(tmp_path, text):
     (tmp_path / "state.json").write_text(text)
     for action in ("status", "down"):

@@ -79,9 +79,9 @@ class Cluster:
         except (OSError, ValueError) as err:
             raise RuntimeError(f"{self.state_file}: unreadable ({err}); stop its processes by hand and remove "
                                f"{self.dir}") from None
-        records = state.get("processes", {}) if isinstance(state, dict) else None
-        if not isinstance(records, dict) or not all(isinstance(r, dict) and {"pid", "start"} <= r.keys()
-                                                    for r in records.values()):
+        records = state.get("processes") if isinstance(state, dict) else None
+        if (not isinstance(records, dict) or not {"bridge", "subnet", "ports"} <= state.keys()
+                or not all(isinstance(r, dict) and {"pid", "start"} <= r.keys() for r in records.values())):
             raise RuntimeError(f"{self.state_file}: not a state `kiln local up` wrote; stop its processes "
                                f"by hand and remove {self.dir}")
         return state
