@@ -167,6 +167,12 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     (lambda d, c: (d / "adapter_config.json").write_text("[]"), "is not a JSON object"),
     (lambda d, c: (d / "adapter_config.json").write_bytes(b'{"r": 8, "lora_alpha": "\xff"}'), "is not JSON"),
     (lambda d, c: write_adapter(d, c, 3, alpha=float("nan")), "finite lora_alpha"),  # json writes NaN
+    (lambda d, c: write_adapter(d, c, 3, alpha=10 ** 400), "finite lora_alpha"),  # an int past float's range
+    (lambda d, c: (d / "adapter_config.json").write_text('{"r": 8, "x": ' + "[" * 10 ** 5 + "]" * 10 ** 5 + "}"),
+     "is not JSON"),  # nested past Python's recursion limit
+    (lambda d, c: _rename(d, "self_attn.q_proj", "mlp.q_proj"), "only those take adapters"),
+    (lambda d, c: _rename(d, "base_model.model.model.layers.2.", "model.layers.2.", keep=True),
+     r"layer 2's \w+\.\w+ lora_[AB] is in \S+ twice"),  # PEFT's prefix and the bare one
     (lambda d, c: _poison(d / "adapter_model.safetensors"), "layer 2 o_proj has weights that are not finite"),
     (lambda d, c: make_one_tensor_integer(d), r"tensor 'base_model\.model\.model\.layers\.2\.self_attn\.o_proj\.lora_B"
      r"\.weight' in \S+/bad/adapter_model\.safetensors is torch\.int8, not a floating-point type"),
@@ -178,6 +184,14 @@ def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_
     with pytest.raises(LoRAError, match=error):
         load_adapter("bad", str(folder), llm.engine.runner.model, 16)
     assert "bad" not in llm.engine.loras
+
+
+def _rename(folder: Path, old: str, new: str, keep: bool = False) -> None:
+    """Tensors renamed (or, with keep, copied under the new name) in an adapter's file."""
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    renamed = {key.replace(old, new): tensor.clone() for key, tensor in tensors.items() if old in key}
+    save_file({**{k: t for k, t in tensors.items() if keep or old not in k}, **renamed},
+              str(folder / "adapter_model.safetensors"))
 
 
 def _poison(tensors_file: Path) -> None:

@@ -113,6 +113,24 @@ def test_load_and_unload_while_serving(server, folders, reference):
     assert "'poet' unloaded; the 1 request(s) using it finish with it first" in "".join(server.log)
 
 
+def test_load_inplace_replaces_an_adapter_under_its_name(server, folders, reference):
+    """vLLM's load_inplace: the name stays served throughout and answers with the new weights
+    from then on; vLLM's unload takes its lora_int_id too."""
+    url = server.url
+    assert adapter_call(url + "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(folders["sql"]),
+                                                        "load_inplace": False})[0] == 200
+    try:
+        for lora in ("poet", "sql"):
+            assert adapter_call(url + "/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(folders[lora]),
+                                                                "load_inplace": True})[0] == 200
+            answer = server.client.completions.create(model="swap", prompt=PROMPT, temperature=0, max_tokens=16)
+            assert answer.choices[0].text == reference[lora]  # not the old adapter's cached prefix either
+            assert server.client.models.retrieve("swap").root == str(folders[lora])
+    finally:
+        assert adapter_call(url + "/v1/unload_lora_adapter", {"lora_name": "swap", "lora_int_id": 1})[0] == 200
+    assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
+
+
 def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     """The server checks a request's model, then the engine thread admits it: an unload queued
     between the two (the engine busy with a long step) must answer as for any model not served,
@@ -149,7 +167,10 @@ def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     ("load", {"lora_name": MODEL, "lora_path": "/nonexistent"}, 400, "the served model's name", "lora_name"),
     ("load", {"lora_name": "new"}, 400, "lora_path", None),
     ("load", {"lora_name": "", "lora_path": "/x"}, 400, "lora_name", None),
+    ("load", {"lora_name": "sql", "lora_path": "/nonexistent", "load_inplace": True}, 400,
+     "must hold adapter_config.json", "lora_path"),  # the adapter it would replace goes on serving
     ("unload", {"lora_name": "nobody"}, 404, "no LoRA adapter named 'nobody'", "lora_name"),
+    ("unload", {"lora_name": "nobody", "lora_int_id": 3}, 404, "no LoRA adapter named 'nobody'", "lora_name"),
     ("unload", {"lora_name": "sql", "extra": 1}, 400, "extra", None),
 ])
 def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, message, param):

@@ -105,7 +105,7 @@ class LLMEngine:
         # These, and a draft model, are loaded before the pool is sized: on a GPU their weights
         # come off the free memory (adapters loaded later come out of what the pool leaves).
         for name, path in self.config.lora_modules:
-            self.loras[name] = self._read_lora(name, path)
+            self.loras[name] = self._read_lora(name, path, replace=False)
         speculative = self.config.speculative
         self.drafter = DraftModel(self.config, loaded.model_config) \
             if speculative is not None and speculative.method == "draft_model" else None
@@ -142,18 +142,22 @@ class LLMEngine:
         """Stop the tensor-parallel ranks, if any: a process runs one such engine at a time."""
         self.runner.close()
 
-    def add_lora(self, name: str, path: str) -> LoRAAdapter:
-        """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora)."""
-        adapter = self.loras[name] = self.runner.add_lora(self._read_lora(name, path))
+    def add_lora(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
+        """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora). With
+        replace, one already loaded under that name is unloaded once the new one has loaded."""
+        adapter = self._read_lora(name, path, replace)
+        if name in self.loras:
+            self.remove_lora(name)
+        adapter = self.loras[name] = self.runner.add_lora(adapter)
         return adapter
 
-    def _read_lora(self, name: str, path: str) -> LoRAAdapter:
+    def _read_lora(self, name: str, path: str, replace: bool) -> LoRAAdapter:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
-        if name in self.loras:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        if name in self.loras and not replace:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded (load_inplace replaces it)")
         return load_adapter(name, path, self.model, self.config.max_lora_rank)
 
     def remove_lora(self, name: str) -> int:

@@ -27,12 +27,13 @@ from torch import nn
 
 from kiln.engine.context import get_context
 
-# PEFT's module name -> (the model's fused projection, shard index)
+# PEFT's module path in a layer -> (the model's fused projection, shard index)
 _TARGETS = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    "self_attn.q_proj": ("qkv_proj", 0), "self_attn.k_proj": ("qkv_proj", 1), "self_attn.v_proj": ("qkv_proj", 2),
+    "self_attn.o_proj": ("o_proj", 0),
+    "mlp.gate_proj": ("gate_up_proj", 0), "mlp.up_proj": ("gate_up_proj", 1), "mlp.down_proj": ("down_proj", 0),
 }
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight$")
 _ids = itertools.count(1)  # never reused: a reloaded name must not meet the old adapter's cached prefixes
 
 
@@ -74,7 +75,7 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
     config_file, tensors_file = adapter_files(name, path)
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, or not UTF-8; Recursion: nested deep
         raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not JSON: {e}") from None
     if not isinstance(config, dict):  # the options are read by name: a list or null has none
         raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
@@ -93,7 +94,11 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} in {tensors_file} is {tensor.dtype}, not a "
                             "floating-point type")
         layer, (fused, shard) = int(match.group(1)), _TARGETS[match.group(2)]
-        shards.setdefault((layer, fused), {}).setdefault(shard, {})[match.group(3)] = tensor
+        halves = shards.setdefault((layer, fused), {}).setdefault(shard, {})
+        if match.group(3) in halves:  # PEFT's prefix and the bare one: which would win is the file's order
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer}'s {match.group(2)} lora_{match.group(3)} is in "
+                            f"{tensors_file} twice (tensor {key!r})")
+        halves[match.group(3)] = tensor
     if not shards:
         raise LoRAError(f"LoRA adapter {name!r}: {tensors_file} holds no LoRA weights")
     weights = {key: _fuse(name, model, key, parts, config["r"], scale) for key, parts in sorted(shards.items())}
@@ -114,13 +119,22 @@ def _scale(name: str, config: dict, max_rank: int) -> float:
     if config.get("bias", "none") != "none":
         raise LoRAError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not isinstance(alpha, (int, float)) \
-            or isinstance(alpha, bool) or not math.isfinite(alpha):  # Python's JSON reads NaN and Infinity
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1 or not _finite(alpha):
         raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json needs a positive integer r and a finite "
                         "lora_alpha")
     if rank > max_rank:
         raise LoRAError(f"LoRA adapter {name!r} has rank {rank}, more than --max-lora-rank {max_rank}")
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _finite(number: object) -> bool:
+    """A JSON number a float holds: Python's JSON reads NaN, Infinity and integers of any size."""
+    if not isinstance(number, (int, float)) or isinstance(number, bool):
+        return False
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _fuse(name: str, model: nn.Module, key: tuple[int, str], parts: dict[int, dict[str, torch.Tensor]],

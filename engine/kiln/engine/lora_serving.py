@@ -76,7 +76,7 @@ async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.R
     if req.lora_name == model_name:
         raise APIError(400, f"{req.lora_name!r} is the served model's name", param="lora_name")
     try:
-        adapter = await engine.call(lambda: engine.engine.add_lora(req.lora_name, req.lora_path))
+        adapter = await engine.call(lambda: engine.engine.add_lora(req.lora_name, req.lora_path, req.load_inplace))
     except LoRAError as e:  # a folder that cannot be served
         raise APIError(400, str(e), param="lora_path") from None
     except ValueError as e:  # the name: empty, or taken

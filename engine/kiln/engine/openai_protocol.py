@@ -373,8 +373,10 @@ class LoadLoRAAdapterRequest(_Request):
     """vLLM's POST /v1/load_lora_adapter."""
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
+    load_inplace: bool = False  # replace a loaded adapter of that name (requests already using it keep the old)
 
 
 class UnloadLoRAAdapterRequest(_Request):
     """vLLM's POST /v1/unload_lora_adapter."""
     lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # vLLM's; names are unique here, so it is taken and not needed
