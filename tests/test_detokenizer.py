@@ -45,6 +45,19 @@ def test_a_character_begun_in_the_prompt_comes_out_whole(tokenizer) -> None:
     assert detok.add(tokenizer.encode(" 🚀", add_special_tokens=False)[1:]) == " 🚀"
 
 
+@pytest.mark.parametrize("prompt", ["Replacement char: \ufffd", "Grüße 🚀"], ids=["a real U+FFFD", "never finished"])
+def test_a_prompt_ending_in_u_fffd_adds_nothing_to_the_output(tokenizer, prompt: str) -> None:
+    """The prompt's last character is a real U+FFFD, or bytes the output does not finish: either
+    way it is the prompt's, and the completion is only the output's text (it was put before it)."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = ids if prompt.endswith("\ufffd") else ids[:-1]  # the rocket's last byte cut off
+    output = tokenizer.encode(" done", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids=ids)
+    assert "".join(detok.add([i]) for i in output) + detok.flush() == " done" == detok.text
+    silent = IncrementalDetokenizer(tokenizer, prompt_ids=ids)  # nothing generated (EOS at once)
+    assert silent.flush() == ""
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--max-model-len", "256", "--kv-cache-memory", "64Mi")

@@ -201,6 +201,32 @@ def test_truncated_gguf_is_named(tmp_path: Path, cut: slice) -> None:
         load_model(Config(model=str(path), dtype="float32"))
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda raw: raw.replace(b"\x01\x00\x00\x00\x00\x00\x00\x00b", b"\x01\x00\x00\x00\x00\x00\x00\x00a"),
+     "tensor 'a' is in the file twice"),  # the last copy was served, silently
+    (lambda raw: raw.replace(b"x.key2", b"x.key1"), "metadata key 'x.key1' is in the file twice"),
+    (lambda raw: raw.replace(b"general.alignment\x04\x00\x00\x00\x20", b"general.alignment\x04\x00\x00\x00\x03"),
+     "general.alignment 3 is not a power of two"),  # 0 was a ZeroDivisionError, 3 misread the data
+])
+def test_a_gguf_file_the_gguf_package_refuses_is_refused_by_name(tmp_path: Path, damage, message: str) -> None:
+    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "llama")
+    for key, value in (("x.key1", 1), ("x.key2", 2), ("general.alignment", 32)):
+        writer.add_uint32(key, value)
+    for name in ("a", "b"):
+        writer.add_tensor(name, np.ones((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(damage(raw := path.read_bytes()))
+    assert path.read_bytes() != raw
+    with pytest.raises((ValueError, KeyError)):
+        gguf.GGUFReader(path)  # the reference refuses it too
+    with pytest.raises(ModelLoadError, match=rf"bad\.gguf.*{message}"):
+        open_gguf(path)
+
+
 def test_gguf_file_reads_what_gguf_reads(smollm2_path: Path) -> None:
     """Kiln's own GGUF parser (gguf_file.py) against gguf's GGUFReader on the real file."""
     ours, theirs = open_gguf(smollm2_path), gguf.GGUFReader(smollm2_path)
@@ -329,6 +355,8 @@ def test_gguf_metadata_out_of_range_is_named() -> None:
     ({"tokenizer.ggml.merges": ["ab"]}, r"tokenizer\.ggml\.merges must be strings 'left right'"),
     ({"tokenizer.ggml.bos_token_id": 3}, r"tokenizer\.ggml\.bos_token_id 3 is not a token id \(the vocabulary has 3\)"),
     ({"tokenizer.ggml.eos_token_id": -1}, r"tokenizer\.ggml\.eos_token_id -1 is not a token id"),
+    ({"tokenizer.ggml.token_type": [1, 1, 1, 3]}, r"tokenizer\.ggml\.token_type must be a list, one entry per token"),
+    ({"tokenizer.ggml.merges": ["a zz"]}, r"tokenizer\.ggml\.merges: .*`zz` out of vocabulary"),  # not a token
 ])
 def test_gguf_tokenizer_metadata_out_of_range_is_named(change: dict, message: str) -> None:
     # A KeyError, a TypeError and an IndexError before.

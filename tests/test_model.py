@@ -2,7 +2,9 @@
 HF transformers (same GGUF, same HF folders) and a naive dense attention."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,6 +77,56 @@ def test_smollm2_chat_template_matches_transformers(smollm2_fp32, hf_smollm2) ->
             ours = smollm2_fp32.tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
             assert ours == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
     assert ours.startswith("<|im_start|>system\n")
+
+
+@pytest.mark.parametrize("prefill", ["<", "end", "m", "Sure, here is", "two spaces  ", ""])
+def test_continue_final_message_matches_transformers(smollm2_fp32, hf_smollm2, prefill: str) -> None:
+    """The reply begun for the model is cut after its text, even where that text ("<", "m") also
+    occurs in the end-of-turn marker the template writes after it."""
+    _, hf_tok = hf_smollm2
+    messages = [{"role": "user", "content": "Write HTML"}, {"role": "assistant", "content": prefill}]
+    ours = smollm2_fp32.tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                      continue_final_message=True)
+    assert ours == hf_tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours.endswith("<|im_start|>assistant\n" + prefill)
+
+
+def test_continue_final_message_a_template_leaves_out_is_refused(smollm2_fp32) -> None:
+    users_only = smollm2_fp32.tokenizer.with_chat_template(
+        "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="leaves out the final message's text"):
+        users_only.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                                       add_generation_prompt=False, continue_final_message=True)
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "description": "café"}}}}}]
+
+
+def test_named_chat_templates_and_template_helpers_render_as_in_transformers(tmp_path: Path, tiny_hf_models,
+                                                                             hf_smollm2) -> None:
+    """A tokenizer_config.json's named templates: "tool_use" for requests with tools (Hermes-2-Pro,
+    Command-R ship theirs so), "default" otherwise; tojson's options and the {% generation %}
+    block of assistant-only-loss templates, against transformers rendering the same folder."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "named"
+    shutil.copytree(tiny_hf_models["llama"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}"
+                                        "{% endfor %}"},
+        {"name": "tool_use", "template": "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}|"
+                                         "{{ tools | tojson(ensure_ascii=true, indent=1) }}|{{ messages[0].content }}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    ours = load_model(Config(model=str(folder), dtype="float32", device="cpu")).tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "w1"}]
+    for tools in (None, TOOLS):
+        assert ours.apply_chat_template(messages, tools=tools) == \
+            theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages) == "w1"  # the default: tools are not asked for
+    assert ours.apply_chat_template(messages, tools=TOOLS).startswith('[{"function":{"name":"weather"')
 
 
 def test_incremental_detokenizer_never_splits_a_character(smollm2_fp32) -> None:

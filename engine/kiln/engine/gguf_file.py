@@ -122,13 +122,20 @@ def read_gguf(path: Path) -> GGUFFile:
     metadata = {}
     for _ in range(num_values):
         key = cursor.string()
+        if key in metadata:  # which value is meant is unknowable (the gguf package refuses it too)
+            raise ValueError(f"metadata key {key!r} is in the file twice")
         metadata[key] = cursor.value(V(cursor.unpack(_U32)))
     infos = []
     for _ in range(num_tensors):
         name = cursor.string()
         dims = tuple(cursor.unpack(_U64) for _ in range(cursor.unpack(_U32)))
         infos.append((name, dims, cursor.unpack(_U32), cursor.unpack(_U64)))
+    names = [name for name, *_ in infos]
+    if len(set(names)) < len(names):  # the last copy would win, silently
+        raise ValueError(f"tensor {next(n for n in names if names.count(n) > 1)!r} is in the file twice")
     alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
     data_start = -(-cursor.offset // alignment) * alignment
     tensors = [_tensor(buffer, data_start + offset, name, dims, kind) for name, dims, kind, offset in infos]
     return GGUFFile(metadata, tensors)

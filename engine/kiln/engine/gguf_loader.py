@@ -227,7 +227,7 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> GGUFModel:
     meta = file.metadata
     cfg = read_model_config(meta, file.tensors, source)
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
-                          meta.get("tokenizer.chat_template"), source)
+                          meta.get("tokenizer.chat_template"), source, meta.get("tokenizer.chat_template.tool_use"))
     arch = meta["general.architecture"]
     plans = plan_packed(file.tensors, cfg, arch) if keep_quantized else {}
     skip = frozenset(tensor.name for plan in plans.values() for tensor, _ in plan)

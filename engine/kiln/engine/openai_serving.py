@@ -242,11 +242,11 @@ class OpenAIServing:
                            param="chat_template_kwargs")
         described = [t.model_dump(exclude_none=True) for t in tools or ()] or None
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      continue_final_message=req.continue_final_message,
                                                       tools=described, **extra)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
-        return _open_final_message(text, messages[-1]["content"]) if req.continue_final_message else text
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -454,17 +454,3 @@ def _nth_seed(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     return dataclasses.replace(params, seed=(params.seed + j - INT64_MIN) % 2**64 + INT64_MIN)
-
-
-def _open_final_message(text: str, final: str) -> str:
-    """The rendered conversation cut just after the final message's content (its end-of-turn
-    gone), as transformers' continue_final_message does; a template may strip the content."""
-    content = final.strip()
-    at = text.rfind(content) if content else -1
-    if at < 0:
-        raise APIError(400, "continue_final_message: the final message's text is empty or not in the chat "
-                            "template's rendering, so there is nothing to continue", param="messages")
-    kept = final.lstrip()  # the content's own trailing spaces, where the template kept them
-    return text[: at + (len(kept) if text.startswith(kept, at) else len(content))]
-
-

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -37,14 +38,35 @@ _GGUF_PRE_SPLITS = {
 }
 
 
+# transformers' marker after the final message's text (continue_final_message): where to cut.
+FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (templates trained with assistant-only loss mark
+    the assistant's text so): rendered as its body, as transformers renders it for a prompt."""
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: jinja's escapes HTML, and templates pass json.dumps' options."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _render_env() -> ImmutableSandboxedEnvironment:
     # The options and helpers HF chat templates are written against.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -82,14 +104,19 @@ BYTE_OF = _byte_level_alphabet()
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, eos_token_ids: list[int], bos_token_id: int | None,
-                 chat_template: str | None, template_source: str | Path = "the model") -> None:
-        """template_source: the file the chat template came from, named when it does not compile."""
+                 chat_template: str | None, template_source: str | Path = "the model",
+                 tool_use_template: str | None = None) -> None:
+        """template_source: the file the chat template came from, named when it does not compile;
+        tool_use_template: the model's template for requests with tools, where it has its own."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
+        if not all(t is None or isinstance(t, str) for t in (chat_template, tool_use_template)):
+            raise ModelLoadError(f"{template_source}: the chat template is not text")
         try:
             self._template = _render_env().from_string(chat_template) if chat_template else None
+            self._tool_template = _render_env().from_string(tool_use_template) if tool_use_template else None
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"{template_source}: the chat template does not compile: {e}") from None
         # The most characters of text one token can stand for: its vocabulary entry's length, which
@@ -124,7 +151,7 @@ class Tokenizer:
 
     def with_chat_template(self, template: str, source: str = "--chat-template") -> Tokenizer:
         """This tokenizer with another chat template (the model's may be missing or unwanted)."""
-        return Tokenizer(self.tokenizer, self.eos_token_ids, self.bos_token_id, template, source)
+        return Tokenizer(self.tokenizer, self.eos_token_ids, self.bos_token_id, template, source)  # for all requests
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -136,13 +163,30 @@ class Tokenizer:
         return "" if token_id is None else (self.tokenizer.id_to_token(token_id) or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
                             **kwargs: Any) -> str:
-        if self._template is None:
+        """The conversation as the model's template writes it (as transformers renders it). With
+        continue_final_message, cut just after the final message's text: the model continues it.
+        ValueError when the model has no template or it cannot continue that message."""
+        template = self._tool_template if tools is not None and self._tool_template else self._template
+        if template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        if continue_final_message:  # tagged: its text may also occur in the end-of-turn marker ("<")
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
+                raise ValueError("continue_final_message: the final message has no text to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": final + FINAL_MESSAGE_TAG}]
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.token_text(self.bos_token_id), eos_token=self.token_text(eos),
-                                     **kwargs)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                               bos_token=self.token_text(self.bos_token_id), eos_token=self.token_text(eos), **kwargs)
+        if not continue_final_message:
+            return text
+        at = text.rfind(FINAL_MESSAGE_TAG.strip())
+        if at < 0:
+            raise ValueError("continue_final_message: the chat template leaves out the final message's text, "
+                             "so there is nothing to continue")
+        # where the template strips the text, its trailing spaces went too
+        return text[:at] if text.startswith(FINAL_MESSAGE_TAG, at) else text[:at].rstrip()
 
 
 class IncrementalDetokenizer:
@@ -165,7 +209,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self.ids)  # ids up to here are already in self.text (or the prompt)
         # Where the released text ends within the window's decoding. Only a prompt tail can end in
         # a partial character (its U+FFFD is not released; the character comes out whole later).
-        self._released = len(self._decode(self.ids).rstrip("\ufffd"))
+        self._prompt_text: str | None = self._decode(self.ids)
+        self._released = len(self._prompt_text.rstrip("\ufffd"))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -184,7 +229,12 @@ class IncrementalDetokenizer:
         return self._release(full) if len(full) > self._released else ""
 
     def _release(self, full: str) -> str:
-        delta = full[self._released:]
+        start = self._released
+        if self._prompt_text is not None:  # the first release: was the prompt's U+FFFD a character begun?
+            if full.startswith(self._prompt_text):  # no: a real U+FFFD, or bytes the output never finished
+                start = len(self._prompt_text)
+            self._prompt_text = None
+        delta = full[start:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         self._released = len(self._decode(self.ids[self._prefix_offset:]))
         self.text += delta
@@ -208,19 +258,27 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         raise ModelLoadError(f"{config_path}: invalid JSON: {e}") from None
     if not isinstance(tok_config, dict):
         raise ModelLoadError(f"{config_path}: not a JSON object")
-    template_path = config_path
+    template_path, tool_use = config_path, None
+    named = tok_config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template_path = folder / "chat_template.jinja"
         template = template_path.read_text()
-    elif isinstance(tok_config.get("chat_template"), list):  # named templates: take the default
-        template = next((t["template"] for t in tok_config["chat_template"] if t.get("name") == "default"), None)
+        if (folder / "additional_chat_templates" / "tool_use.jinja").is_file():  # transformers' folder of named ones
+            tool_use = (folder / "additional_chat_templates" / "tool_use.jinja").read_text()
+    elif isinstance(named, list):  # named templates, as transformers picks them: tool_use for tools
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in named):
+            raise ModelLoadError(f"{config_path}: chat_template must be a string or a list of "
+                                 '{"name": ..., "template": ...}')
+        by_name = {t["name"]: t["template"] for t in named}
+        template, tool_use = by_name.get("default"), by_name.get("tool_use")
     else:
-        template = tok_config.get("chat_template")
+        template = named
     if not eos_token_ids and tok_config.get("eos_token"):
         eos = tok_config["eos_token"]
         eos_id = tokenizer.token_to_id(eos["content"] if isinstance(eos, dict) else eos)
         eos_token_ids = [] if eos_id is None else [eos_id]
-    return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template, template_path)
+    return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template, template_path, tool_use)
 
 
 def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
@@ -243,13 +301,19 @@ def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
     # Llama 3's tokenizer (and llama.cpp reading its GGUF) takes a word that is in the vocabulary
     # whole before trying merges, and starts a prompt with BOS unless the metadata says not to.
     llama3 = pre in ("llama-bpe", "llama3")
-    tokenizer = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
-                                       ignore_merges=llama3))
+    try:
+        bpe = models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, ignore_merges=llama3)
+    except Exception as e:  # the tokenizers library raises plain Exceptions (a merge of an unknown token)
+        raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.merges: {e}") from None
+    tokenizer = HFTokenizer(bpe)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _GGUF_PRE_SPLITS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     types = metadata.get("tokenizer.ggml.token_type") or []
+    if not isinstance(types, list) or len(types) > len(tokens):
+        raise ModelLoadError(f"{source}: GGUF metadata tokenizer.ggml.token_type must be a list, one entry per "
+                             f"token ({len(tokens)})")
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                   for i, t in enumerate(types) if t == _CONTROL])
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
