@@ -169,11 +169,13 @@ class DropsReusedConnections:
     """A raw HTTP/1.1 engine: it answers the first request on a connection and keeps it
     open, then closes it unanswered when another request comes on it. That is what the
     router meets when an engine's idle timeout closes a pooled connection just as a request
-    goes out on it."""
+    goes out on it. With `after`, it works on that request so long before the close: it died of
+    it, or of something else, after reading it."""
 
-    def __init__(self) -> None:
+    def __init__(self, after: float = 0.0) -> None:
         self.answered = 0
         self.dropped = 0
+        self.after = after
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -185,6 +187,7 @@ class DropsReusedConnections:
         self.answered += 1
         if await reader.read(1):  # the next request on this connection
             self.dropped += 1
+            await asyncio.sleep(self.after)
         writer.close()
 
 

@@ -7,14 +7,17 @@ import asyncio
 import gzip
 import json
 import time
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
-from kiln.router.endpoints import Endpoint, ReadyEndpoints, parse_endpoints
+from kiln.router.endpoints import Endpoint, ReadyEndpoints, StaticEndpoints, parse_endpoints
 from kiln.operator.render import ROUTER_GRACE_PERIOD_S, ROUTER_PRESTOP_SLEEP_S
 from kiln.router import main as router_main
+from kiln.router import retries
+from kiln.router.holding import Holding
 from kiln.router.main import serving
 from kiln.router.proxy import Limits, build_app
 from router_fakes import (
@@ -224,6 +227,47 @@ async def test_dead_keep_alive_connection_is_retried_on_the_same_replica() -> No
             assert metric(samples, "kiln_router_errors_total", revision="",
                           reason="stale_connection") == 1
             assert metric(samples, "kiln_router_retries_total", revision="") == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@on_event_loop
+async def test_a_shutdown_in_the_pass_a_held_requests_wait_runs_out_still_answers_it() -> None:
+    """SIGTERM handled in the very loop pass where a held request's activation timeout fires:
+    ending that expiring wait raised, which cut the shutdown short (no drain, a traceback)."""
+    holding = Holding(StaticEndpoints([]), max_held=10, activation_timeout=0.2)
+    waiter = asyncio.create_task(holding.wait(SimpleNamespace(held=None), lambda: False, False))
+    await until(lambda: bool(holding._waits))
+    stopped = asyncio.get_running_loop().create_future()
+
+    def shut_down() -> None:  # at the wait's own deadline: the same pass as its timeout
+        try:
+            holding.stop(None).send(None)
+        except StopIteration:
+            stopped.set_result(None)
+        except Exception as e:  # noqa: BLE001 -- what the test is for
+            stopped.set_exception(e)
+    asyncio.get_running_loop().call_at(next(iter(holding._waits)).when(), shut_down)
+    await stopped
+    assert (await waiter).status == 503
+
+
+@on_event_loop
+async def test_a_pooled_connection_that_breaks_while_the_replica_works_is_not_resent(monkeypatch) -> None:
+    """A connection found closed fails at once; one that breaks after the replica read the request
+    and worked on it is not the race of an idle close: resent, the generation would run twice."""
+    monkeypatch.setattr(retries, "STALE_WITHIN_S", 0.2)
+    dropper = DropsReusedConnections(after=0.5)
+    server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with service(0, also=[Endpoint("127.0.0.1", port)]) as svc:
+            assert [(await svc.complete()).status for _ in range(2)] == [200, 502]
+            assert (dropper.answered, dropper.dropped) == (1, 1)  # the second ran once, never resent
+            samples = await svc.metrics()
+            assert metric(samples, "kiln_router_errors_total", revision="", reason="upstream_error") == 1
+            assert metric(samples, "kiln_router_retries_total", revision="") == 0
     finally:
         server.close()
         await server.wait_closed()

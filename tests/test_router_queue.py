@@ -170,10 +170,12 @@ def test_cli_rejects_a_negative_line(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @on_event_loop
-async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_timeout() -> None:
+@pytest.mark.parametrize("ends", [False, True], ids=["endless stream", "stream ending as the client stops"])
+async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_timeout(ends: bool) -> None:
     """A client whose receive window stays shut never hangs up: the router's writes to it wait
     for ever, with its place in flight and the engine's generation held, unless the stream's idle
-    timeout counts the client's side too (as Envoy's does)."""
+    timeout counts the client's side too (as Envoy's does), its end included: a stream that ends
+    just as the client stops reading waits on the client in its last write."""
     import socket
 
     from aiohttp import web
@@ -182,7 +184,8 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
     from kiln.router.main import serving
     from kiln.router.proxy import build_app
 
-    streaming = asyncio.Event()
+    streaming, end = asyncio.Event(), asyncio.Event()
+    protocols = []  # the router's side of each client connection
 
     async def engine(request: web.Request) -> web.StreamResponse:
         if not (await request.json()).get("stream"):
@@ -190,14 +193,21 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         streaming.set()
-        while True:  # an endless stream, as fast as it can be taken
-            await response.write(b"data: " + b"x" * 65536 + b"\n\n")
+        while not end.is_set():  # endless, as fast as it can be taken, or small events until told to end
+            await response.write(b"data: " + b"x" * (1000 if ends else 65536) + b"\n\n")
+            await asyncio.sleep(0.001 if ends else 0)
+        await response.write_eof()
+        return response
 
     app = web.Application()
     app.router.add_post("/v1/completions", engine)
     async with serving(app, "127.0.0.1", 0) as engine_port:
         limits = Limits(max_in_flight=1, max_queue=1, stream_idle_timeout=0.5)
         router = build_app(StaticEndpoints([Endpoint("127.0.0.1", engine_port)]), limits)
+
+        async def note_protocol(request: web.Request, _: web.StreamResponse) -> None:
+            protocols.append(request.protocol)
+        router.on_response_prepare.append(note_protocol)
         async with serving(router, "127.0.0.1", 0) as port, aiohttp.ClientSession() as client:
             with socket.socket() as stalled:
                 stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -206,7 +216,16 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
                 stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                 await streaming.wait()
+                if ends:  # the router's writes to it paused: the engine ends its stream now
+                    await until(lambda: bool(protocols) and protocols[0].writing_paused)
+                    end.set()
                 # It never reads. The next request waits in line for its place (bounded by the
                 # test's timeout), and gets it once the router gave up on the stalled client.
                 answer = await client.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "y"})
                 assert answer.status == 200 and (await answer.json())["choices"][0]["text"] == "ok"
+                # The router let go of its socket (aborted, not closed: a close waits for it to
+                # take what the router still queues, keeping the socket and those bytes for as
+                # long as it does not): read without the router's loop running, it ends.
+                stalled.settimeout(5)
+                while stalled.recv(1 << 20):
+                    pass

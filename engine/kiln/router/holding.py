@@ -76,4 +76,5 @@ class Holding:
         out the drain and be cut off with the connection. Requests already forwarded finish."""
         self._stopping = True
         for waiting in self._waits:
-            waiting.reschedule(-1)  # in the past: the held request's wait raises TimeoutError
+            if not waiting.expired():  # one that fired this very moment ends of itself (reschedule raises)
+                waiting.reschedule(-1)  # in the past: the held request's wait raises TimeoutError

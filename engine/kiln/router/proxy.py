@@ -352,6 +352,7 @@ class Router:
         assert self._session is not None and self._fresh is not None, "router used outside its lifecycle"
         exchange.revision = endpoint.revision
         attempt = SimpleNamespace(reused=False)  # mark_reused sets it
+        sent = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
                 upstream = await (self._fresh if fresh else self._session).request(
@@ -362,7 +363,7 @@ class Router:
                     async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
                         error_body = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            reason = failure_reason(exc, attempt.reused)
+            reason = failure_reason(exc, attempt.reused, time.monotonic() - sent)
             log.warning("%s gave no response (%s): %r", endpoint, reason, exc)
             self.metrics.errors.labels(endpoint.revision, reason).inc()
             if reason in RETRYABLE:
@@ -397,8 +398,8 @@ class Router:
                 # Leaving `async with` drops the upstream connection, so the engine
                 # sees the disconnect and stops generating.
                 exchange.code = CLIENT_GONE
-                if request.transport is not None:  # one that stopped reading is still connected
-                    request.transport.close()
+                if request.transport is not None:  # one that stopped reading is still connected:
+                    request.transport.abort()  # close() would wait for it to take what is queued
                 return response
         if not complete:
             log.warning("%s broke off its response mid-way, or went silent", endpoint)
@@ -426,16 +427,15 @@ class Router:
                     chunk = await upstream.content.readany()
             except (aiohttp.ClientError, TimeoutError):
                 return False
-            if not chunk:
-                await response.write_eof()
-                return True
-            if streamed:
+            if streamed and chunk:
                 self._time_chunk(exchange)
-            try:
+            try:  # the last chunk waits on the client too: the end of a stream it stopped reading
                 async with asyncio.timeout(idle):
-                    await response.write(chunk)
+                    await (response.write(chunk) if chunk else response.write_eof())
             except TimeoutError:
                 raise ConnectionResetError(f"the client read nothing for {idle:g} s") from None
+            if not chunk:
+                return True
 
     def _time_chunk(self, exchange: _Exchange) -> None:
         now = time.monotonic()

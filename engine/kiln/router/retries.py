@@ -16,6 +16,10 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 DEAD_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                           aiohttp.ClientConnectionResetError)
 RETRYABLE = frozenset({"connect", "stale_connection", "refused"})
+# A pooled connection the replica had closed fails within a round trip. One failing later broke
+# while the replica worked on the request: sent whole, it is not sent again (as Go's net/http
+# resends no POST it wrote), or it would run twice.
+STALE_WITHIN_S = 1.0
 # The engine's 503 codes from its admission, before the request reached the model: it died
 # (engine_dead; a request running then gets a 500) or is loading or draining (not_ready). The
 # EndpointSlice may not know yet, another replica can take the request.
@@ -46,11 +50,12 @@ def is_refusal(status: int, body: bytes) -> bool:
     return status == 503 and error_code(body) in REFUSED_CODES
 
 
-def failure_reason(exc: Exception, reused: bool) -> str:
-    """Why a replica gave no response: the errors label, and in RETRYABLE if safe to retry."""
+def failure_reason(exc: Exception, reused: bool, waited: float) -> str:
+    """Why a replica gave no response, `waited` seconds after the request went out: the errors
+    label, and in RETRYABLE if safe to retry."""
     if isinstance(exc, CONNECT_ERRORS):
         return "connect"
-    if reused and isinstance(exc, DEAD_CONNECTION_ERRORS):
+    if reused and waited < STALE_WITHIN_S and isinstance(exc, DEAD_CONNECTION_ERRORS):
         return "stale_connection"
     if isinstance(exc, TimeoutError):
         return "first_byte_timeout"
