@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 from dataclasses import replace
@@ -161,7 +162,12 @@ QKV = "model.layers.0.self_attn.qkv_proj"
     (lambda t, m: t.update({f"{QKV}.qweight": t[f"{QKV}.qweight"].float()}), "do not fit the model"),
     (lambda t, m: m.update(method="int4"), r"missing tensors \['.*\.zeros'"),  # was an IndexError
     (lambda t, m: m.update(method="none"), "method 'none' is no quantized variant"),  # was served as fp8
-], ids=["no-scales", "short-scales", "narrow-codes", "float-codes", "int4-marker", "none-marker"])
+    (lambda t, m: t.pop("model.layers.1.self_attn.o_proj.act_scale"),  # AWQ's s: W diag(s) served on x, not x / s
+     r"missing tensors \['model\.layers\.1\.self_attn\.o_proj\.act_scale'\]"),
+    (lambda t, m: t.pop("model.layers.0.input_layernorm.folded_scale"),
+     r"missing tensors \['model\.layers\.0\.input_layernorm\.folded_scale'\]"),
+], ids=["no-scales", "short-scales", "narrow-codes", "float-codes", "int4-marker", "none-marker", "no-act-scale",
+        "no-folded-scale"])
 def test_a_damaged_quantized_folder_is_named_at_load(tiny_llama_dir, tmp_path, tamper, message) -> None:
     out = tmp_path / "variant"
     assert kiln(["quantize", "--model", str(tiny_llama_dir), "--method", "int8", "--out", str(out),
@@ -280,7 +286,7 @@ def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, t
         return quant_buffers(load_model(config).model)
 
     short, full = load(256, tmp_path), load(2048, tmp_path)
-    assert sorted(p.name.split("-", 1)[1] for p in tmp_path.glob("*.json")) == [
+    assert sorted(re.sub(r"-c[0-9a-f]{16}-", "-", p.name.split("-", 1)[1]) for p in tmp_path.glob("*.json")) == [
         f"int8-float32-v{variants.FORMAT_VERSION}.json", f"int8-float32-w256-v{variants.FORMAT_VERSION}.json"]
     assert any(not torch.equal(short[k], full[k]) for k in full)
     # A manifest from before the window was recorded may hold a short-context variant: recomputed.
@@ -294,16 +300,54 @@ def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, t
     assert all(torch.equal(again[k], full[k]) for k in full)  # the same variant: calibration is deterministic
 
 
-def test_a_variant_keeps_its_models_sampling_defaults_and_needs_its_biases(tiny_hf_models, tmp_path) -> None:
+def test_an_edited_config_calibrates_anew_and_an_unsearchable_cache_is_recomputed(tiny_hf_models, tmp_path,
+                                                                                  monkeypatch, caplog) -> None:
+    """AWQ's calibration runs the model as its config.json says (rope, norms), which the weights'
+    sha256 does not cover: an edited config is its own variant, not the old config's. A cache
+    directory this user may not search costs a recompute, not the start."""
+    source, cache = tmp_path / "llama", tmp_path / "cache"
+    shutil.copytree(tiny_hf_models["llama"], source)
+
+    def load() -> None:
+        load_model(Config(model=str(source), dtype="float32", device="cpu", quantization="int8",
+                          quantization_cache=str(cache)))
+    load()
+    computed = variants.COMPUTED["int8"]
+    load()
+    assert variants.COMPUTED["int8"] == computed  # the same config: read back
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    load()
+    assert variants.COMPUTED["int8"] == computed + 1 and len(list(cache.glob("*.json"))) == 2
+
+    def denied(path: Path) -> bool:  # stands in for a non-root user: the tests run as root
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(Path, "exists", denied)
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        assert variants.read_cached(cache, "any-key", {}) is None
+    assert "Permission denied" in caplog.text and "recomputing it" in caplog.text
+
+
+def test_a_variant_keeps_its_models_templates_sampling_defaults_and_needs_its_biases(tiny_hf_models, tmp_path) -> None:
     from kiln.engine.sampling_defaults import sampling_defaults
     source = tmp_path / "qwen2"
     shutil.copytree(tiny_hf_models["qwen2"], source)
+    # Named templates (a tool_use one for requests with tools): both kept, or tools went unsaid.
+    tok_config = json.loads((source / "tokenizer_config.json").read_text())
+    (source / "tokenizer_config.json").write_text(json.dumps({**tok_config, "chat_template": [
+        {"name": "default", "template": "D {{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T {{ tools | length }} {{ messages[0].content }}"}]}))
+    (source / "chat_template.jinja").unlink(missing_ok=True)
     (source / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "eos_token_id": 2}))
     out = tmp_path / "variant"
     assert kiln(["quantize", "--model", str(source), "--method", "int8", "--out", str(out),
                  "--quantization-cache", "off"]) == 0
     # Without the file, the variant sampled at the API's temperature 1 where its model samples at 0.6.
     assert sampling_defaults("auto", out) == sampling_defaults("auto", source) == {"temperature": 0.6, "top_p": 0.9}
+    served = load_model(Config(model=str(out), dtype="float32", device="cpu")).tokenizer
+    chat = [{"role": "user", "content": "w1"}]
+    assert (served.apply_chat_template(chat), served.apply_chat_template(chat, tools=[{"type": "function"}])) == \
+        ("D w1", "T 1 w1")
     # Qwen2's q/k/v biases left out of the folder: it loaded, and answered wrong without a word.
     tensors = safetensors.torch.load_file(out / quantized_folder.WEIGHTS)
     tensors.pop(f"{QKV}.bias")

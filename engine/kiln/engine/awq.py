@@ -88,6 +88,14 @@ def search_scale(w: torch.Tensor, x: torch.Tensor, method: str, group_size: int 
     return best
 
 
+def scale_tensor(linear: str) -> str:
+    """Where a variant keeps a linear's s: the folded_scale of the norm before it, else its own act_scale."""
+    for suffix, norm_name in NORM_BEFORE.items():
+        if linear.endswith(suffix):
+            return linear[: -len(suffix)] + norm_name + ".folded_scale"
+    return linear + ".act_scale"
+
+
 def awq_scales(model: nn.Module, token_ids: list[int], method: str, group_size: int | None = None
                ) -> dict[str, tuple[torch.Tensor, str | None]]:
     """Linear name -> (s, the norm to fold 1/s into, or None to keep s on the activation)."""

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from kiln.engine.config import GENERATION_CONFIG, ModelConfig, ModelLoadError
-from kiln.engine.quantization import Quantizer, check_method, quantizable_linears
+from kiln.engine.awq import scale_tensor
+from kiln.engine.quantization import ACTIVATION_AWARE, Quantizer, check_method, quantizable_linears
 from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.variants import FORMAT_VERSION, atomic_write
 
@@ -98,7 +99,11 @@ def _write_files(out: Path, model: nn.Module, model_config: ModelConfig, tokeniz
     atomic_write(out / "config.json", json.dumps(hf_config(model_config, dtype), indent=2).encode())
     tokenizer.tokenizer.save(str(out / "tokenizer.json"))
     eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tokenizer.chat_template,
+    template: str | list | None = tokenizer.chat_template
+    if tokenizer.tool_use_template is not None:  # named, as transformers and load_hf_tokenizer read them
+        named = {"default": tokenizer.chat_template, "tool_use": tokenizer.tool_use_template}
+        template = [{"name": name, "template": text} for name, text in named.items() if text is not None]
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template,
                   "bos_token": tokenizer.token_text(tokenizer.bos_token_id), "eos_token": tokenizer.token_text(eos)}
     atomic_write(out / "tokenizer_config.json", json.dumps(tok_config, indent=2).encode())
     linears = dict(quantizable_linears(model))
@@ -127,6 +132,8 @@ def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], mark
     # A projection's bias (Qwen2's q/k/v): left out, the model loaded and answered wrong, silently.
     missing += [f"{n}.bias" for n, linear in linears.items() if linear.bias is not None and f"{n}.bias" not in state]
     missing += [n for n in floats if n not in state]
+    if method in ACTIVATION_AWARE:  # W diag(s) needs its input / s: left out, it loaded and answered wrong
+        missing += [scale_tensor(n) for n in linears if scale_tensor(n) not in state]
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for name, param in floats.items():

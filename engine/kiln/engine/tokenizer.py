@@ -111,7 +111,7 @@ class Tokenizer:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
-        self.chat_template = chat_template
+        self.chat_template, self.tool_use_template = chat_template, tool_use_template
         if not all(t is None or isinstance(t, str) for t in (chat_template, tool_use_template)):
             raise ModelLoadError(f"{template_source}: the chat template is not text")
         try:
@@ -151,7 +151,7 @@ class Tokenizer:
 
     def with_chat_template(self, template: str, source: str = "--chat-template") -> Tokenizer:
         """This tokenizer with another chat template (the model's may be missing or unwanted)."""
-        return Tokenizer(self.tokenizer, self.eos_token_ids, self.bos_token_id, template, source)  # for all requests
+        return Tokenizer(self.tokenizer, self.eos_token_ids, self.bos_token_id, template, source)  # tools too
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

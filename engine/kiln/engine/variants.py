@@ -6,10 +6,13 @@ weight, so the first load writes it to the variant cache and every later load --
 sharing the directory -- reads it back instead.
 
 The cache directory holds one pair of files per variant, named by its key
-`<first 32 hex digits of the weights' sha256>-<method>-<dtype>[-w<window>]-v<FORMAT_VERSION>`:
+`<first 32 hex digits of the weights' sha256>-<method>-<dtype>[-w<window>][-c<calibration>]-v<FORMAT_VERSION>`:
   KEY.safetensors  the state dict
   KEY.json         manifest: format version, method, dtype, the weights' sha256, and the sha256
                    of KEY.safetensors
+An activation-aware calibration also depends on the model's config (rope, norms, heads) and on
+the calibration text's token ids (the tokenizer), neither in the weight files: their sha256 is
+the `-c` part (16 hex digits) and in the manifest, so an edited config.json calibrates anew.
 The weights' sha256 is that of the GGUF file, or, for a Hugging Face folder, of the lines
 `<sha256>  <name>` of its weight files (weight_files) in name order (sha256sum's output). The dtype is in
 the key because the weights are quantized as loaded (bfloat16 by default); the calibration window
@@ -22,6 +25,7 @@ truncated, or swapped by a concurrent writer) is logged as a warning, recomputed
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +40,7 @@ import torch
 from torch import nn
 
 from kiln.engine import startup
-from kiln.engine.awq import CALIBRATION_TOKENS, calibration_window
+from kiln.engine.awq import CALIBRATION_TOKENS, calibration_token_ids, calibration_window
 from kiln.engine.config import DTYPES, Config, ModelLoadError
 from kiln.engine.quantization import ACTIVATION_AWARE, Quantizer, check_method
 
@@ -107,10 +111,20 @@ def model_dtype_name(model: nn.Module) -> str:
     return next(name for name, d in DTYPES.items() if d == dtype)
 
 
-def variant_key(weights_sha: str, method: str, dtype_name: str, window: int | None = None) -> str:
-    """window: the calibration window where it is shorter than the calibration text, else None."""
+def variant_key(weights_sha: str, method: str, dtype_name: str, window: int | None = None,
+                calibrated: str | None = None) -> str:
+    """window: the calibration window where it is shorter than the calibration text, else None;
+    calibrated: calibration_sha256, for an activation-aware method."""
     cut = f"-w{window}" if window is not None else ""
-    return f"{weights_sha[:32]}-{method}-{dtype_name}{cut}-v{FORMAT_VERSION}"
+    inputs = f"-c{calibrated[:16]}" if calibrated is not None else ""
+    return f"{weights_sha[:32]}-{method}-{dtype_name}{cut}{inputs}-v{FORMAT_VERSION}"
+
+
+def calibration_sha256(model: nn.Module, tokenizer: Any) -> str:
+    """What an activation-aware calibration reads besides the weights: the model's config and
+    the calibration text's token ids."""
+    config = json.dumps(dataclasses.asdict(model.config), sort_keys=True, default=str)
+    return hashlib.sha256(f"{config}\n{calibration_token_ids(tokenizer)}".encode()).hexdigest()
 
 
 def calibration(model: nn.Module, method: str) -> tuple[int | None, int | None]:
@@ -142,9 +156,9 @@ def atomic_write(path: Path, data: bytes) -> None:
 def read_cached(directory: Path, key: str, expected: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """The cached state dict, or None when absent or unusable (with a warning when unusable)."""
     manifest_path, tensors_path = directory / f"{key}.json", directory / f"{key}.safetensors"
-    if not manifest_path.exists():
-        return None
     try:
+        if not manifest_path.exists():  # PermissionError: a directory this user may not search
+            return None
         manifest = json.loads(manifest_path.read_text())
         data = tensors_path.read_bytes()  # read once: hashed and parsed from the same bytes
     except (OSError, ValueError) as e:
@@ -182,11 +196,12 @@ def quantized_state_dict(model: nn.Module, method: str, tokenizer: Any, weights_
     dtype_name = model_dtype_name(model)
     weights_sha = weights_sha256(weights_path)
     window, cut = calibration(model, method)
-    key = variant_key(weights_sha, method, dtype_name, cut)
+    calibrated = calibration_sha256(model, tokenizer) if method in ACTIVATION_AWARE else None
+    key = variant_key(weights_sha, method, dtype_name, cut, calibrated)
     # A manifest without the window was written before it was recorded: recomputed once, since it
     # may come from a shorter max_model_len.
     expected = {"format_version": FORMAT_VERSION, "method": method, "dtype": dtype_name,
-                "weights_sha256": weights_sha, "calibration_window": window}
+                "weights_sha256": weights_sha, "calibration_window": window, "calibration_sha256": calibrated}
     if directory is not None:
         state = read_cached(directory, key, expected)
         if state is not None:
