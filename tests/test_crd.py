@@ -162,6 +162,10 @@ INVALID = [
      "spec.auth.apiKeySecretRef.key in body should match"),
     ("toleration-bad-key", "bad", with_spec(resources__tolerations=[{"key": "gpu type!", "operator": "Exists"}]),
      "spec.resources.tolerations[0].key in body should match"),
+    ("toleration-key-name-too-long", "bad", with_spec(resources__tolerations=[{"key": "a" * 64, "operator": "Exists"}]),
+     "spec.resources.tolerations[0].key in body should match"),  # every Deployment was refused instead
+    ("quantity-exponent-too-long", "bad", with_spec(engine__kvCache={"memory": "1e999999"}),
+     "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"),
     ("node-selector-bad-value", "bad", with_spec(resources__nodeSelector={"pool": "a b"}),
      "spec.resources.nodeSelector.pool in body should match"),
     ("ratio-below-one", "bad", with_spec(rollout__steps=[{"weight": 10}],

@@ -66,6 +66,13 @@ def test_quantities_are_checked_by_the_operator_too():
     for memory in (0, "0", "500m", "1e-3"):  # quantities, but no whole byte of KV cache
         with pytest.raises(ValueError, match="must be at least one byte"):
             spec_of(engine={"kvCache": {"memory": memory}})
+    for huge in ("1e999999", "1" * 70):  # an integer of a million digits held every thread for 30 s
+        with pytest.raises(ValueError, match="must be a Kubernetes quantity|at most 2\\^63-1"):
+            spec_of(engine={"kvCache": {"memory": huge}})
+    for huge in ("1e60", "8Ei", 2**63):  # past the API server's largest quantity: desired() raised on each pass
+        with pytest.raises(ValueError, match=r"must be at most 2\^63-1"):
+            spec_of(resources={"cpu": huge})
+    assert spec_of(resources={"memory": "7Ei"}).resources.memory == "7Ei"
     assert spec_of(resources={"cpu": "500m", "memory": "1.5Gi"}).resources.memory == "1.5Gi"
     assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
 

@@ -93,3 +93,7 @@ def test_nan_infinite_or_negative_counts_are_garbage_never_load():
         assert taken.sample.load == 6.0 * 4  # the three count at the average of the one that answered sanely
         assert scrape([nan], [router], now=1.0).sample is None  # no engine answered sanely: no sample
         assert scrape([], [bad_router], now=1.0).sample is None
+    # A NaN cold start went into the status as a bare NaN, which the API server refuses as JSON.
+    with serving(ROUTER.format(held=0, cold="NaN")) as nan_cold, serving(ROUTER.format(held=0, cold=3)) as router:
+        assert scrape([], [nan_cold], now=1.0).cold_start is None
+        assert scrape([], [nan_cold, router], now=1.0).cold_start == 3

@@ -26,8 +26,11 @@ def rules(*entries: dict[str, Any]) -> dict[str, Any]:
 # Same grammar as Kubernetes resource quantities (1, 500m, 16Gi, 1e3), as a regex because the
 # CEL quantity library is missing on older API servers. int-or-string so `cpu: 4` works too; a
 # negative count is no amount of a resource (a pod asking for it is refused).
-QUANTITY_RE = r"^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]+|[mkMGTPE]|[KMGTPE]i)?$"
+# An exponent of two digits at most: 1e999999 is 8 characters, and turning it into an integer
+# held the operator's every thread (and its Lease) for half a minute.
+QUANTITY_RE = r"^[+]?([0-9]+([.][0-9]*)?|[.][0-9]+)([eE][-+]?[0-9]{1,2}|[mkMGTPE]|[KMGTPE]i)?$"
 QUANTITY_MESSAGE = "must be a Kubernetes quantity such as 4, 500m, 512Mi or 16Gi"
+QUANTITY_MAX = 2**63 - 1  # Kubernetes' largest quantity
 
 
 def check_quantity(value: str | int) -> str | int:
@@ -35,6 +38,8 @@ def check_quantity(value: str | int) -> str | int:
     become InvalidSpec, not a crash when the quantity is converted."""
     if (isinstance(value, int) and value < 0) or (isinstance(value, str) and not re.match(QUANTITY_RE, value)):
         raise ValueError(QUANTITY_MESSAGE)
+    if parse_quantity(value) > QUANTITY_MAX:  # a Decimal: compared without becoming a huge integer
+        raise ValueError(f"must be at most 2^63-1 (Kubernetes' largest quantity), got {value!r}")
     return value
 
 
@@ -156,7 +161,8 @@ NOT_DOTS = rules(cel("self != '.' && !self.startsWith('..')", "must not be '.' o
 OBJECT_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DATA_KEY = r"^[-._a-zA-Z0-9]+$"
 # (a toleration's empty key, with Exists, tolerates every taint)
-LABEL_KEY = r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+# (the name after the prefix at most 63 characters: a longer one passed, and every Deployment was refused)
+LABEL_KEY = r"^(([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 # Kubernetes' grammar of a label or annotation key (apimachinery's validation), with its lengths: an
 # optional DNS subdomain prefix and a name. The CRD leaves map keys to the operator: a rule there

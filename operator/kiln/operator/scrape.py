@@ -85,7 +85,8 @@ def scrape(engines: list[str], routers: list[str], now: float) -> Scrape:
             if p is not None and ROUTER_HELD in p and count(p[ROUTER_HELD]) and count(p.get(ROUTER_QUEUED, 0.0))]
     # The newest router's (one router's old slow start must not stand for every later one).
     cold = [(p.get(ROUTER_COLD_START_TIME, 0.0), p[ROUTER_COLD_START]) for p in pages[len(engines):]
-            if p and p.get(ROUTER_COLD_START)]
+            if p and p.get(ROUTER_COLD_START) and count(p[ROUTER_COLD_START])
+            and math.isfinite(p.get(ROUTER_COLD_START_TIME, 0.0))]  # NaN: a status the API server refuses
     cold_start = max(cold)[1] if cold else None
     if not held or (engines and not loads):
         return Scrape(None, cold_start)
