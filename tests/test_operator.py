@@ -270,8 +270,8 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
     operator.restart(interval=1)
     body = smollm2("refused")
-    # The CRD's pattern lets a key's name part be longer than the 63 characters Kubernetes takes.
-    body["spec"]["resources"]["tolerations"] = [{"key": "x" * 64, "operator": "Exists"}]
+    # The CRD's pattern lets a key's prefix be longer than the 253 characters Kubernetes takes.
+    body["spec"]["resources"]["tolerations"] = [{"key": "x" * 254 + "/gpu", "operator": "Exists"}]
     apply(kubectl, ns, body)
     cond = until(lambda: condition(isvc(apis, ns, "refused"), "Ready").get("reason") == "Rejected"
                  and condition(isvc(apis, ns, "refused"), "Ready"), "Ready=False Rejected")

@@ -239,6 +239,10 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     rendered = {r.name for r in want.revisions if r.deployment is not None}
     rejected = []
     actions = plan(want, observed)
+    # Pods change roles before the Deployments change size: a scale-down larger than the pool then
+    # finds the pods it demotes already at the standbys' deletion cost, and the ReplicaSet removes
+    # no serving pod; a scale-up's promotions serve at once, not after the new pods are created.
+    promoted, relabelled = relabel(api, body, owner, want, observed, spec.warmPool is not None and spec.warmPool.sleep)
     applied: dict[tuple[str, str], dict[str, Any]] = {}  # Deployments written in this pass, as stored
     for action in actions:
         log.info("%s/%s: %s", namespace, name, action)
@@ -261,7 +265,6 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         if action.verb == SCALE and scaling.changed_from is not None and action.name == want.stable.name:
             post_event(api, body, "Normal", "Scaled", f"{action.name} from {scaling.changed_from} to "
                        f"{scaling.replicas} serving replica(s): {scaling.condition['message']}")
-    promoted, relabelled = relabel(api, body, owner, want, observed, spec.warmPool is not None and spec.warmPool.sleep)
     warm = None
     if want.stable.serving is not None and spec.warmPool is not None:
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
