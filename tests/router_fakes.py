@@ -191,6 +191,18 @@ class DropsReusedConnections:
         writer.close()
 
 
+@asynccontextmanager
+async def raw_replica(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Coroutine[Any, Any, None]]
+                      ) -> AsyncIterator[Endpoint]:
+    """A replica speaking raw HTTP/1.1 (`handle`, as DropsReusedConnections'), on a free port."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield Endpoint("127.0.0.1", server.sockets[0].getsockname()[1])
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 class FirstRefuses(FakeEngine):
     """engine-0 refuses every request as a dead, loading or draining engine does at admission:
     a 503 with the code its request body names ("refuse_code"); the others answer."""

@@ -29,6 +29,7 @@ from router_fakes import (
     has_series,
     metric,
     on_event_loop,
+    raw_replica,
     raw_post,
     refusing,
     service,
@@ -214,22 +215,16 @@ async def test_connect_failure_is_retried_on_another_replica() -> None:
 @on_event_loop
 async def test_dead_keep_alive_connection_is_retried_on_the_same_replica() -> None:
     dropper = DropsReusedConnections()
-    server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
-    try:
-        port = server.sockets[0].getsockname()[1]
-        async with service(1, also=[Endpoint("127.0.0.1", port)]) as svc:
-            # Idle requests alternate, so two of these four go to the dropper: the second
-            # one on the connection pooled after the first, which the dropper then closes
-            # and answers on a fresh connection.
-            assert [(await svc.complete()).status for _ in range(4)] == [200] * 4
-            assert (dropper.dropped, dropper.answered, svc.hits()) == (1, 2, [2])
-            samples = await svc.metrics()
-            assert metric(samples, "kiln_router_errors_total", revision="",
-                          reason="stale_connection") == 1
-            assert metric(samples, "kiln_router_retries_total", revision="") == 1
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_replica(dropper.handle) as replica, service(1, also=[replica]) as svc:
+        # Idle requests alternate, so two of these four go to the dropper: the second
+        # one on the connection pooled after the first, which the dropper then closes
+        # and answers on a fresh connection.
+        assert [(await svc.complete()).status for _ in range(4)] == [200] * 4
+        assert (dropper.dropped, dropper.answered, svc.hits()) == (1, 2, [2])
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_errors_total", revision="",
+                      reason="stale_connection") == 1
+        assert metric(samples, "kiln_router_retries_total", revision="") == 1
 
 
 @on_event_loop
@@ -259,18 +254,12 @@ async def test_a_pooled_connection_that_breaks_while_the_replica_works_is_not_re
     and worked on it is not the race of an idle close: resent, the generation would run twice."""
     monkeypatch.setattr(retries, "STALE_WITHIN_S", 0.2)
     dropper = DropsReusedConnections(after=0.5)
-    server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
-    try:
-        port = server.sockets[0].getsockname()[1]
-        async with service(0, also=[Endpoint("127.0.0.1", port)]) as svc:
-            assert [(await svc.complete()).status for _ in range(2)] == [200, 502]
-            assert (dropper.answered, dropper.dropped) == (1, 1)  # the second ran once, never resent
-            samples = await svc.metrics()
-            assert metric(samples, "kiln_router_errors_total", revision="", reason="upstream_error") == 1
-            assert metric(samples, "kiln_router_retries_total", revision="") == 0
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_replica(dropper.handle) as replica, service(0, also=[replica]) as svc:
+        assert [(await svc.complete()).status for _ in range(2)] == [200, 502]
+        assert (dropper.answered, dropper.dropped) == (1, 1)  # the second ran once, never resent
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_errors_total", revision="", reason="upstream_error") == 1
+        assert metric(samples, "kiln_router_retries_total", revision="") == 0
 
 
 @on_event_loop
@@ -338,20 +327,14 @@ async def test_every_dead_pooled_connection_to_a_lone_replica_is_passed_over() -
     """Several pooled connections to one address all dead (a pod gone, its IP reused by the
     next): each is dropped as it fails and is not a try; that request goes on a new connection."""
     dropper = DropsReusedConnections()
-    server = await asyncio.start_server(dropper.handle, "127.0.0.1", 0)
-    try:
-        port = server.sockets[0].getsockname()[1]
-        async with service(0, also=[Endpoint("127.0.0.1", port)]) as svc:
-            first = await asyncio.gather(*(svc.complete() for _ in range(3)))  # 3 connections pooled
-            assert [r.status for r in first] == [200] * 3
-            assert [(await svc.complete()).status for _ in range(3)] == [200] * 3
-            assert (dropper.answered, dropper.dropped) == (6, 3)
-            samples = await svc.metrics()
-            assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 3
-            assert metric(samples, "kiln_router_retries_total", revision="") == 3
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with raw_replica(dropper.handle) as replica, service(0, also=[replica]) as svc:
+        first = await asyncio.gather(*(svc.complete() for _ in range(3)))  # 3 connections pooled
+        assert [r.status for r in first] == [200] * 3
+        assert [(await svc.complete()).status for _ in range(3)] == [200] * 3
+        assert (dropper.answered, dropper.dropped) == (6, 3)
+        samples = await svc.metrics()
+        assert metric(samples, "kiln_router_errors_total", revision="", reason="stale_connection") == 3
+        assert metric(samples, "kiln_router_retries_total", revision="") == 3
 
 
 @on_event_loop
