@@ -177,6 +177,11 @@ def test_rms_norm(dtype: torch.dtype, with_residual: bool) -> None:
     assert_close(normed, ref_normed)
     assert_close(new_res, ref_res)
     assert with_residual or new_res is x
+    if with_residual:  # the sum written over x in place: added all the same (it was skipped)
+        inplace = x.clone()
+        normed, new_res = rms_norm(inplace, w, 1e-6, residual, residual_out=inplace)
+        assert_close(normed, ref_normed)
+        assert_close(new_res, ref_res)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -248,6 +253,9 @@ def test_w8a16_gemm(dtype: torch.dtype, m: int) -> None:
     out = poisoned((m, 48), dtype)
     w8a16_gemm(x, qweight.to(DEVICE), scales.to(DEVICE), out=out)
     assert_close(out, w8a16_gemm_ref(x, qweight.to(DEVICE), scales.to(DEVICE)))
+    ragged = torch.zeros(48, 130, dtype=torch.int8, device=DEVICE)  # K of no whole groups: 4 scales of 32
+    with pytest.raises(ValueError, match="w8a16: want qweight"):
+        w8a16_gemm(torch.zeros(m, 130, dtype=dtype, device=DEVICE), ragged, torch.ones(48, 4, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

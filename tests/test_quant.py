@@ -87,6 +87,17 @@ def test_bad_input_is_refused() -> None:
     assert set(QUANTIZATION_METHODS) == {"none", "int8", "int4", "int4-rtn", "fp8"}
 
 
+@pytest.mark.parametrize("in_features", [100, 130])
+def test_int8_in_bf16_with_a_width_torchs_kernel_cannot_take_is_dequantized(in_features: int) -> None:
+    """torch's int8 kernel with bf16 activations returned inf/NaN, or crashed the process, for an
+    input width that is no multiple of 16."""
+    q, scales = quantize_int8(weights(37, in_features))
+    layer = Int8Linear(q, scales, dtype=torch.bfloat16)
+    assert layer.kernel == "dequantize"
+    x = torch.randn(5, in_features).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x).float(), x.float() @ dequantize_int8(q, scales).T, rtol=0.02, atol=0.1)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int8_packed_matmul_matches_dequantized(rows: int) -> None:
     w, bias = weights(96, 256), torch.randn(96)

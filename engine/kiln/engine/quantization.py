@@ -199,8 +199,8 @@ class Int8Linear(QuantLinear):
             self.kernel = kernel
         elif qweight.is_cuda:
             self.kernel = "triton_w8a16"
-        else:
-            self.kernel = "dequantize" if self.group_size else "weight_int8pack_mm"
+        else:  # torch's int8 kernel with bf16 activations returns garbage or crashes unless K % 16 == 0
+            self.kernel = "dequantize" if self.group_size or qweight.shape[1] % 16 else "weight_int8pack_mm"
 
     def _mm(self, x):
         x = x.to(self.dtype)

@@ -39,6 +39,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """
     _check_norm(x, weight, residual)
     out = torch.empty_like(x) if out is None else out
+    has_residual = residual is not None  # not `residual_out is not x`: the sum may be written over x
     if residual is None:
         residual, residual_out = x, x  # nothing to add: the input is the residual stream
     elif residual_out is None:
@@ -47,7 +48,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(x.shape[0],)](
             x, residual, weight, out, residual_out, eps,
             x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-            HIDDEN=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), HAS_RESIDUAL=residual_out is not x,
+            HIDDEN=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), HAS_RESIDUAL=has_residual,
             num_warps=8 if x.shape[1] >= 2048 else 4,
         )
     return out, residual_out

@@ -354,7 +354,8 @@ def _check_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> i
     n, k = qweight.shape if qweight.dim() == 2 else (0, 0)
     group = k // scales.shape[1] if scales.dim() == 2 and scales.shape[1] else 0
     per_channel = scales.shape == (n,)
-    if qweight.dtype != torch.int8 or not (per_channel or (group in GROUP_SIZES and scales.shape == (n, k // group))):
+    grouped = group in GROUP_SIZES and group * scales.shape[-1] == k and scales.shape == (n, k // group)
+    if qweight.dtype != torch.int8 or not (per_channel or grouped):  # (a K of no whole groups read past a row)
         raise ValueError(f"w8a16: want qweight int8 [N, K] and scales [N] or [N, K // G] (G in {GROUP_SIZES}); "
                          f"got {qweight.dtype} {tuple(qweight.shape)}, scales {tuple(scales.shape)}")
     _check_x(x, k, "w8a16")
