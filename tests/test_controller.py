@@ -4,6 +4,7 @@ pass in place of reconcile: it tells a pass an event asked for from one only its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -13,9 +14,14 @@ import pytest
 import urllib3
 
 from kiln.operator import controller as controller_module
-from kiln.operator.api import timed
+from kiln.operator import leader
+from kiln.operator import main as operator_main
+from kiln.operator.api import Api, timed
 from kiln.operator.controller import Controller
-from kiln.operator.leader import RENEW_DEADLINE_S, Leadership, campaign
+from kiln.operator.leader import RENEW_DEADLINE_S, Leadership, NotLeading, campaign
+from kiln.operator.plan import SCALE, Action
+from kiln.operator.reconcile import Settings, execute, patch_pod, post_event, report
+from kiln.operator.render import Owner
 
 
 def test_a_pass_is_told_whether_an_event_or_its_timer_woke_it():
@@ -276,3 +282,108 @@ def test_an_api_call_on_a_connection_that_never_answers_times_out():
         with pytest.raises(urllib3.exceptions.HTTPError):
             kubernetes.client.CoreV1Api(client).read_namespace("default")
         assert time.monotonic() - started < 10
+
+
+def test_a_pass_that_outlives_its_lease_writes_nothing_more():
+    """Leadership was checked only as a pass began: one frozen (or slowed by a stalled API call)
+    past its Lease woke and went on writing, beside the new leader. Each write checks it now."""
+    clock = [0.0]
+    leading = Leadership(clock=lambda: clock[0])
+    leading.renewed(0.0)
+    nowhere = kubernetes.client.Configuration()
+    nowhere.host = "http://127.0.0.1:9"  # nothing listens: a write that got past the fence would say so
+    api = dataclasses.replace(Api.of(kubernetes.client.ApiClient(nowhere)), fence=leading.check)
+    api.fence()  # leading: no objection
+    clock[0] += RENEW_DEADLINE_S + 1
+    owner = Owner("a", "ns", "uid-a")
+    body = {"metadata": {"name": "a", "namespace": "ns", "uid": "uid-a"}}
+    writes = [lambda: execute(api, owner, Action(SCALE, "Deployment", "a-1", replicas=2)),
+              lambda: post_event(api, body, "Normal", "Scaled", "x"),
+              lambda: patch_pod(api, owner, "a-1-x", {"metadata": {"labels": {}}}),
+              lambda: report(api, body, {}, {"replicas": 1}, Settings("engine:test"))]
+    for write in writes:
+        with pytest.raises(NotLeading):
+            write()
+
+
+def test_a_stopping_leader_keeps_its_lease_until_its_passes_have_written(monkeypatch):
+    """The stop handler cancelled the Lease's renewal before it waited for the running passes:
+    the Lease lapsed while they still wrote, and its release was skipped."""
+    monkeypatch.setattr(leader, "RETRY_S", 0.05)
+    monkeypatch.setattr(leader, "RENEW_DEADLINE_S", 0.5)  # scaled down: a pass outlasts it
+    renewals, writes, released, started = [], [], [], threading.Event()
+
+    class Elector:
+        namespace, name, identity = "kiln-system", "kiln-operator", "me"
+
+        def try_acquire_or_renew(self) -> bool:
+            renewals.append(time.monotonic())
+            return True
+
+        def release(self) -> None:
+            released.append(True)
+
+    def slow_pass(api, namespace, name, settings, woken=True):
+        started.set()
+        for _ in range(6):
+            time.sleep(0.2)
+            api.fence()  # as each write does
+            writes.append(time.monotonic())
+        return 60.0
+
+    monkeypatch.setattr(operator_main, "reconcile", slow_pass)
+    handlers = operator_main.build_registry(Api.of(kubernetes.client.ApiClient()), Settings("engine:test"), Elector())
+    activities = {h.id: h.fn for h in handlers._activities.get_all_handlers()}
+    watching = {h.id: h.fn for h in handlers._watching.get_all_handlers()}
+
+    async def scenario() -> None:
+        await activities["leader-election"]()
+        await asyncio.sleep(0.2)
+        await watching["inferenceservice"](event={"type": "ADDED"}, namespace="ns", name="a",
+                                           meta={"resourceVersion": "1", "uid": "u"})
+        await asyncio.to_thread(started.wait, 5)
+        await activities["stop"]()
+
+    asyncio.run(scenario())
+    assert len(writes) == 6 and released == [True]
+
+
+def test_a_namesakes_late_deletion_does_not_end_the_new_ones_loop(monkeypatch):
+    """kopf handles each uid's events in its own task: the new namesake's ADDED may come before
+    the old one's DELETED, which then ended the loop of the object that exists."""
+    passes: list[str] = []
+    monkeypatch.setattr(operator_main, "reconcile", lambda api, ns, name, settings, woken=True:
+                        passes.append(name) or 0.05)
+    handlers = operator_main.build_registry(Api.of(kubernetes.client.ApiClient()), Settings("engine:test"))
+    on_service = {h.id: h.fn for h in handlers._watching.get_all_handlers()}["inferenceservice"]
+    stop = {h.id: h.fn for h in handlers._activities.get_all_handlers()}["stop"]
+
+    async def scenario() -> int:
+        await on_service(event={"type": "ADDED"}, namespace="ns", name="a", meta={"resourceVersion": "1", "uid": "old"})
+        await on_service(event={"type": "ADDED"}, namespace="ns", name="a", meta={"resourceVersion": "2", "uid": "new"})
+        await on_service(event={"type": "DELETED"}, namespace="ns", name="a", meta={"resourceVersion": "3", "uid": "old"})
+        seen = len(passes)
+        await asyncio.sleep(0.5)
+        await stop()
+        return len(passes) - seen
+
+    assert asyncio.run(scenario()) >= 3  # its resync passes go on
+
+
+def test_a_follower_drops_the_loop_of_an_object_deleted_meanwhile():
+    """A loop parked waiting for leadership outlived its object's deletion, and ran a pass over
+    every such name once this replica led."""
+    leading, ran = Leadership(), []
+
+    async def scenario() -> None:
+        controller = Controller(lambda namespace, name, woken: ran.append(name) or 60.0, leading=leading)
+        controller.trigger(("ns", "gone"))
+        await asyncio.sleep(0.1)
+        controller.forget(("ns", "gone"))
+        leading.renewed(leading.clock())
+        await asyncio.sleep(0.3)
+        assert controller.known() == [] and not controller._loops
+        await controller.stop()
+
+    asyncio.run(scenario())
+    assert ran == []

@@ -37,6 +37,9 @@ class Api:
     autoscaling: kubernetes.client.AutoscalingV2Api
     extensions: kubernetes.client.ApiextensionsV1Api
     networking: kubernetes.client.NetworkingV1Api
+    # Raises while this replica may not write (leader election's Leadership.check): called before
+    # each write, so a pass that outlives its Lease stops writing instead of racing the next leader.
+    fence: Callable[[], None] = lambda: None
 
     @classmethod
     def connect(cls) -> Api:

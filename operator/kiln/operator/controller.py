@@ -91,6 +91,8 @@ class Controller:
                 if self._leading is not None and not self._leading.held():
                     await self._leading.wait()
                     woken = True  # another replica led meanwhile: what this one read last is old
+                    if self._wake.get(key) is not wake:  # deleted while this replica followed
+                        break
                 async with self._slots:
                     if self._leading is not None and not self._leading.held():
                         wake.set()  # the Lease lapsed while this waited for a slot: wait for it again

@@ -108,6 +108,10 @@ class LeaseElector:
                     raise
 
 
+class NotLeading(RuntimeError):
+    """A pass that began while leading met a lapsed Lease before a write."""
+
+
 class Leadership:
     """Whether this replica may reconcile now: it renewed the Lease less than RENEW_DEADLINE_S
     ago by the monotonic clock. Judged at each pass, not only when the campaign next runs, so a
@@ -126,6 +130,11 @@ class Leadership:
 
     def held(self) -> bool:
         return self._renewed is not None and self.clock() - self._renewed < RENEW_DEADLINE_S
+
+    def check(self) -> None:
+        """NotLeading unless held(): a pass checks before each write (Api.fence)."""
+        if not self.held():
+            raise NotLeading("the Lease lapsed during this pass: it writes nothing more")
 
     def ever(self) -> bool:
         return self._renewed is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import functools
 import logging
@@ -43,6 +44,8 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
     operator stops."""
     registry = kopf.OperatorRegistry()
     leading = leader.Leadership() if elector else None
+    if leading is not None:  # a pass that outlives the Lease stops before its next write
+        api = dataclasses.replace(api, fence=leading.check)
     controller = Controller(functools.partial(reconcile, api, settings=settings), leading=leading,
                             on_gone=functools.partial(forget, settings))
     election: list[asyncio.Task] = []
@@ -54,9 +57,10 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
         election.append(asyncio.create_task(leader.campaign(elector, leading, on_lost)))
 
     async def stop(**_: Any) -> None:
+        await controller.stop()  # the Lease renewed meanwhile: passes finish their writes as leader
         for task in election:
             task.cancel()
-        await controller.stop()
+        await asyncio.gather(*election, return_exceptions=True)
         if elector is not None and leading.held():
             try:
                 await asyncio.to_thread(elector.release)
@@ -65,10 +69,18 @@ def build_registry(api: Api, settings: Settings, elector: leader.LeaseElector | 
         on_stopped()
 
     async def on_service(event: kopf.RawEvent, namespace: str, name: str, meta: kopf.Meta, **_: Any) -> None:
+        key = (namespace, name)
         if event["type"] == "DELETED":
-            controller.forget((namespace, name))
-        elif settings.own_writes.get((namespace, name)) != meta.get("resourceVersion"):  # not our status write
-            controller.trigger((namespace, name))
+            # kopf handles each uid's events in its own task: a namesake made again may be seen
+            # first, and its loop must not end. A pass reads which one is there.
+            if settings.uids.get(key, meta.get("uid")) == meta.get("uid"):
+                controller.forget(key)
+            else:
+                controller.trigger(key)
+        else:
+            settings.uids[key] = meta.get("uid")
+            if settings.own_writes.get(key) != meta.get("resourceVersion"):  # not our status write
+                controller.trigger(key)
 
     async def on_child(labels: kopf.Labels, namespace: str, **_: Any) -> None:
         controller.trigger((namespace, labels[LABEL_ISVC]))

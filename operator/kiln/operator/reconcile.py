@@ -65,6 +65,8 @@ class Settings:
     placements: Placements = field(default_factory=Placements)
     # What each object's last pass read, for timer passes to reuse (memory of this process only).
     reads: dict[tuple[str, str], Read] = field(default_factory=dict)
+    # The uid last seen under each name: a deletion of an earlier namesake is not this one's.
+    uids: dict[tuple[str, str], str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def observe(api: Api, owner: Owner, keda_installed: bool = False) -> Observed:
 
 def execute(api: Api, owner: Owner, action: Action) -> dict[str, Any] | None:
     """Carry out one action; the object as stored after it (None for a delete)."""
+    api.fence()
     ns = owner.namespace
     if action.verb == DELETE:
         try:
@@ -148,6 +151,7 @@ def now() -> str:
 
 
 def post_event(api: Api, body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    api.fence()
     meta = body["metadata"]
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
     api.core.create_namespaced_event(meta["namespace"], {
@@ -185,7 +189,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
 def forget(settings: Settings, key: tuple[str, str]) -> None:
     """Drop what passes kept for an InferenceService that is gone (after its last pass: one still
     running when the deletion was seen would keep them again)."""
-    for kept in (settings.own_writes, settings.samples, settings.reads, settings.baselines):
+    for kept in (settings.own_writes, settings.samples, settings.reads, settings.baselines, settings.uids):
         kept.pop(key, None)
     metrics.forget(*key)
 
@@ -331,6 +335,7 @@ def relabel(api: Api, body: Mapping[str, Any], owner: Owner, want: Desired, obse
 
 def patch_pod(api: Api, owner: Owner, name: str, patch: dict[str, Any]) -> bool:
     """False when the pod is gone meanwhile (the next pass sees what replaced it)."""
+    api.fence()
     try:
         api.core.patch_namespaced_pod(name, owner.namespace, patch)
     except ApiException as err:
@@ -365,6 +370,7 @@ def report(api: Api, body: Mapping[str, Any], previous: dict[str, Any], status: 
         return
     meta = body["metadata"]
     patch = merge_patch(previous, status)
+    api.fence()
     written = api.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], {"status": patch},
         _content_type="application/merge-patch+json")
