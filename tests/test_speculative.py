@@ -63,6 +63,12 @@ def test_propose_takes_what_followed_the_latest_longest_match():
     ('{"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min (4) is more than"),
     ('{"lookahead": 2}', "unknown field(s) lookahead"),
     ('{"disable_by_batch_size": 0}', "disable_by_batch_size must be a positive integer"),
+    # refused before the server listens, not after the target loaded
+    ('{"model": "smollm2-135m", "quantization": "bogus"}', "quantization 'bogus' is not one of none, int8"),
+    ('{"model": "smollm2-135m", "quantization": null}', "quantization None is not one of"),
+    ('{"method": "ngram", "quantization": 7}', "quantization 7 is not one of"),
+    ('{"method": "ngram", "quantization": "int8"}', "(the draft model's; ngram has none)"),
+    pytest.param("[" * 100000 + "]" * 100000, "not JSON", id="nested past Python's recursion limit"),
 ])
 def test_bad_speculative_config_says_why(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -61,6 +61,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: model must be the draft's name, folder or .gguf, got {self.model!r}")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative config: method 'draft_model' takes a model (the draft), and only it does")
+        from kiln.engine.config import QUANTIZATION_METHODS  # here: config.py imports this module
+        if self.quantization not in QUANTIZATION_METHODS or (self.method == "ngram" and self.quantization != "none"):
+            # refused before the server listens, not once the target has loaded (minutes, on a large one)
+            raise ValueError(f"speculative config: quantization {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}" + (" (the draft model's; ngram has none)"
+                                                                     if self.method == "ngram" else ""))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) is more than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -71,7 +77,7 @@ class SpeculativeConfig:
         '{"model": "<draft>", "num_speculative_tokens": 4}'."""
         try:
             fields = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested past Python's limit
             raise ValueError(f"speculative config is not JSON: {e}") from None
         if not isinstance(fields, dict):
             raise ValueError("speculative config must be a JSON object")
