@@ -74,7 +74,8 @@ class FakeIp:
 
 def write_state(directory: Path, **extra: object) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "state.json").write_text(json.dumps({"ports": {"apiserver": 1}, "processes": {}, **extra}))
+    (directory / "state.json").write_text(json.dumps({"bridge": "kiln0", "subnet": str(SUBNET), "ports": {"apiserver": 1},
+                                                      "processes": {}, **extra}))
 
 
 def register_user(directory: Path, pid: int) -> None:
