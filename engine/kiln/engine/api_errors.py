@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -19,6 +20,12 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def model_not_found(model: str, served: Iterable[str]) -> APIError:
+    """The 404 for a model name this server does not serve, naming those it does."""
+    return APIError(404, f"model {model!r} does not exist; this server serves {', '.join(map(repr, served))}",
+                    param="model", code="model_not_found")
 
 
 def unreadable_body(exc: Exception) -> str:

@@ -88,12 +88,18 @@ def search_scale(w: torch.Tensor, x: torch.Tensor, method: str, group_size: int 
     return best
 
 
-def scale_tensor(linear: str) -> str:
-    """Where a variant keeps a linear's s: the folded_scale of the norm before it, else its own act_scale."""
+def norm_before(linear: str) -> str | None:
+    """The norm right before a linear, into which AWQ folds 1/s; None: s stays on its activation."""
     for suffix, norm_name in NORM_BEFORE.items():
         if linear.endswith(suffix):
-            return linear[: -len(suffix)] + norm_name + ".folded_scale"
-    return linear + ".act_scale"
+            return linear[: -len(suffix)] + norm_name
+    return None
+
+
+def scale_tensor(linear: str) -> str:
+    """Where a variant keeps a linear's s: the folded_scale of the norm before it, else its own act_scale."""
+    norm = norm_before(linear)
+    return f"{norm}.folded_scale" if norm is not None else f"{linear}.act_scale"
 
 
 def awq_scales(model: nn.Module, token_ids: list[int], method: str, group_size: int | None = None
@@ -104,9 +110,5 @@ def awq_scales(model: nn.Module, token_ids: list[int], method: str, group_size: 
     for name, module in quantizable_linears(model):
         x = inputs.pop(name)
         s, _, _ = search_scale(module.weight, x, method, group_size)
-        norm = None
-        for suffix, norm_name in NORM_BEFORE.items():
-            if name.endswith(suffix):
-                norm = name[: -len(suffix)] + norm_name
-        result[name] = (s, norm)
+        result[name] = (s, norm_before(name))
     return result

@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine import RequestOutput, SamplingParams
-from kiln.engine.api_errors import APIError, parse_request
+from kiln.engine.api_errors import APIError, model_not_found, parse_request
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
 from kiln.engine.openai_protocol import (
@@ -299,9 +299,7 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
 
     def _model_not_found(self, model: str) -> APIError:
-        served = ", ".join(repr(m) for m in [self.model_name, *self.engine.engine.loras])
-        return APIError(404, f"model {model!r} does not exist; this server serves {served}",
-                        param="model", code="model_not_found")
+        return model_not_found(model, [self.model_name, *self.engine.engine.loras])
 
     def _max_tokens(self, prompt_len: int, prompt_param: str, requested: int | None, param: str,
                     default: int | None) -> int:

@@ -30,7 +30,7 @@ from kiln.engine.cli import add_memory_arguments, add_quantization_arguments
 from kiln.engine.cpus import configure_torch_threads
 from kiln.engine.loader import resolve_model_path
 from kiln.engine.metrics import ServerMetrics
-from kiln.engine.api_errors import APIError, unreadable_body
+from kiln.engine.api_errors import APIError, model_not_found, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
 from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.sampling_defaults import sampling_defaults
@@ -215,9 +215,7 @@ class Server:
         for card in cards:
             if card["id"] == wanted:
                 return web.json_response(card)
-        served = ", ".join(repr(card["id"]) for card in cards)
-        raise APIError(404, f"model {wanted!r} does not exist; this server serves {served}",
-                       param="model", code="model_not_found")
+        raise model_not_found(wanted, [card["id"] for card in cards])
 
     def _model_cards(self) -> list[dict]:
         if self.dead is not None:  # a client or router listing models would pick a replica that answers nothing
