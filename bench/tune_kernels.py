@@ -18,7 +18,7 @@ the whole run stays near 3 minutes; past --budget-s the remaining candidates are
 not yet begun keep what the file holds.
 Needs CUDA; exits 2 without it.
 
-    python bench/tune_kernels.py [--out FILE] [--report FILE] [--budget-s 150]
+    python bench/tune_kernels.py [--out FILE] [--report FILE] [--budget-s 150] [--keys KEY ...] [--with NAME]
 """
 from __future__ import annotations
 
@@ -128,6 +128,24 @@ GEMM_CANDIDATES = [
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 2},
+    # the partitions summed by the last program of each N tile (int4_gemv's SUM_SPLITS): one launch, not two
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 2},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 28},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
+     "SPLIT_K": 20},
+    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
+     "SPLIT_K": 32},
     # more splits, now that their sum loads every split at once
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},
@@ -269,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=150, help="skip remaining candidates after this long")
     parser.add_argument("--keys", nargs="+", metavar="KEY", help="tune only these keys (e.g. w4-g128-m1); "
                         "the others keep what the file holds")
+    parser.add_argument("--with", dest="switch", metavar="NAME", help="time only the defaults and the candidates "
+                        "that set this switch (e.g. WORDS), to spend a short GPU lease on one kernel")
     args = parser.parse_args(argv)
     known = [key for key, _ in gemm_keys("cuda") + gemv_keys("cuda") + attention_keys("cuda")]
     if set(args.keys or ()) - set(known):
@@ -286,13 +306,15 @@ def main(argv: list[str] | None = None) -> int:
         # Batch-1 decode's keys first: the issue's goals (W4A16 at M=1, the 8B model's decode).
         def chosen(keys: list[tuple[str, list[Shape]]]) -> list[tuple[str, list[Shape]]]:
             return [(key, shapes) for key, shapes in keys if not args.keys or key in args.keys]
+        def having(candidates: list[dict | None]) -> list[dict | None]:
+            return [c for i, c in enumerate(candidates) if not args.switch or i == 0 or (c or {}).get(args.switch)]
         gemm, attention = chosen(gemm_keys("cuda")), attention_keys("cuda")
-        tune(GEMM, gemm[:1], GEMM_CANDIDATES, deadline, configs, report)
-        tune(GEMV, chosen(gemv_keys("cuda")), [None] + GEMV_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, chosen(attention[1:2]), SPLIT_CANDIDATES, deadline, configs, report)
-        tune(GEMM, gemm[1:], GEMM_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, chosen(attention[:1]), ATTENTION_CANDIDATES, deadline, configs, report)
-        tune(ATTENTION, chosen(attention[2:]), PREFILL_CANDIDATES, deadline, configs, report)
+        tune(GEMM, gemm[:1], having(GEMM_CANDIDATES), deadline, configs, report)
+        tune(GEMV, chosen(gemv_keys("cuda")), having([None] + GEMV_CANDIDATES), deadline, configs, report)
+        tune(ATTENTION, chosen(attention[1:2]), having(SPLIT_CANDIDATES), deadline, configs, report)
+        tune(GEMM, gemm[1:], having(GEMM_CANDIDATES), deadline, configs, report)
+        tune(ATTENTION, chosen(attention[:1]), having(ATTENTION_CANDIDATES), deadline, configs, report)
+        tune(ATTENTION, chosen(attention[2:]), having(PREFILL_CANDIDATES), deadline, configs, report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": gpu, "machine": machine(), "tuned_by": "bench/tune_kernels.py",
                                "configs": {k: v for k, v in configs.items() if v}}, indent=2) + "\n")

@@ -539,14 +539,16 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
 @pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
-@pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1}],
-                         ids=["plain", "prefetch", "late-bias", "both"])
+@pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1},
+                                      {"SUM_SPLITS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1, "SUM_SPLITS": 1}],
+                         ids=["plain", "prefetch", "late-bias", "both", "sum-splits", "all"])
 def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int,
                          variants: dict[str, int]) -> None:
     """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
     float where it stands (or moved to bits 12/16 first, its bias taken off a tile at once: LATE_BIAS),
     for every int4 format and group, split over K (3 splits: the sum's padded rows masked), N not a
-    tile multiple, with and without the next tile prefetched."""
+    tile multiple, with and without the next tile prefetched, the partitions summed by a second kernel
+    or by the last program of each N tile (SUM_SPLITS: called twice, its tickets must be back at 0)."""
     gen = torch.Generator().manual_seed(group + m)
     x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,
@@ -558,9 +560,14 @@ def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, spli
     assert int4_gemv.as_words(args[0]) is not None
     config = {"GEMV": 1, "WORDS": 1, "BLOCK_N": 16, "BLOCK_K": min(group, 64), "SPLIT_K": splits, **variants}
     out = poisoned((m, 40), dtype)
+    ref = w4a16_gemm_ref(x, *args, **kw)
     with tuned.override("quant_gemm", f"w4-g{group}-m{1 if m == 1 else 16}", config):
-        w4a16_gemm(x, *args, **kw, out=out)
-    assert_close(out, w4a16_gemm_ref(x, *args, **kw))
+        for _ in range(2):
+            w4a16_gemm(x, *args, **kw, out=out)
+            assert_close(out, ref)
+            out.fill_(float("nan"))
+    if variants.get("SUM_SPLITS"):
+        assert not int4_gemv.counters(out.device, 0).any()
 
 
 def test_int4_words_gemv_falls_back_off_word_boundaries() -> None:

@@ -21,6 +21,13 @@ that small keep fp32's error near 1e-5 of the sum; at bit 0 (2**23) the products
 codes. Counted in the sm_90 cubins by bench/sass.py for a 128x128 tile, 128 codes a thread: 717
 instructions in the loop before NIBBLE, 585 after, 512 with LATE_BIAS (FADD 172 -> 56), at 101
 registers instead of 87 (4 programs an SM instead of 5); not yet timed.
+
+SUM_SPLITS 1 sums the split-K partitions in this kernel: each program stores its partial sums, takes a
+ticket from its N tile's counter, and the last to arrive adds every partition's into the output and
+sets the counter back to 0. That saves the second kernel, about as long as a small GEMV's own
+launch and tail (4096x4096 at batch 1 took 9.7 us on an H100 for 2.9 us of bytes). The counters
+are one int32 per (row, N tile), kept per device and left at 0 by every launch; two launches must
+not run at once on one device (the engine decodes on one stream).
 """
 import torch
 import triton
@@ -70,10 +77,11 @@ def group_dot(dot, x_sum, scales, offsets, n_ok, HAS_ZEROS: tl.constexpr, HAS_MI
 
 @triton.jit
 def _int4_words_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, N, K, k_per_split, nibble,
-    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
+    x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, out_ptr, count_ptr, N, K, k_per_split, splits, nibble,
+    stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys, stride_om,
     HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LATE_BIAS: tl.constexpr,
+    SUM_SPLITS: tl.constexpr,
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
     # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
@@ -118,8 +126,24 @@ def _int4_words_gemv_kernel(
             dot -= tl.sum(x_bias, axis=0)
         acc += group_dot(dot, tl.sum(x_sum, axis=0), s_ptr + rows_w * stride_sn + k0 // GROUP,
                          z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
-    y_ptr += tl.program_id(2).to(tl.int64) * stride_ys
-    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_ys + row * stride_ym + offs_n,
+             acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    if SUM_SPLITS:  # SUM_SPLITS: the partitions rounded up to a power of two
+        _sum_if_last(y_ptr + row * stride_ym, out_ptr + row * stride_om, count_ptr + row * tl.num_programs(1)
+                     + tl.program_id(1), offs_n, n_ok, splits, stride_ys, SUM_SPLITS)
+
+
+@triton.jit
+def _sum_if_last(parts_ptr, out_ptr, count_ptr, offs_n, n_ok, splits, stride_ys, SPLITS: tl.constexpr):
+    # The barrier orders every thread's partial store before the ticket, taken with release (and
+    # acquire, for the last program's loads of the others' partials, read from L2: .cg).
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        s = tl.arange(0, SPLITS)
+        parts = tl.load(parts_ptr + s[:, None].to(tl.int64) * stride_ys + offs_n[None, :],
+                        mask=(s < splits)[:, None] & n_ok[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.atomic_xchg(count_ptr, 0)  # ready for the next launch
 
 
 def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
@@ -134,15 +158,30 @@ def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
 # every AND-OR (one AND-OR takes one immediate; the exponent is the other), about 100 moves a 128x128
 # tile a thread in the sm_90 cubin; as an argument it stays in a register and those moves are gone.
 NIBBLE = 0xF
-VARIANTS = ("PREFETCH", "LATE_BIAS")  # this kernel's own switches in a tuned config (0 when absent)
+VARIANTS = ("PREFETCH", "LATE_BIAS", "SUM_SPLITS")  # this kernel's own switches in a tuned config (0 when absent)
+_counters: dict[torch.device, torch.Tensor] = {}  # SUM_SPLITS' tickets, per device, all 0 between launches
+
+
+def counters(device: torch.device, size: int) -> torch.Tensor:
+    """At least `size` int32 zeros on the device, the same tensor each call while it is large enough."""
+    have = _counters.get(device)
+    if have is None or have.numel() < size:
+        have = _counters[device] = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch.Tensor, target: torch.Tensor,
-           n: int, k: int, k_per_split: int, splits: int, strides: tuple[int, ...], has_zeros: bool,
-           has_mins: bool, variants: dict[str, int], tiles: dict[str, int]) -> None:
+           y: torch.Tensor, n: int, k: int, k_per_split: int, splits: int, strides: tuple[int, ...],
+           has_zeros: bool, has_mins: bool, variants: dict[str, int], tiles: dict[str, int]) -> bool:
     """strides and tiles (GROUP, BLOCK_N, BLOCK_K, num_warps ...) as quant_gemm._launch has them;
-    the weight's stride is in bytes there, in words here. variants: VARIANTS' values."""
+    the weight's stride is in bytes there, in words here. variants: VARIANTS' values. target: y, or
+    the split-K partials; True where the kernel also summed those into y (SUM_SPLITS)."""
     stride_xm, stride_wn, *rest = strides
-    _int4_words_gemv_kernel[(x2.shape[0], triton.cdiv(n, tiles["BLOCK_N"]), splits)](
-        x2, words, scales, z, target, n, k, k_per_split, NIBBLE, stride_xm, stride_wn // 4, *rest,
-        HAS_ZEROS=has_zeros, HAS_MINS=has_mins, **variants, **tiles)
+    grid = (x2.shape[0], triton.cdiv(n, tiles["BLOCK_N"]), splits)
+    summing = splits > 1 and variants.get("SUM_SPLITS", 0)
+    count = counters(x2.device, grid[0] * grid[1]) if summing else target
+    _int4_words_gemv_kernel[grid](
+        x2, words, scales, z, target, y, count, n, k, k_per_split, splits, NIBBLE, stride_xm, stride_wn // 4,
+        *rest, y.stride(0), HAS_ZEROS=has_zeros, HAS_MINS=has_mins,
+        **(variants | {"SUM_SPLITS": triton.next_power_of_2(splits) if summing else 0}), **tiles)
+    return bool(summing)

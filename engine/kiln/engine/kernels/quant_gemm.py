@@ -300,11 +300,12 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, MAGIC=tiles.pop("MAGIC", 0))
     words = int4_gemv.as_words(qweight) if tiles.pop("WORDS", 0) and int4 else None
     variants = {name: tiles.pop(name, 0) for name in int4_gemv.VARIANTS}
+    summed = False  # the split-K partials already summed into y (int4_gemv's SUM_SPLITS)
     if tiles.pop("GEMV", 0):
         del tiles["BLOCK_M"]
         if words is not None:
-            int4_gemv.launch(x2, words, scales, z, target, n, k, k_per_split, splits, strides, kinds["HAS_ZEROS"],
-                             kinds["HAS_MINS"], variants, tiles)
+            summed = int4_gemv.launch(x2, words, scales, z, target, y, n, k, k_per_split, splits, strides,
+                                      kinds["HAS_ZEROS"], kinds["HAS_MINS"], variants, tiles)
         else:
             _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
                 x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
@@ -312,7 +313,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
         _dequant_gemm_kernel[grid](x2, qweight, scales, z, target, m, n, k, k_per_split, *strides, **kinds, **tiles,
                                    DOT_PREC=dot_precision(x.dtype))
-    if splits > 1:
+    if splits > 1 and not summed:
         sums = sum_tiles(splits)
         _sum_splits_kernel[(m, triton.cdiv(n, sums["BLOCK"]))](target, y, m, n, splits, y.stride(0), **sums)
     return y.view(*x.shape[:-1], n)
