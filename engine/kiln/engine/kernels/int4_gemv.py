@@ -28,6 +28,14 @@ sets the counter back to 0. That saves the second kernel, about as long as a sma
 launch and tail (4096x4096 at batch 1 took 9.7 us on an H100 for 2.9 us of bytes). The counters
 are one int32 per (row, N tile), kept per device and left at 0 by every launch; two launches must
 not run at once on one device (the engine decodes on one stream).
+
+DEFER_SUM 1 leaves the sum over a tile's words to the end: each tile adds its words' shares of the
+group's scaled, offset sum into a tile-shaped accumulator (_group_terms), so the loop has no
+reduction across threads (shuffles, and the barrier and shared memory that x's sums across warps
+took each tile) and a program's warps run the K loop independently. Its rows' scales and zeros
+still cross threads through shared memory (1), or each thread loads them once a word column it
+holds (2). Counted by bench/sass.py for a 128x128 tile with LATE_BIAS: 496 instructions a thread in
+the loop with 4 barriers (1), 609 with none (2), against 512 with 2; not yet timed.
 """
 import torch
 import triton
@@ -76,12 +84,40 @@ def group_dot(dot, x_sum, scales, offsets, n_ok, HAS_ZEROS: tl.constexpr, HAS_MI
 
 
 @triton.jit
+def _per_row(ptr, n_ok, offs_w, IN_TILE: tl.constexpr):
+    # A value per row as a [BLOCK_N, 1] or (IN_TILE) [BLOCK_N, words] float: a 1-D load comes in a
+    # layout of its own, which reaches the tile's through shared memory behind a barrier; loaded in
+    # the tile's layout, a thread loads its row's value once for each word column it holds.
+    if IN_TILE:
+        value = tl.load(ptr[:, None] + offs_w[None, :] * 0, mask=n_ok[:, None], other=0)
+    else:
+        value = tl.load(ptr, mask=n_ok, other=0)[:, None]
+    return value.to(tl.float32)
+
+
+@triton.jit
+def _group_terms(part, x_sum, x_bias, scales, offsets, n_ok, offs_w, HAS_ZEROS: tl.constexpr,
+                 HAS_MINS: tl.constexpr, IN_TILE: tl.constexpr):
+    # group_dot before the sum over a tile's words: each word column's share, whose row sums are
+    # group_dot's. x_sum, x_bias: per word column, in the thread that holds it.
+    if not (HAS_ZEROS or HAS_MINS):
+        x_bias += 8.0 * x_sum  # the symmetric zero point
+    part -= x_bias[None, :]
+    if HAS_ZEROS:
+        part -= _per_row(offsets, n_ok, offs_w, IN_TILE) * x_sum[None, :]
+    part *= _per_row(scales, n_ok, offs_w, IN_TILE)
+    if HAS_MINS:
+        part += _per_row(offsets, n_ok, offs_w, IN_TILE) * x_sum[None, :]
+    return part
+
+
+@triton.jit
 def _int4_words_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, out_ptr, count_ptr, N, K, k_per_split, splits, nibble,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys, stride_om,
     HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LATE_BIAS: tl.constexpr,
-    SUM_SPLITS: tl.constexpr,
+    SUM_SPLITS: tl.constexpr, DEFER_SUM: tl.constexpr,
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
     # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
@@ -94,6 +130,7 @@ def _int4_words_gemv_kernel(
     offs_w = tl.arange(0, BLOCK_K // 8)
     tiles = w_ptr + rows_w[:, None] * stride_wn + offs_w[None, :]  # K is whole groups: no column mask
     acc = tl.zeros([BLOCK_N], tl.float32)
+    terms = tl.zeros([BLOCK_N, BLOCK_K // 8], tl.float32)  # DEFER_SUM: summed over its words after the loop
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PREFETCH:
@@ -121,11 +158,17 @@ def _int4_words_gemv_kernel(
             else:
                 part += _nibble(this if i < 4 else high, 4 * (i % 4), nibble) * x[None, :]
             x_sum += x
-        dot = tl.sum(part, axis=1)
-        if LATE_BIAS:
-            dot -= tl.sum(x_bias, axis=0)
-        acc += group_dot(dot, tl.sum(x_sum, axis=0), s_ptr + rows_w * stride_sn + k0 // GROUP,
-                         z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
+        scales, offsets = s_ptr + rows_w * stride_sn + k0 // GROUP, z_ptr + rows_w * stride_zn + k0 // GROUP
+        if DEFER_SUM:
+            terms += _group_terms(part, x_sum, x_bias, scales, offsets, n_ok, offs_w, HAS_ZEROS, HAS_MINS,
+                                  DEFER_SUM == 2)
+        else:
+            dot = tl.sum(part, axis=1)
+            if LATE_BIAS:
+                dot -= tl.sum(x_bias, axis=0)
+            acc += group_dot(dot, tl.sum(x_sum, axis=0), scales, offsets, n_ok, HAS_ZEROS, HAS_MINS)
+    if DEFER_SUM:
+        acc = tl.sum(terms, axis=1)
     tl.store(y_ptr + tl.program_id(2).to(tl.int64) * stride_ys + row * stride_ym + offs_n,
              acc.to(y_ptr.dtype.element_ty), mask=n_ok)
     if SUM_SPLITS:  # SUM_SPLITS: the partitions rounded up to a power of two
@@ -158,7 +201,7 @@ def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
 # every AND-OR (one AND-OR takes one immediate; the exponent is the other), about 100 moves a 128x128
 # tile a thread in the sm_90 cubin; as an argument it stays in a register and those moves are gone.
 NIBBLE = 0xF
-VARIANTS = ("PREFETCH", "LATE_BIAS", "SUM_SPLITS")  # this kernel's own switches in a tuned config (0 when absent)
+VARIANTS = ("PREFETCH", "LATE_BIAS", "SUM_SPLITS", "DEFER_SUM")  # this kernel's own switches in a tuned config (0 when absent)
 _counters: dict[torch.device, torch.Tensor] = {}  # SUM_SPLITS' tickets, per device, all 0 between launches
 
 
