@@ -541,8 +541,10 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
 @pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
 @pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1},
                                       {"SUM_SPLITS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1, "SUM_SPLITS": 1},
-                                      {"DEFER_SUM": 1}, {"DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1}],
-                         ids=["plain", "prefetch", "late-bias", "both", "sum-splits", "all", "defer", "defer-in-tile"])
+                                      {"DEFER_SUM": 1}, {"DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1},
+                                      {"STAGES": 3, "LATE_BIAS": 1}],
+                         ids=["plain", "prefetch", "late-bias", "both", "sum-splits", "all", "defer", "defer-in-tile",
+                              "stages"])
 def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int,
                          variants: dict[str, int]) -> None:
     """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
@@ -550,7 +552,8 @@ def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, spli
     for every int4 format and group, split over K (3 splits: the sum's padded rows masked), N not a
     tile multiple, with and without the next tile prefetched, the partitions summed by a second kernel
     or by the last program of each N tile (SUM_SPLITS: called twice, its tickets must be back at 0),
-    a group's sum over the tile's words taken at once or after the K loop (DEFER_SUM)."""
+    a group's sum over the tile's words taken at once or after the K loop (DEFER_SUM), the K loop
+    software-pipelined (STAGES)."""
     gen = torch.Generator().manual_seed(group + m)
     x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,

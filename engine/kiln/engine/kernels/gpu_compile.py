@@ -108,9 +108,13 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                                                     (None, 128, t, 1, 1, 0), ("mins", 32, "fp16", 1, 0, 0),
                                                     ("zeros", 128, t, 1, 1, 32)):
         yield words_gemv_job(t, s, offsets, group, 64, 4, PREFETCH=prefetch, LATE_BIAS=late, SUM_SPLITS=sums,
-                             DEFER_SUM=0)
+                             DEFER_SUM=0, STAGES=1)
     for offsets, s, defer in (("zeros", t, 1), (None, t, 2), ("mins", "fp16", 1), ("zeros", t, 2)):
-        yield words_gemv_job(t, s, offsets, 128, 128, 4, PREFETCH=1, LATE_BIAS=1, SUM_SPLITS=0, DEFER_SUM=defer)
+        yield words_gemv_job(t, s, offsets, 128, 128, 4, PREFETCH=1, LATE_BIAS=1, SUM_SPLITS=0, DEFER_SUM=defer,
+                             STAGES=1)
+    for offsets, s, stages in (("zeros", t, 3), (None, t, 4), ("mins", "fp16", 3)):
+        yield words_gemv_job(t, s, offsets, 128, 128, 4, PREFETCH=0, LATE_BIAS=1, SUM_SPLITS=0, DEFER_SUM=0,
+                             STAGES=stages)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
 

@@ -117,7 +117,7 @@ def _int4_words_gemv_kernel(
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys, stride_om,
     HAS_ZEROS: tl.constexpr, HAS_MINS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LATE_BIAS: tl.constexpr,
-    SUM_SPLITS: tl.constexpr, DEFER_SUM: tl.constexpr,
+    SUM_SPLITS: tl.constexpr, DEFER_SUM: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Grid (rows of x, N tiles, K splits). w_ptr: int32 [N, K // 8] (stride_wn in words).
     # PREFETCH 1: the next tile's words are loaded before this tile's math, so a program waits on
@@ -135,7 +135,7 @@ def _int4_words_gemv_kernel(
     k_hi = tl.minimum(K, k_lo + k_per_split)
     if PREFETCH:
         words = tl.load(tiles + k_lo // 8, mask=n_ok[:, None], other=0, eviction_policy="evict_first")
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
         if PREFETCH:
             this = words
             rows_next = tl.where(k0 + BLOCK_K < k_hi, N, 0)  # no rows past the partition's last tile
@@ -201,7 +201,7 @@ def as_words(qweight: torch.Tensor) -> torch.Tensor | None:
 # every AND-OR (one AND-OR takes one immediate; the exponent is the other), about 100 moves a 128x128
 # tile a thread in the sm_90 cubin; as an argument it stays in a register and those moves are gone.
 NIBBLE = 0xF
-VARIANTS = ("PREFETCH", "LATE_BIAS", "SUM_SPLITS", "DEFER_SUM")  # this kernel's own switches in a tuned config (0 when absent)
+VARIANTS = ("PREFETCH", "LATE_BIAS", "SUM_SPLITS", "DEFER_SUM", "STAGES")  # this kernel's own switches in a tuned config (0 when absent)
 _counters: dict[torch.device, torch.Tensor] = {}  # SUM_SPLITS' tickets, per device, all 0 between launches
 
 
@@ -226,5 +226,6 @@ def launch(x2: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, z: torch
     _int4_words_gemv_kernel[grid](
         x2, words, scales, z, target, y, count, n, k, k_per_split, splits, NIBBLE, stride_xm, stride_wn // 4,
         *rest, y.stride(0), HAS_ZEROS=has_zeros, HAS_MINS=has_mins,
-        **(variants | {"SUM_SPLITS": triton.next_power_of_2(splits) if summing else 0}), **tiles)
+        **(variants | {"SUM_SPLITS": triton.next_power_of_2(splits) if summing else 0,
+                       "STAGES": max(1, variants.get("STAGES", 0))}), **tiles)
     return bool(summing)
