@@ -169,6 +169,21 @@ GEMM_CANDIDATES = [
      "num_warps": 8},
     {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128,
      "SPLIT_K": 20},
+    # K tiles of several groups (DEFER_SUM 2 only): longer runs of each row's bytes a load (64 B a row at 128 columns)
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 4},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 4},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 32, "BLOCK_K": 512,
+     "SPLIT_K": 4},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 16,
+     "num_warps": 2},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 8,
+     "num_warps": 8},
+    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "STAGES": 3, "BLOCK_N": 32, "BLOCK_K": 512,
+     "SPLIT_K": 8},
     # the K loop software-pipelined by Triton (int4_gemv's STAGES: cp.async into shared memory, STAGES - 1
     # tiles in flight a program at 80 registers, 6 programs an SM), so longer loops (fewer splits) pay
     {"GEMV": 1, "WORDS": 1, "STAGES": 3, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
@@ -282,11 +297,11 @@ def finite(times: list[float]) -> list[float | None]:
 
 
 def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[dict | None]:
-    """K tiles stay inside one quantization group; MAGIC and WORDS only change int4 kernels; one row never
+    """K tiles stay inside one quantization group (but for int4_gemv's DEFER_SUM 2); MAGIC and WORDS only change int4 kernels; one row never
     pays for dequantizing a whole weight; above 16 rows (where DEQUANT is the default) the tile
     candidates switch it off and GEMV (a row a program) is left out."""
     def fits(c: dict) -> bool:
-        return ((not group or c.get("BLOCK_K", 0) <= group)
+        return ((not group or c.get("BLOCK_K", 0) <= group or c.get("DEFER_SUM") == 2)
                 and not (key.startswith("w8") and (c.get("MAGIC") or c.get("WORDS")))
                 and not (key.endswith("-m1") and c.get("DEQUANT")) and not (key.endswith("-m64") and c.get("GEMV")))
     def tile_candidate(c: dict | None) -> dict | None:

@@ -575,6 +575,25 @@ def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, spli
         assert not int4_gemv.counters(out.device, 0).any()
 
 
+@pytest.mark.parametrize("group,block_k", [(32, 64), (64, 128), (128, 256), (32, 128)])
+@pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
+def test_int4_words_gemv_tiles_spanning_groups(kind: str, group: int, block_k: int) -> None:
+    """DEFER_SUM 2 takes K tiles of several groups, each word column scaled by its own group's scale
+    and offset (K = 384: 256-column tiles do not divide it, and fall back to one group a tile)."""
+    gen = torch.Generator().manual_seed(group + block_k)
+    x = torch.randn(1, 384, generator=gen).half().to(DEVICE)
+    qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).half(), group,
+                                         symmetric=kind == "w4-symmetric")
+    kw = {}
+    if kind == "w4-mins":
+        zeros, kw = None, {"mins": torch.randn(scales.shape, generator=gen).half().to(DEVICE)}
+    args = [t.to(DEVICE) if t is not None else None for t in (qweight, scales, zeros)] + [group]
+    config = {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": 2}
+    with tuned.override("quant_gemm", f"w4-g{group}-m1", config):
+        out = w4a16_gemm(x, *args, **kw)
+    assert_close(out, w4a16_gemm_ref(x, *args, **kw))
+
+
 def test_int4_words_gemv_falls_back_off_word_boundaries() -> None:
     """A packed weight that does not start on a 4-byte boundary is read byte-wise instead: same result."""
     gen = torch.Generator().manual_seed(15)
@@ -585,7 +604,8 @@ def test_int4_words_gemv_falls_back_off_word_boundaries() -> None:
     shifted.copy_(qweight)
     args = [shifted] + [t.to(DEVICE) for t in (scales, zeros)] + [64]
     assert int4_gemv.as_words(args[0]) is None
-    config = {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "BLOCK_N": 16, "BLOCK_K": 64}
+    # the byte-wise kernel keeps to one group a tile, though the config spans two
+    config = {"GEMV": 1, "WORDS": 1, "PREFETCH": 1, "DEFER_SUM": 2, "BLOCK_N": 16, "BLOCK_K": 128}
     with tuned.override("quant_gemm", "w4-g64-m1", config):
         out = w4a16_gemm(x, *args)
     assert_close(out, w4a16_gemm_ref(x, *args))

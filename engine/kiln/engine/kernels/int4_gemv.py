@@ -35,7 +35,9 @@ reduction across threads (shuffles, and the barrier and shared memory that x's s
 took each tile) and a program's warps run the K loop independently. Its rows' scales and zeros
 still cross threads through shared memory (1), or each thread loads them once a word column it
 holds (2). Counted by bench/sass.py for a 128x128 tile with LATE_BIAS: 496 instructions a thread in
-the loop with 4 barriers (1), 609 with none (2), against 512 with 2; not yet timed.
+the loop with 4 barriers (1), 609 with none (2), against 512 with 2. On an H200 neither was faster
+(bench/results/tune-w4-m1-nvidia-h200-20261130-2.json). Only 2 lets a tile span several groups
+(BLOCK_K a multiple of GROUP dividing K; otherwise one group a tile): longer runs of each row.
 """
 import torch
 import triton
@@ -84,12 +86,13 @@ def group_dot(dot, x_sum, scales, offsets, n_ok, HAS_ZEROS: tl.constexpr, HAS_MI
 
 
 @triton.jit
-def _per_row(ptr, n_ok, offs_w, IN_TILE: tl.constexpr):
-    # A value per row as a [BLOCK_N, 1] or (IN_TILE) [BLOCK_N, words] float: a 1-D load comes in a
-    # layout of its own, which reaches the tile's through shared memory behind a barrier; loaded in
-    # the tile's layout, a thread loads its row's value once for each word column it holds.
+def _per_row(ptr, n_ok, offs_w, GROUP: tl.constexpr, IN_TILE: tl.constexpr):
+    # A value per row and group as a [BLOCK_N, 1] or (IN_TILE) [BLOCK_N, words] float: a 1-D load
+    # comes in a layout of its own, which reaches the tile's through shared memory behind a barrier;
+    # loaded in the tile's layout, a thread loads its row's value once for each word column it holds,
+    # that column's group's (a tile may then span several groups).
     if IN_TILE:
-        value = tl.load(ptr[:, None] + offs_w[None, :] * 0, mask=n_ok[:, None], other=0)
+        value = tl.load(ptr[:, None] + (offs_w * 8 // GROUP)[None, :], mask=n_ok[:, None], other=0)
     else:
         value = tl.load(ptr, mask=n_ok, other=0)[:, None]
     return value.to(tl.float32)
@@ -97,17 +100,17 @@ def _per_row(ptr, n_ok, offs_w, IN_TILE: tl.constexpr):
 
 @triton.jit
 def _group_terms(part, x_sum, x_bias, scales, offsets, n_ok, offs_w, HAS_ZEROS: tl.constexpr,
-                 HAS_MINS: tl.constexpr, IN_TILE: tl.constexpr):
+                 HAS_MINS: tl.constexpr, GROUP: tl.constexpr, IN_TILE: tl.constexpr):
     # group_dot before the sum over a tile's words: each word column's share, whose row sums are
     # group_dot's. x_sum, x_bias: per word column, in the thread that holds it.
     if not (HAS_ZEROS or HAS_MINS):
         x_bias += 8.0 * x_sum  # the symmetric zero point
     part -= x_bias[None, :]
     if HAS_ZEROS:
-        part -= _per_row(offsets, n_ok, offs_w, IN_TILE) * x_sum[None, :]
-    part *= _per_row(scales, n_ok, offs_w, IN_TILE)
+        part -= _per_row(offsets, n_ok, offs_w, GROUP, IN_TILE) * x_sum[None, :]
+    part *= _per_row(scales, n_ok, offs_w, GROUP, IN_TILE)
     if HAS_MINS:
-        part += _per_row(offsets, n_ok, offs_w, IN_TILE) * x_sum[None, :]
+        part += _per_row(offsets, n_ok, offs_w, GROUP, IN_TILE) * x_sum[None, :]
     return part
 
 
@@ -160,7 +163,7 @@ def _int4_words_gemv_kernel(
             x_sum += x
         scales, offsets = s_ptr + rows_w * stride_sn + k0 // GROUP, z_ptr + rows_w * stride_zn + k0 // GROUP
         if DEFER_SUM:
-            terms += _group_terms(part, x_sum, x_bias, scales, offsets, n_ok, offs_w, HAS_ZEROS, HAS_MINS,
+            terms += _group_terms(part, x_sum, x_bias, scales, offsets, n_ok, offs_w, HAS_ZEROS, HAS_MINS, GROUP,
                                   DEFER_SUM == 2)
         else:
             dot = tl.sum(part, axis=1)
