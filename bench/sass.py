@@ -46,18 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--prefetch", type=int, choices=(0, 1), default=0)
     parser.add_argument("--late-bias", type=int, choices=(0, 1), default=0)
-    parser.add_argument("--stages", type=int, default=1, help="STAGES: the K loop's software-pipeline depth")
-    parser.add_argument("--defer-sum", type=int, choices=(0, 1, 2), default=0)
-    parser.add_argument("--sum-splits", type=int, default=0, help="SUM_SPLITS: 0, or the partitions (a power of two)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     job = gpu_compile.words_gemv_job("bf16", "bf16", "zeros", args.block_k, args.block_n, args.num_warps,
-                                     PREFETCH=args.prefetch, LATE_BIAS=args.late_bias,
-                                     SUM_SPLITS=args.sum_splits, DEFER_SUM=args.defer_sum,
-                                     STAGES=args.stages)
+                                     PREFETCH=args.prefetch, LATE_BIAS=args.late_bias)
     kernel, _, consts, _ = job
-    aligned = tuple(n for n in kernel.arg_names if n not in consts and n not in ("nibble", "splits"))
+    aligned = tuple(n for n in kernel.arg_names if n not in consts and n != "nibble")  # nibble is 0xF
     compiled = gpu_compile.compile_kernel(job, args.arch, aligned)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"

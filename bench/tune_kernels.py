@@ -128,82 +128,10 @@ GEMM_CANDIDATES = [
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"GEMV": 1, "WORDS": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 2},
-    # the partitions summed by the last program of each N tile (int4_gemv's SUM_SPLITS): one launch, not two
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 2},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 32, "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "PREFETCH": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 28},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "SUM_SPLITS": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 32},
-    # a group's sum over the tile's words deferred to the end of the K loop (int4_gemv's DEFER_SUM): no
-    # barrier a tile for x's sums (1), nor for the rows' scales and zeros (2: loaded in the tile's layout)
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32,
-     "num_warps": 2},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 20,
-     "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 32},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 20,
-     "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 1, "LATE_BIAS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 20},
-    # K tiles of several groups (DEFER_SUM 2 only): longer runs of each row's bytes a load (64 B a row at 128 columns)
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 32, "BLOCK_K": 512, "SPLIT_K": 4},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 16, "BLOCK_K": 1024, "SPLIT_K": 4},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "PREFETCH": 1, "BLOCK_N": 32, "BLOCK_K": 512,
-     "SPLIT_K": 4},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 256, "SPLIT_K": 16,
-     "num_warps": 2},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 8,
-     "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "DEFER_SUM": 2, "LATE_BIAS": 1, "STAGES": 3, "BLOCK_N": 32, "BLOCK_K": 512,
-     "SPLIT_K": 8},
-    # the K loop software-pipelined by Triton (int4_gemv's STAGES: cp.async into shared memory, STAGES - 1
-    # tiles in flight a program at 80 registers, 6 programs an SM), so longer loops (fewer splits) pay
-    {"GEMV": 1, "WORDS": 1, "STAGES": 3, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 3, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 3, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 5, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 5, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 12},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "BLOCK_N": 256, "BLOCK_K": 128, "SPLIT_K": 16,
-     "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 3, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16,
-     "num_warps": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "SUM_SPLITS": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 8},
-    {"GEMV": 1, "WORDS": 1, "STAGES": 4, "LATE_BIAS": 1, "DEFER_SUM": 1, "BLOCK_N": 128, "BLOCK_K": 128,
-     "SPLIT_K": 16},
+    # Tried on an H200 and dropped (bench/results/tune-w4-m1-nvidia-h200-20261130-*.json), none faster than
+    # PREFETCH at 16 splits (17.1 us on 4096x14336): the split-K sum in the GEMV's last program of each tile
+    # (ticket counters), the sum over a tile's words after the K loop, tiles of several groups, and the K
+    # loop software-pipelined by Triton (cp.async, 3-5 stages: 21+ us).
     # more splits, now that their sum loads every split at once
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},
@@ -297,11 +225,11 @@ def finite(times: list[float]) -> list[float | None]:
 
 
 def candidates_for(key: str, group: int, candidates: list[dict | None]) -> list[dict | None]:
-    """K tiles stay inside one quantization group (but for int4_gemv's DEFER_SUM 2); MAGIC and WORDS only change int4 kernels; one row never
+    """K tiles stay inside one quantization group; MAGIC and WORDS only change int4 kernels; one row never
     pays for dequantizing a whole weight; above 16 rows (where DEQUANT is the default) the tile
     candidates switch it off and GEMV (a row a program) is left out."""
     def fits(c: dict) -> bool:
-        return ((not group or c.get("BLOCK_K", 0) <= group or c.get("DEFER_SUM") == 2)
+        return ((not group or c.get("BLOCK_K", 0) <= group)
                 and not (key.startswith("w8") and (c.get("MAGIC") or c.get("WORDS")))
                 and not (key.endswith("-m1") and c.get("DEQUANT")) and not (key.endswith("-m64") and c.get("GEMV")))
     def tile_candidate(c: dict | None) -> dict | None:
@@ -320,6 +248,9 @@ def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict
             continue
         group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
         fitting = candidates_for(key, group, candidates)
+        if len(fitting) < 2:  # --with left only the defaults: nothing to compare, the file's entry stays
+            report.append({"kernel": kernel, "key": key, "skipped": "no candidates"})
+            continue
         ms = time_candidates(kernel, key, fitting, shapes, deadline)
         if time.monotonic() > deadline:  # candidates cut short are inf, not slow: the file's entry stays
             print(f"{kernel} {key}: cut short by the budget; the file's entry stays")

@@ -104,17 +104,9 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                dict(INT4=w == "u8", HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=32,
                     BLOCK_K=min(128, group or 256), MAGIC=magic, SCALED=w != t), 4)
     # int4 read as int32 words (int4_gemv): zeros, symmetric, GGUF Q4_1's mins.
-    for offsets, group, s, prefetch, late, sums in (("zeros", 128, t, 0, 0, 0), ("zeros", 128, t, 0, 1, 0),
-                                                    (None, 128, t, 1, 1, 0), ("mins", 32, "fp16", 1, 0, 0),
-                                                    ("zeros", 128, t, 1, 1, 32)):
-        yield words_gemv_job(t, s, offsets, group, 64, 4, PREFETCH=prefetch, LATE_BIAS=late, SUM_SPLITS=sums,
-                             DEFER_SUM=0, STAGES=1)
-    for offsets, s, defer in (("zeros", t, 1), (None, t, 2), ("mins", "fp16", 1), ("zeros", t, 2)):
-        yield words_gemv_job(t, s, offsets, 128, 128, 4, PREFETCH=1, LATE_BIAS=1, SUM_SPLITS=0, DEFER_SUM=defer,
-                             STAGES=1)
-    for offsets, s, stages in (("zeros", t, 3), (None, t, 4), ("mins", "fp16", 3)):
-        yield words_gemv_job(t, s, offsets, 128, 128, 4, PREFETCH=0, LATE_BIAS=1, SUM_SPLITS=0, DEFER_SUM=0,
-                             STAGES=stages)
+    for offsets, group, s, prefetch, late in (("zeros", 128, t, 0, 0), ("zeros", 128, t, 0, 1), (None, 128, t, 1, 1),
+                                              ("mins", 32, "fp16", 1, 0)):
+        yield words_gemv_job(t, s, offsets, group, 64, 4, PREFETCH=prefetch, LATE_BIAS=late)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
 
@@ -123,7 +115,7 @@ def words_gemv_job(t: str, s: str, offsets: str | None, group: int, block_n: int
     (symmetric), one group a tile; variants: int4_gemv.VARIANTS' values."""
     return (int4_gemv._int4_words_gemv_kernel,
             dict(x_ptr=f"*{t}", w_ptr="*i32", s_ptr=f"*{s}", z_ptr="*u8" if offsets == "zeros" else f"*{s}",
-                 y_ptr="*fp32", out_ptr=f"*{t}", count_ptr="*i32"),
+                 y_ptr="*fp32"),
             dict(HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group, BLOCK_N=block_n,
                  BLOCK_K=group, **variants), warps)
 

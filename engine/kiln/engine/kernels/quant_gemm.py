@@ -260,7 +260,7 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
     quantization group (group_size 0: int8 with per-channel scales).
 
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
-    may set BLOCK_N, BLOCK_K (dividing the group, or a multiple of it for int4_gemv's DEFER_SUM 2), num_warps, num_stages, SPLIT_K (K partitions) and
+    may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
     GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel; with WORDS 1 and int4 weights,
     int4_gemv's kernel, which reads them as int32 words, and its VARIANTS), MAGIC (_codes) and DEQUANT.
     DEQUANT (the default above 16 rows): dequantize the whole weight, then cuBLAS (kernels.dequant)."""
@@ -290,11 +290,6 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
                                zeros is not None, x.dtype)
         torch.matmul(x2, w.t(), out=y)
         return y.view(*x.shape[:-1], n)
-    words = int4_gemv.as_words(qweight) if tiles.pop("WORDS", 0) and int4 else None
-    variants = {name: tiles.pop(name, 0) for name in int4_gemv.VARIANTS}
-    if tiles["BLOCK_K"] > group_size > 0 and (k % tiles["BLOCK_K"] or words is None or not tiles.get("GEMV")
-                                              or variants["DEFER_SUM"] != 2):
-        tiles["BLOCK_K"] = group_size  # only int4_gemv's DEFER_SUM 2 takes several groups a tile, whole tiles
     block_k = tiles["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, tiles.pop("SPLIT_K", 1)), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)  # every partition non-empty
@@ -303,12 +298,13 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), target.stride(-2),
                target.stride(0) if splits > 1 else 0)
     kinds = dict(INT4=int4, HAS_ZEROS=zeros is not None, HAS_MINS=mins is not None, MAGIC=tiles.pop("MAGIC", 0))
-    summed = False  # the split-K partials already summed into y (int4_gemv's SUM_SPLITS)
+    words = int4_gemv.as_words(qweight) if tiles.pop("WORDS", 0) and int4 else None
+    variants = {name: tiles.pop(name, 0) for name in int4_gemv.VARIANTS}
     if tiles.pop("GEMV", 0):
         del tiles["BLOCK_M"]
         if words is not None:
-            summed = int4_gemv.launch(x2, words, scales, z, target, y, n, k, k_per_split, splits, strides,
-                                      kinds["HAS_ZEROS"], kinds["HAS_MINS"], variants, tiles)
+            int4_gemv.launch(x2, words, scales, z, target, n, k, k_per_split, splits, strides, kinds["HAS_ZEROS"],
+                             kinds["HAS_MINS"], variants, tiles)
         else:
             _dequant_gemv_kernel[(m, triton.cdiv(n, tiles["BLOCK_N"]), splits)](
                 x2, qweight, scales, z, target, n, k, k_per_split, *strides, **kinds, **tiles, SCALED=scaled)
@@ -316,7 +312,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), triton.cdiv(n, tiles["BLOCK_N"]), splits)
         _dequant_gemm_kernel[grid](x2, qweight, scales, z, target, m, n, k, k_per_split, *strides, **kinds, **tiles,
                                    DOT_PREC=dot_precision(x.dtype))
-    if splits > 1 and not summed:
+    if splits > 1:
         sums = sum_tiles(splits)
         _sum_splits_kernel[(m, triton.cdiv(n, sums["BLOCK"]))](target, y, m, n, splits, y.stride(0), **sums)
     return y.view(*x.shape[:-1], n)
