@@ -170,12 +170,15 @@ def test_cli_rejects_a_negative_line(capsys: pytest.CaptureFixture[str]) -> None
 
 
 @on_event_loop
-@pytest.mark.parametrize("ends", [False, True], ids=["endless stream", "stream ending as the client stops"])
-async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_timeout(ends: bool) -> None:
+@pytest.mark.parametrize("ends", ["", "eof", "silence"],
+                         ids=["endless stream", "stream ending as the client stops",
+                              "engine going silent as the client stops"])
+async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_timeout(ends: str) -> None:
     """A client whose receive window stays shut never hangs up: the router's writes to it wait
     for ever, with its place in flight and the engine's generation held, unless the stream's idle
     timeout counts the client's side too (as Envoy's does), its end included: a stream that ends
-    just as the client stops reading waits on the client in its last write."""
+    just as the client stops reading waits on the client in its last write. An engine that goes
+    silent then breaks the stream off, and the router lets go of the stalled client then too."""
     import socket
 
     from aiohttp import web
@@ -196,6 +199,8 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
         while not end.is_set():  # endless, as fast as it can be taken, or small events until told to end
             await response.write(b"data: " + b"x" * (1000 if ends else 65536) + b"\n\n")
             await asyncio.sleep(0.001 if ends else 0)
+        if ends == "silence":  # until the router hangs up, which cancels this handler
+            await asyncio.Event().wait()
         await response.write_eof()
         return response
 
@@ -216,7 +221,7 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
                 stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
                                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                 await streaming.wait()
-                if ends:  # the router's writes to it paused: the engine ends its stream now
+                if ends:  # the router's writes to it paused: the engine ends its stream, or stops sending
                     await until(lambda: bool(protocols) and protocols[0].writing_paused)
                     end.set()
                 # It never reads. The next request waits in line for its place (bounded by the

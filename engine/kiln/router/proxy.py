@@ -408,8 +408,11 @@ class Router:
             # analysis reads 5xx codes, and an engine dying mid-generation must count there.
             exchange.code = 502
             # The status line is gone already; closing without the final chunk is the
-            # only way left to tell the client its response is incomplete.
-            if request.transport is not None:
+            # only way left to tell the client its response is incomplete. A client that
+            # stopped reading (writes paused) would hold a closing socket until it reads.
+            if request.transport is not None and request.protocol.writing_paused:
+                request.transport.abort()
+            elif request.transport is not None:
                 request.transport.close()
         return response
 
