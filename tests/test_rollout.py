@@ -83,6 +83,19 @@ def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
     assert check(good, dying, analysis).verdict == PASS
 
 
+def test_a_latency_ratio_needs_min_requests_streamed_on_each_side():
+    """One slow stream among fifty answers is no p95: the ratio is left unjudged, not failed."""
+    analysis = ROLLOUT.analysis  # minRequests 5
+    stable = figures(page("s", 400, 0, (390, 10, 0, 0), tokens=40, agreed=39))["s"]
+    one_slow = figures(page("c", 50, 0, (0, 0, 1, 0), tokens=100, agreed=96))["c"]
+    result = check(one_slow, stable, analysis)
+    assert result.verdict == PASS and result.figures["ttftP95Ratio"] is None
+    few_stable = figures(page("s", 400, 0, (1, 0, 0, 0), tokens=40, agreed=39))["s"]
+    slow = figures(page("c", 20, 0, (0, 0, 20, 0), tokens=100, agreed=96))["c"]
+    assert check(slow, few_stable, analysis).figures["ttftP95Ratio"] is None
+    assert check(slow, stable, analysis).verdict == FAIL  # both sides streamed enough
+
+
 def verdict(v: str) -> Check:
     return Check(v, {"canaryRequests": 10, "greedyAgreement": 0.5}, ["greedy agreement 0.500 < 0.950"] if v == FAIL else [])
 
@@ -422,6 +435,9 @@ def test_a_fail_in_the_scale_up_step_holds_promotion_until_a_check_passes():
     d = run(d.state, "canary-b", FULL, None, 91)
     assert d.state.phase == PROGRESSING and d.canary == "canary-b"
     assert "a failed check holds promotion" in d.state.message
+    # Too little data to judge is no pass: the hold stays, across an operator restart too.
+    d = run(load(dump(d.state, ROLLOUT)), "canary-b", FULL, verdict(INCONCLUSIVE), 95)
+    assert d.state.phase == PROGRESSING and "a failed check holds promotion" in d.state.message
     d = run(d.state, "canary-b", FULL, verdict(PASS), 100)
     assert d.state.phase == PROMOTED
     # With no check to come (routers that cannot be scraped), a person may promote it anyway.
@@ -432,6 +448,30 @@ def test_a_fail_in_the_scale_up_step_holds_promotion_until_a_check_passes():
     assert held.state.phase == PROGRESSING
     resumed = run(held.state, "canary-b", Facts(2, True, resume_token="go"), None, 92)
     assert resumed.state.phase == PROMOTED and resumed.state.resume_token == "go"
+
+
+def test_a_canary_that_never_reaches_full_size_is_rolled_back_after_the_deadline():
+    """Ready but short of the stable revision's size (its pods unschedulable while the stable
+    revision holds the GPUs): waiting for ever would keep those pods and their GPUs."""
+    d = run(None, "canary-b", READY, None, 0)
+    for now, check_ in ((1, None), (40, verdict(PASS)), (80, verdict(PASS))):
+        d = run(d.state, "canary-b", READY, check_, now)
+    assert d.full_size(ROLLOUT)
+    d = run(d.state, "canary-b", READY, verdict(PASS), 150)  # 70 s into the scale-up step: waits
+    assert d.state.phase == PROGRESSING and "scaling canary" in d.state.message
+    d = run(d.state, "canary-b", READY, None, 201)  # past progressDeadline (2m) since the step began
+    assert d.state.phase == ROLLED_BACK and "did not reach the stable revision's size" in d.state.message
+
+
+def test_a_resume_asked_for_before_a_step_begins_does_not_skip_that_step():
+    """The annotation set while the canary loads was read by no step: the next pass skipped
+    step 1 without a check."""
+    d = run(None, "canary-b", Facts(0, False), None, 0)
+    d = run(d.state, "canary-b", Facts(0, False, resume_token="go"), None, 5)  # still loading
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 10)
+    assert d.state.step == 1
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 12)
+    assert d.state.step == 1 and d.weight(ROLLOUT) == 20
 
 
 def test_a_retry_asked_for_mid_rollout_does_not_rerun_the_canary_it_rolls_back():

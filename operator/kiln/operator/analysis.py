@@ -110,14 +110,23 @@ def ratio(canary: float | None, stable: float | None) -> float | None:
     return canary / stable
 
 
+def p95_ratio(canary: Mapping[float, float], stable: Mapping[float, float], least: int) -> float | None:
+    """Canary p95 over stable p95, when each histogram holds at least `least` observations (one
+    slow stream among fifty short answers says nothing about the canary's tail)."""
+    def p95(buckets: Mapping[float, float]) -> float | None:
+        return quantile(0.95, buckets) if max(buckets.values(), default=0.0) >= max(least, 1) else None
+    return ratio(p95(canary), p95(stable))
+
+
 def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
-    requests: inconclusive, never a failure. Too few mirrored tokens leaves quality unjudged
+    requests: inconclusive, never a failure; a latency ratio is judged only where both revisions
+    streamed at least minRequests responses. Too few mirrored tokens leaves quality unjudged
     (inconclusive unless another check failed: a canary failing every request scores no tokens,
     and that must not hide its errors). The agreement threshold is relative to the noise floor:
     stable scoring its own tokens on another replica (1.0 when the interval had too few of those)."""
-    ttft = ratio(quantile(0.95, canary.ttft), quantile(0.95, stable.ttft))
-    itl = ratio(quantile(0.95, canary.itl), quantile(0.95, stable.itl))
+    ttft = p95_ratio(canary.ttft, stable.ttft, analysis.minRequests)
+    itl = p95_ratio(canary.itl, stable.itl, analysis.minRequests)
     error_rate = canary.errors / canary.requests if canary.requests else None
     agreement = canary.agreed / canary.tokens if canary.tokens else None
     quality = analysis.quality

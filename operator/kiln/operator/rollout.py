@@ -38,6 +38,7 @@ class State:
     since: float = 0.0  # when the current step (or the wait for readiness) began
     passed: int = 0  # passing checks in this step
     failed: int = 0  # failed checks in this rollout
+    held: bool = False  # a check failed in this step and none has passed since: no promotion
     rolled_back: str | None = None
     retry_token: str | None = None
     resume_token: str | None = None
@@ -123,17 +124,17 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         state = replace(state, analysis={"time": now, "verdict": check.verdict, **check.figures,
                                          "failed": check.failed})
         if check.verdict == FAIL:  # the step's earlier passes no longer carry it on
-            state = replace(state, failed=state.failed + 1, passed=0)
+            state = replace(state, failed=state.failed + 1, passed=0, held=True)
             if state.failed >= max(1, rollout.analysis.failureLimit):
                 return roll_back(state, facts, f"analysis failed {state.failed} time(s): {check.summary()}")
             events.append(Event("Warning", "AnalysisFailed", f"canary {state.canary}: {check.summary()} "
                                 f"({state.failed}/{max(1, rollout.analysis.failureLimit)} failed checks)"))
         elif check.verdict == PASS:
-            state = replace(state, passed=state.passed + 1)
+            state = replace(state, passed=state.passed + 1, held=False)
     deadline = seconds(rollout.progressDeadline)
     if state.step == 0 or not facts.canary_ready:
         if facts.canary_ready:
-            return next_step(rollout, state, now, events)
+            return next_step(rollout, state, facts, now, events)
         if facts.failing is not None:
             return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
         # From step 1 on, the deadline runs from when the canary lost its last ready replica,
@@ -151,27 +152,30 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
     state = replace(state, unready_since=None)
     if state.step > len(steps):
-        # The newest verdict, not only this pass's: a Fail holds promotion until a later check is
-        # no Fail, or a person resumes (no check comes while the routers cannot be scraped).
-        held = (state.analysis or {}).get("verdict") == FAIL and facts.resume_token == state.resume_token
+        # A Fail holds promotion until a later check passes (an inconclusive one, too little data,
+        # does not clear it), or a person resumes (no check comes while the routers cannot be scraped).
+        held = state.held and facts.resume_token == state.resume_token
         if facts.canary_full and not held:
             return promote(replace(state, resume_token=facts.resume_token))
+        if not facts.canary_full and now - state.since > deadline:  # its pods cannot all be placed, say
+            return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size "
+                                           f"within {rollout.progressDeadline} (progressDeadline)")
         words = f"a failed check holds promotion (annotate {RESUME_ANNOTATION} to promote anyway)" if held \
             else f"scaling canary {state.canary} to the stable revision's size before promotion"
         return Decision(replace(state, message=f"{words}; {analysis_words(state)}"), events)
     pause = steps[state.step - 1].pause
     if pause is None:
         if facts.resume_token != state.resume_token:
-            return next_step(rollout, replace(state, resume_token=facts.resume_token), now, events)
+            return next_step(rollout, state, facts, now, events)
         return Decision(replace(state, phase=PAUSED, message=(
             f"step {state.step}/{len(steps)} paused at {steps[state.step - 1].weight}% to {state.canary}: "
             f"annotate {RESUME_ANNOTATION} to go on; {analysis_words(state)}")), events)
     if state.passed > 0 and now - state.since >= seconds(pause):
-        return next_step(rollout, state, now, events)
+        return next_step(rollout, state, facts, now, events)
     # A person may go on without a passing check: too little traffic for the quality gate's
     # minTokens, say, leaves every interval inconclusive.
     if facts.resume_token != state.resume_token:
-        return next_step(rollout, replace(state, resume_token=facts.resume_token), now, events)
+        return next_step(rollout, state, facts, now, events)
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
     if now - state.since >= seconds(pause):
         words += (f"; the pause is over but no analysis interval has passed (annotate {RESUME_ANNOTATION} "
@@ -179,10 +183,13 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     return Decision(replace(state, phase=PROGRESSING, message=f"{words}; {analysis_words(state)}"), events)
 
 
-def next_step(rollout: Rollout, state: State, now: float, events: list[Event]) -> Decision:
+def next_step(rollout: Rollout, state: State, facts: Facts, now: float, events: list[Event]) -> Decision:
+    # The resume annotation as it is now: one set before this step began asked to go on from an
+    # earlier one, not to skip this one's gate.
     steps = rollout.steps
     step = state.step + 1
-    new = replace(state, phase=PROGRESSING, step=step, since=now, passed=0)
+    new = replace(state, phase=PROGRESSING, step=step, since=now, passed=0, held=False,
+                  resume_token=facts.resume_token)
     if step > len(steps):
         return Decision(replace(new, message=f"every step passed: scaling canary {state.canary} up "
                                              "for promotion"),
@@ -226,7 +233,8 @@ def load(saved: dict[str, Any] | None) -> State | None:
         analysis = {**analysis, "time": epoch(analysis["time"])}
     return State(saved["phase"], saved["stable"], saved.get("canary"), saved.get("step", 0),
                  epoch(saved.get("stepStartedAt")) or 0.0,
-                 saved.get("passedChecks", 0), saved.get("failedChecks", 0), saved.get("rolledBack"),
+                 saved.get("passedChecks", 0), saved.get("failedChecks", 0),
+                 saved.get("promotionHeld", False), saved.get("rolledBack"),
                  saved.get("retryToken"), saved.get("resumeToken"), analysis, saved.get("message", ""),
                  epoch(saved.get("canaryUnreadySince")))
 
@@ -235,7 +243,8 @@ def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "phase": state.phase, "stable": state.stable, "canary": state.canary, "step": state.step,
         "stepStartedAt": iso(state.since) if state.active else None, "passedChecks": state.passed,
-        "failedChecks": state.failed, "rolledBack": state.rolled_back, "retryToken": state.retry_token,
+        "failedChecks": state.failed, "promotionHeld": state.held or None, "rolledBack": state.rolled_back,
+        "retryToken": state.retry_token,
         "resumeToken": state.resume_token, "message": state.message,
         "canaryUnreadySince": iso(state.unready_since) if state.active and state.unready_since else None}
     if state.analysis:

@@ -61,6 +61,9 @@ class RolloutStatus(BaseModel):
         description="From step 1 on: since when the canary has had no ready replica (progressDeadline runs from it).")
     passedChecks: int = 0
     failedChecks: int = 0
+    promotionHeld: bool | None = Field(None, description="A check failed in this step and none has passed since: "
+                                                         "the canary is not promoted (kiln.dev/resume-rollout "
+                                                         "overrides).")
     rolledBack: str | None = Field(None, description="A revision rolled back; not retried while the spec "
                                                      "still asks for it, unless kiln.dev/retry-rollout changes.")
     retryToken: str | None = None
