@@ -287,6 +287,30 @@ def test_times_from_a_clock_ahead_hold_replicas_no_longer_than_this_clock_allows
     assert decide(later, scaling, state, 5, 0, now + 61)[0].replicas == 1
 
 
+def test_a_pod_loading_past_the_deadline_holds_no_scale_down_even_to_zero():
+    # Its engine's /health answers while it loads, so no probe ends a load hung on its storage:
+    # counted as loading for ever, it held the scale to zero, and its GPU, for good.
+    import datetime
+
+    from kiln.operator.models import InferenceServiceSpec
+    from kiln.operator.observed import Observed
+    from kiln.operator.render import LOAD_DEADLINE_S
+    from kiln.operator.scaling import builtin, pod_counts
+    hung = pod("b", False)
+    hung["status"]["startTime"] = "2026-01-01T00:00:00Z"
+    started = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc).timestamp()
+    observed = Observed.of(hung)
+    assert pod_counts(observed, "r1", started + 60) == (0, 1, 0, None)  # on its way
+    assert pod_counts(observed, "r1", started + LOAD_DEADLINE_S + 1) == (0, 0, 0, None)
+    now = started + LOAD_DEADLINE_S + 120
+    idle = [Sample(now - i, 0.0) for i in range(60)]
+    scaling = spec(minReplicas=0, scaleDownDelay="60s")
+    previous = {"autoscaling": {"replicas": 1, "scaleDownSince": "2026-01-01T00:00:00Z"}}
+    model = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"},
+                                                 "autoscaling": scaling.model_dump()})
+    assert builtin(model, observed, "r1", previous, idle, now, 1).replicas == 0
+
+
 def test_standbys_are_not_scraped_for_load():
     # A warm pool's ready standby serves nobody: its zero would stand in for a serving pod that
     # did not answer, and read a busy service as idle.

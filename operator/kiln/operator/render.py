@@ -17,6 +17,9 @@ from .quantity import canonical
 
 DEFAULT_ENGINE_IMAGE = images.image("engine")  # this release's engine
 ROUTER_PORT = 8080
+# How long a replica may take to load before it counts as stuck, not on its way (the
+# Deployment's progress deadline; the engine's /health answers while it loads).
+LOAD_DEADLINE_S = 1800
 LABEL_ISVC = "kiln.dev/inferenceservice"
 LABEL_REVISION = "kiln.dev/revision"
 LABEL_COMPONENT = "kiln.dev/component"
@@ -186,7 +189,7 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
             # Never drop below the wanted capacity while a replica reloads weights.
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "progressDeadlineSeconds": 1800,
+            "progressDeadlineSeconds": LOAD_DEADLINE_S,
             "revisionHistoryLimit": 2,
             "template": {"metadata": pod_metadata(pod_labels, pod_annotations), "spec": pod_spec},
         },

@@ -12,7 +12,7 @@ from .autoscaler import Sample, ScalerState, decide, seconds
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import FAILING, Observed, engine_failure, is_ready, live, replicas_of, serves
 from .quantity import canonical
-from .render import LABEL_ISVC, PORT, ROUTER_PORT, Owner, metadata, template_pooled
+from .render import LABEL_ISVC, LOAD_DEADLINE_S, PORT, ROUTER_PORT, Owner, metadata, template_pooled
 from .status import condition
 
 
@@ -47,12 +47,18 @@ def failing(pod: dict[str, Any]) -> bool:
         ((c.get("state") or {}).get("waiting") or {}).get("reason") in FAILING for c in statuses)
 
 
-def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | None]:
+def stuck(pod: dict[str, Any], now: float) -> bool:
+    started = epoch((pod.get("status") or {}).get("startTime"))
+    return started is not None and now - started > LOAD_DEADLINE_S
+
+
+def pod_counts(observed: Observed, revision: str, now: float | None = None) -> tuple[int, int, int, str | None]:
     """(ready, loading, unschedulable, why they cannot be scheduled) for a revision's pods;
     terminating pods are neither capacity nor on their way, a warm pool's ready standbys serve
     nobody yet, and neither a pod no node fits nor one whose engine fails (a crash loop, an image
     that cannot be pulled) is loading: it must not hold a scale-down, even to zero (it may never
-    start, and holding it would keep a cluster autoscaler adding nodes for no load)."""
+    start, and holding it would keep a cluster autoscaler adding nodes for no load). Given `now`,
+    nor is one started LOAD_DEADLINE_S ago and still not ready (a load hung on its storage)."""
     ready = loading = unschedulable = 0
     why = None
     for pod in observed.pods(revision):
@@ -66,7 +72,7 @@ def pod_counts(observed: Observed, revision: str) -> tuple[int, int, int, str | 
         if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
             unschedulable += 1
             why = scheduled.get("message", "no node fits the pod")
-        elif not failing(pod):
+        elif not failing(pod) and not (now is not None and stuck(pod, now)):
             loading += 1
     return ready, loading, unschedulable, why
 
@@ -102,7 +108,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     assert spec.autoscaling is not None
     state = scaler_state(previous, initial)
     saved = previous.get("autoscaling") or {}  # the last pass's status.autoscaling
-    ready, loading, _, _ = pod_counts(observed, stable)
+    ready, loading, _, _ = pod_counts(observed, stable, now)
     decision, new = decide(samples, spec.autoscaling, state, ready, loading, now)
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
