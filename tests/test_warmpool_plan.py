@@ -59,6 +59,18 @@ def test_patches_relabel_and_make_standbys_the_cheaper_to_delete():
     assert patches["p0"]["metadata"]["annotations"][ASLEEP] is None  # a serving pod is awake
 
 
+def test_idle_cost_adds_up_to_the_time_standbys_were_ready():
+    """accountedAt is written in whole seconds: measured from it, each pass counted the dropped
+    fraction again (14,801 replica-seconds for 14,398 s of one standby)."""
+    block, now = {}, 1_000_000.7
+    for _ in range(480):
+        block, _ = pool_status(1, pods("s+", "w+"), None, 0, block, gpus=2, now=now)
+        now += 30.9
+    elapsed = now - 30.9 - 1_000_000.7
+    assert abs(block["idleReplicaSeconds"] - elapsed) <= 1.0
+    assert abs(block["idleGPUSeconds"] - 2 * elapsed) <= 2.0
+
+
 def test_pool_status_counts_ready_standbys_and_accumulates_idle_cost():
     block, cond = pool_status(2, pods("s+", "w+", "w-"), None, 0, {}, gpus=1, now=1000.0)
     assert (block["ready"], block["idleReplicaSeconds"], cond["reason"]) == (1, 0.0, "Filling")

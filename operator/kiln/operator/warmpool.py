@@ -95,6 +95,7 @@ def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted:
     cost is kept visible: replica- and GPU-seconds spent ready and idle, accumulated from pass
     to pass at the count the previous pass saw."""
     ready = sum(1 for p in pods if p.ready and not p.serving)
+    now = float(int(now))  # accountedAt keeps whole seconds: the fraction would be counted twice
     since = epoch(previous.get("accountedAt"))
     if since is not None and 0 <= now - since < ACCOUNT_EVERY_S and ready == previous.get("ready") and not promoted:
         now = since  # nothing to account yet: the status stays as it is, and is not written
