@@ -85,6 +85,8 @@ async def test_requests_wait_for_the_split_when_several_revisions_are_ready_and_
         assert svc.hits() == [0, 0]
         traffic.traffic = Traffic({"stable": 100, "canary": 0}, "stable", "canary")  # read at last
         assert (await waiting).status == 200 and svc.hits() == [1, 0]
+        # Replicas were ready all along: no cold start, whose time status.autoscaling reports.
+        assert metric(await svc.metrics(), "kiln_router_cold_start_seconds_count") == 0
     async with service(1, revisions=["stable"], traffic=StaticTraffic(Traffic(known=False))) as svc:
         assert (await svc.complete()).status == 200
 

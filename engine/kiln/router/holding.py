@@ -43,8 +43,9 @@ class Holding:
                                   "too_many_held_requests")
         self.count += 1
         # Not after a refused connection (its replica was there, no cold start), nor a second
-        # time (the replica it waited for left before it was picked).
-        if exchange.held is None and not after_change:
+        # time (the replica it waited for left before it was picked), nor with a replica ready
+        # (a split not read yet): the autoscaler reports the last cold start from this.
+        if exchange.held is None and not after_change and not self.source.ready().all:
             exchange.held = time.monotonic()
         waiting = asyncio.timeout(-1 if self._stopping else self.activation_timeout)
         self._waits.add(waiting)
