@@ -33,7 +33,8 @@ class Holding:
         self._waits: set[asyncio.Timeout] = set()  # theirs, which a shutdown ends at once
         self._stopping = False
 
-    async def wait(self, exchange: Held, servable: Callable[[], bool], after_change: bool) -> web.Response | None:
+    async def wait(self, exchange: Held, servable: Callable[[], bool], after_change: bool,
+                   warm: bool = False) -> web.Response | None:
         """Waits until `servable()` (and, `after_change`, up to REFUSED_WAIT_S for the ready
         replicas to change first); None then, else the error to answer. A client that hangs up
         meanwhile cancels this wait, so it is never forwarded."""
@@ -43,9 +44,9 @@ class Holding:
                                   "too_many_held_requests")
         self.count += 1
         # Not after a refused connection (its replica was there, no cold start), nor a second
-        # time (the replica it waited for left before it was picked), nor with a replica ready
-        # (a split not read yet): the autoscaler reports the last cold start from this.
-        if exchange.held is None and not after_change and not self.source.ready().all:
+        # time (the replica it waited for left before it was picked), nor while replicas were
+        # ready (`warm`: a split not read yet): the autoscaler reports the last cold start.
+        if exchange.held is None and not after_change and not warm:
             exchange.held = time.monotonic()
         waiting = asyncio.timeout(-1 if self._stopping else self.activation_timeout)
         self._waits.add(waiting)

@@ -283,7 +283,8 @@ class Router:
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
                 # connection (a replica gone before its EndpointSlice caught up): wait for another.
-                if refused := await self.holding.wait(exchange, self._servable, after_change=bool(failed)):
+                warm = split_unknown(self.traffic.current(), self.source.ready().by_revision)
+                if refused := await self.holding.wait(exchange, self._servable, bool(failed), warm):
                     return refused
                 failed = []  # the replicas changed: an address that refused may be a new pod's now
                 continue
