@@ -112,6 +112,24 @@ async def test_a_weighted_revision_without_ready_replicas_gives_its_share_to_the
 
 
 @on_event_loop
+async def test_the_stable_revision_without_a_replica_gives_its_share_to_no_canary() -> None:
+    """The stable revision at zero (or all its pods restarting) beside a ready canary at a 10%
+    step: requests wait for it, or the canary, not yet vetted, took every request."""
+    traffic = split({"stable": 90, "canary": 10})
+    async with service(2, revisions=["stable", "canary"], traffic=traffic, source=ChangingEndpoints) as svc:
+        assert isinstance(svc.source, ChangingEndpoints)
+        stable, canary = svc.endpoints
+        svc.source.set(ReadyEndpoints.of([canary]))
+        pending = [asyncio.create_task(svc.complete()) for _ in range(3)]
+        async with asyncio.timeout(30):  # sent to the canary instead, they are never held
+            await until_held(svc.client, 3)
+        assert svc.hits() == [0, 0]
+        svc.source.set(ReadyEndpoints.of([stable, canary]))
+        assert [r.status for r in await asyncio.gather(*pending)] == [200, 200, 200]
+        assert sum(svc.hits()) == 3 and svc.hits()[0] >= 2
+
+
+@on_event_loop
 async def test_a_revision_at_weight_zero_takes_nothing_and_requests_wait_for_a_weighted_one() -> None:
     """A canary not yet vetted (weight 0) is ready while the stable revision is at zero: requests
     are held, as at zero replicas (the held count is what scales the stable revision up), and go

@@ -328,23 +328,29 @@ class Router:
     def _pick(self, failed: list[Endpoint], keys: list[bytes], anywhere: bool) -> Endpoint | None:
         """The replica for the next try. During a rollout, by its weights among the revisions with
         a ready replica left to try; a revision at weight 0 (a canary not yet vetted) takes none,
-        unless a weighted one does not serve the model asked for (`anywhere`). None: hold it."""
+        unless a weighted one does not serve the model asked for (`anywhere`). A canary's share
+        goes to the stable revision while it has no replica, never the other way: the stable
+        revision's share waits for it. None: hold it."""
         traffic, ready = self.traffic.current(), self.source.ready().by_revision
         weights = traffic.weights
         if weights is None:
             return None if split_unknown(traffic, ready) else self.balancer.pick(failed, None, keys)
+        left = {revision for revision in weights if any(e not in failed for e in ready.get(revision, ()))}
         revision = self.weighted.choose({revision: weight for revision, weight in weights.items()
-                                         if any(e not in failed for e in ready.get(revision, ()))})
-        if revision is None and not anywhere:
+                                         if revision in left or (revision == traffic.stable and not anywhere)})
+        if revision not in left and not anywhere:
             return None
         return self.balancer.pick(failed, revision, keys)
 
     def _servable(self) -> bool:
-        """A held request may go: a replica is ready in a revision the split gives requests to."""
+        """A held request may go: a replica is ready in a revision the split gives requests to,
+        the stable revision's own while it has a share."""
         traffic, ready = self.traffic.current(), self.source.ready().by_revision
         weights = traffic.weights
         if weights is None:
             return any(ready.values()) and not split_unknown(traffic, ready)
+        if weights.get(traffic.stable or "", 0) > 0:
+            return bool(ready.get(traffic.stable or ""))
         return any(ready.get(revision) for revision, weight in weights.items() if weight > 0)
 
     async def _relay(self, request: web.Request, endpoint: Endpoint, body: bytes,
