@@ -179,7 +179,7 @@ def test_a_stop_string_met_before_min_tokens_stops_nothing_later(llm: LLM, promp
     ref_text = llm.tokenizer.decode(references[6])
     short = ref_text.strip()[0]  # a character the first tokens hold
     min_tokens = 6
-    allowed_from = len(llm.tokenizer.decode(references[6][: min_tokens - 1]))
+    allowed_from = len(llm.tokenizer.decode(references[6][:min_tokens]))  # from token min_tokens + 1
     assert 0 <= ref_text.find(short) < allowed_from
     later = ref_text.find(short, allowed_from)
     for keep in (False, True):
@@ -188,6 +188,13 @@ def test_a_stop_string_met_before_min_tokens_stops_nothing_later(llm: LLM, promp
             stop=[short, "a stop string this text never holds"], include_stop_str_in_output=keep))[0]
         end = len(ref_text) if later < 0 else later + (len(short) if keep else 0)
         assert out.text == ref_text[:end], (keep, out.text)
+    # The text of token min_tokens itself as the stop string: min_tokens tokens come out whole.
+    for count in (1, 3):
+        before, upto = (llm.tokenizer.decode(references[6][:n]) for n in (count - 1, count))
+        out = llm.generate([prompt_ids[6]], SamplingParams(
+            temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=count, ignore_eos=True,
+            stop=[upto[len(before):]]))[0]
+        assert len(out.token_ids) > count and out.text.startswith(upto), (count, out.text)
 
 
 def test_an_interrupted_generate_leaves_nothing_behind_for_the_next_call(llm: LLM, prompt_ids, references,

@@ -283,6 +283,26 @@ def test_required_arguments_beyond_float_are_content_not_infinity() -> None:
     assert calls.message('[{"name": "f", "parameters": {"x": 1e30}}]', "stop")[1] == "tool_calls"
 
 
+def test_output_nested_past_the_json_parsers_depth_is_content_not_a_500() -> None:
+    """A tool whose parameters take any value, and a model looping on "[": json.loads raised
+    RecursionError, which escaped as a 500 (or broke a stream after its headers)."""
+    calls = tool_calls(request({"type": "object", "properties": {"x": {}}}))
+    deep = '[{"name": "f", "parameters": {"x": ' + "[" * 5000 + "]" * 5000 + "}}]"
+    assert calls.message(deep, "length") == ({"content": deep}, "length")
+
+
+def test_a_past_calls_arguments_nested_past_the_parsers_depth_stay_a_string() -> None:
+    """Made an object for the template, they raised RecursionError: a 10 KB request got a 500."""
+    arguments = "[" * 5000 + "]" * 5000
+    body = {"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    messages = ChatCompletionRequest.model_validate(body).template_messages()
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == arguments
+
+
 def test_a_call_answer_follows_the_served_document(server) -> None:
     """/openapi.json said content is a string and finish_reason "stop" or "length": a client
     generated from it rejected every answer that made a call."""

@@ -409,7 +409,9 @@ class LLMEngine:
         at_limit = seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len
         if at_limit:
             seq.text += seq.detokenizer.flush()
-        if params.stop and seq.may_stop and len(seq.text) > old_len:
+        if params.stop and seq.num_output_tokens > params.min_tokens and len(seq.text) > old_len:
+            # Past min_tokens, as vLLM checks stop strings (a stop string in token min_tokens left an
+            # answer one token short, or empty at min_tokens 1, where EOS could not end it).
             # Only a stop string ending in the new text can be new; it may start a little before it.
             # (Each string from its own start: a short one wholly in the old text came before
             # min_tokens let it stop the request, and must not stop it now.)

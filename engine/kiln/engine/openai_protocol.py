@@ -269,7 +269,7 @@ def _with_arguments_object(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         parsed = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: no object either
         return call
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 

@@ -86,7 +86,8 @@ class ToolCalls:
             try:
                 calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False, allow_nan=False))
                          for call in json.loads(text)]
-            except ValueError:  # cut short by max_tokens, or a number beyond float (1e400: no JSON again)
+            except (ValueError, RecursionError):  # cut short by max_tokens, a number beyond float (1e400:
+                # no JSON again), or nested past the parser's depth
                 return {"content": text}, finish_reason
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         tool_calls = [{"id": self.call_id(), "type": "function",

@@ -51,7 +51,7 @@ def greedy_request(body: bytes) -> dict[str, Any] | None:
     no JSON object with a prompt or messages."""
     try:
         payload = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     if not isinstance(payload, dict) or not ({"prompt", "messages"} & payload.keys()):
         return None
