@@ -35,6 +35,7 @@ def test_prefix_keys_are_shared_exactly_as_far_as_prompts_agree():
     for changed in (json.dumps({"model": "sql", "messages": json.loads(chat("a" * 100))["messages"]}).encode(),
                     chat("a" * 100, cache_salt="tenant-b"), chat("a" * 100, tools=[{"type": "function"}])):
         assert not set(prefix_keys("/v1/chat/completions", changed)) & set(first)
+    assert not set(prefix_keys("/v1/chat/completions", chat("a" * 100), "another key's salt")) & set(first)
     # The Responses API's instructions and input, as the chat messages they stand for.
     response = {"model": "m", "instructions": SYSTEM, "input": [{"role": "user", "content": "a" * 100}]}
     assert prefix_keys("/v1/responses", json.dumps(response).encode()) == first

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kiln.engine import RequestOutput, SamplingParams
+from kiln.engine import RequestOutput, SamplingParams, cache_salt
 from kiln.engine.api_errors import APIError, model_not_found, parse_request
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
@@ -164,6 +164,7 @@ class OpenAIServing:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req: CompletionRequest = parse_request(CompletionRequest, await request.read())
+        cache_salt.apply(req, request.headers)
         lora = self._check_model(req.model)
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
@@ -188,6 +189,7 @@ class OpenAIServing:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
+        cache_salt.apply(req, request.headers)
         ids, params, tools, lora = self.chat_inputs(req)
         return await self._generate(request, req, [ids], [params], lambda index: ChatShape(
             self.tokenizer, req.logprobs, index, tools), False, lora)

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from kiln.engine import cache_salt
 from kiln.engine.async_engine import RequestStream
 from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import ChatCompletionRequest
@@ -128,6 +129,7 @@ class ResponsesServing:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         req: ResponsesRequest = parse_request(ResponsesRequest, await request.read())
+        cache_salt.apply(req, request.headers)
         chat = chat_request(req)
         try:
             ids, params, tools, lora = self.serving.chat_inputs(chat)

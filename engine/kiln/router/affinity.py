@@ -30,9 +30,10 @@ MAX_CHARS = 32768
 PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def prefix_keys(path: str, body: bytes) -> list[bytes]:
+def prefix_keys(path: str, body: bytes, tenant: str | None = None) -> list[bytes]:
     """The keys of a request's prompt prefixes, shortest first; none for other paths and for
-    bodies that are not a request the engine would take (it answers those with a 400)."""
+    bodies that are not a request the engine would take (it answers those with a 400).
+    `tenant`: the API key's cache salt, which the engine joins to the body's."""
     if path not in PATHS or len(body) > MAX_BODY:
         return []
     try:
@@ -47,7 +48,8 @@ def prefix_keys(path: str, body: bytes) -> list[bytes]:
         return []
     if not text:
         return []
-    digest = hashlib.blake2b(repr((request.get("model"), request.get("cache_salt"))).encode(), digest_size=16)
+    digest = hashlib.blake2b(repr((request.get("model"), tenant, request.get("cache_salt"))).encode(),
+                             digest_size=16)
     keys = []
     for start in range(0, len(text) - CHUNK + 1, CHUNK):
         digest.update(text[start:start + CHUNK].encode(errors="surrogatepass"))

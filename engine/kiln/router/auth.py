@@ -1,7 +1,8 @@
 """API keys at the router: `Authorization: Bearer <key>` on every path but the probes,
 /metrics and /openapi.json (deny by default, so no route is a side door), and a prefix-cache
 salt per key, so one tenant's requests never reuse another's cached prefix blocks (whose hit
-or miss shows in the time to first token: PromptPeek, NDSS 2025). `kiln serve --api-key`
+or miss shows in the time to first token: PromptPeek, NDSS 2025). The salt goes to the engine
+in a header (kiln.engine.cache_salt), which joins it to the body's own cache_salt. `kiln serve --api-key`
 checks keys the same way (no salt: as vLLM's, its keys only authenticate).
 
 Keys come from `--api-key` (repeatable) or the KILN_API_KEYS environment variable (one per
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -87,26 +87,3 @@ def middleware(keys: ApiKeys) -> Callable:
         request[SALT] = salt
         return await handler(request)
     return check
-
-
-def salted(body: bytes, salt: str | None) -> bytes:
-    """The request body with the tenant's salt as its `cache_salt` (joined to the client's own,
-    which then only splits the tenant's cache further). A body that is not a JSON object is
-    left alone: the engine answers it with a 400."""
-    if salt is None:
-        return body
-    try:
-        request = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        return body
-    if not isinstance(request, dict):
-        return body
-    own = request.get("cache_salt")
-    # The client's own salt goes in as a digest, so the joined salt stays within the engine's
-    # 256-character limit whatever length the client sent.
-    request["cache_salt"] = salt if not isinstance(own, str) or not own else \
-        f"{salt}:{hashlib.sha256(own.encode(errors='surrogatepass')).hexdigest()[:32]}"
-    try:  # as compact as a client would send it: the engine's body limit is the router's
-        return json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800"): only an escape can carry it
-        return json.dumps(request, separators=(",", ":")).encode()

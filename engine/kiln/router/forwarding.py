@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kiln.engine import cache_salt
+
 # Per-connection headers (RFC 9110 7.6.1) and ones the client library sets itself.
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
@@ -14,10 +16,12 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
 NOT_FORWARDED = HOP_BY_HOP | {"content-length", "content-encoding"}
 
 
-def request_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """Pairs, not a dict: a header may repeat."""
-    dropped = NOT_FORWARDED | _named_in_connection(headers)
-    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
+def request_headers(headers: Mapping[str, str], salt: str | None = None) -> list[tuple[str, str]]:
+    """Pairs, not a dict: a header may repeat. `salt`: the tenant's prefix-cache salt, in the
+    header no client may set itself (one sent is dropped, with API keys or without)."""
+    dropped = NOT_FORWARDED | _named_in_connection(headers) | {cache_salt.HEADER.lower()}
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped] + \
+        ([(cache_salt.HEADER, salt)] if salt else [])
 
 
 def response_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -59,9 +59,8 @@ class Limits:
     stream_idle_timeout: float = 600.0
     max_in_flight: int = 1024  # /v1 requests at once; more wait in line (max_queue), then 429
     max_body_bytes: int = 16 << 20  # long prompts are still small JSON; more get a 413
-    # Request bodies held at once (the router keeps each until its answer ends, twice over with
-    # API keys: the salted copy); past it a 429. The default fits the 512 MiB the operator gives
-    # it: 1024 requests of 16 MiB would not.
+    # Request bodies held at once (the router keeps each until its answer ends); past it a 429.
+    # The default fits the 512 MiB the operator gives it: 1024 requests of 16 MiB would not.
     max_body_bytes_in_flight: int = 192 << 20
     max_held: int = 256  # requests waiting at once for a replica to start; more get a 429
     activation_timeout: float = 300.0  # seconds a request waits for a replica, then a 503
@@ -185,14 +184,11 @@ class Router:
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
             body = b"".join(chunks)
-            salting = request.path.startswith("/v1/") and bool(request.get(auth.SALT))  # may use the prefix cache
-            more = len(body) * (2 if salting else 1) - held
+            more = len(body) - held
             if more > 0:
                 if not self._hold_body(more, mine=held):
                     return self._bodies_refused()
                 held += more
-            if salting:  # off the event loop: a large body takes long enough to stall every stream
-                body = await asyncio.to_thread(auth.salted, body, request[auth.SALT])
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current())
             return await self._send(request, body, exchange)
@@ -271,7 +267,7 @@ class Router:
         again: Endpoint | None = None  # the replica a dead pooled connection was to
         suspect: Endpoint | None = None  # ... which may have died of reading this request
         fresh = False  # the next attempt takes a new connection
-        keys = prefix_keys(request.path, body) if self.limits.prefix_slack >= 0 else []
+        keys = prefix_keys(request.path, body, request.get(auth.SALT)) if self.limits.prefix_slack >= 0 else []
         while len(tried) < ATTEMPTS:
             if again is not None and again in self.source.ready().all:
                 endpoint = again
@@ -364,7 +360,7 @@ class Router:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
                 upstream = await (self._fresh if fresh else self._session).request(
                     request.method, endpoint.url + request.rel_url.raw_path_qs,
-                    headers=request_headers(request.headers), data=body,
+                    headers=request_headers(request.headers, request.get(auth.SALT)), data=body,
                     trace_request_ctx=attempt)
                 if upstream.status in (404, 503) and upstream.content_type == "application/json":
                     async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
