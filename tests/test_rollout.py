@@ -83,6 +83,24 @@ def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
     assert check(good, dying, analysis).verdict == PASS
 
 
+def test_the_error_rate_is_judged_beside_the_stable_revisions():
+    """One 5xx in 10 failed a check at the default maxErrorRate even when stable failed as often
+    (a prompt no model answers, a shared dependency down): what stable fails is no regression."""
+    analysis = Analysis()  # minRequests 10, maxErrorRate 0.01
+    one_in_ten = figures(page("c", 9, 1))["c"]
+    as_often = figures(page("s", 81, 9))["s"]
+    result = check(one_in_ten, as_often, analysis)
+    assert result.verdict == PASS and result.figures["stableErrorRate"] == 0.1
+    clean = figures(page("s", 90, 0))["s"]
+    assert check(one_in_ten, clean, analysis).failed == ["error rate 0.100 > 0.01"]  # the old threshold
+    # Past maxErrorRate above stable's share is still a failure, said with both figures.
+    worse = check(figures(page("c", 7, 3))["c"], as_often, analysis)
+    assert worse.verdict == FAIL and worse.failed == ["error rate 0.300 > 0.01 + stable's 0.100"]
+    # Stable with fewer than minRequests answers (a 100% step) is no baseline: the threshold is absolute.
+    few = check(one_in_ten, figures(page("s", 5, 4))["s"], analysis)
+    assert few.verdict == FAIL and few.figures["stableErrorRate"] is None
+
+
 def test_a_latency_ratio_needs_min_requests_streamed_on_each_side():
     """One slow stream among fifty answers is no p95: the ratio is left unjudged, not failed."""
     analysis = ROLLOUT.analysis  # minRequests 5

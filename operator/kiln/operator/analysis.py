@@ -118,9 +118,18 @@ def p95_ratio(canary: Mapping[float, float], stable: Mapping[float, float], leas
     return ratio(p95(canary), p95(stable))
 
 
+def error_baseline(stable: Figures, least: int) -> float | None:
+    """The stable revision's 5xx share over the interval, which the canary's is judged beside:
+    errors both revisions see (requests no model can answer, a shared dependency down) are no
+    regression. None when stable answered fewer than `least` (a 100% step sends it nothing): a
+    thin baseline never loosens maxErrorRate, which is then the absolute threshold it always was."""
+    return stable.errors / stable.requests if stable.requests >= max(least, 1) else None
+
+
 def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
-    requests: inconclusive, never a failure; a latency ratio is judged only where both revisions
+    requests: inconclusive, never a failure; the error rate fails past maxErrorRate above the
+    stable revision's (error_baseline); a latency ratio is judged only where both revisions
     streamed at least minRequests responses. Too few mirrored tokens leaves quality unjudged
     (inconclusive unless another check failed: a canary failing every request scores no tokens,
     and that must not hide its errors). The agreement threshold is relative to the noise floor:
@@ -128,20 +137,23 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     ttft = p95_ratio(canary.ttft, stable.ttft, analysis.minRequests)
     itl = p95_ratio(canary.itl, stable.itl, analysis.minRequests)
     error_rate = canary.errors / canary.requests if canary.requests else None
+    baseline = error_baseline(stable, analysis.minRequests)
     agreement = canary.agreed / canary.tokens if canary.tokens else None
     quality = analysis.quality
     floor = stable.agreed / stable.tokens if quality and stable.tokens >= quality.minTokens else None
     shown: dict[str, float | int | None] = {
         "canaryRequests": int(canary.requests), "stableRequests": int(stable.requests),
-        "errorRate": rounded(error_rate), "ttftP95Ratio": rounded(ttft), "itlP95Ratio": rounded(itl),
-        "greedyAgreement": rounded(agreement), "agreementTokens": int(canary.tokens),
+        "errorRate": rounded(error_rate), "stableErrorRate": rounded(baseline), "ttftP95Ratio": rounded(ttft),
+        "itlP95Ratio": rounded(itl), "greedyAgreement": rounded(agreement), "agreementTokens": int(canary.tokens),
         "noiseFloor": rounded(floor), "noiseFloorTokens": int(stable.tokens)}
     if canary.requests < analysis.minRequests:
         return Check(INCONCLUSIVE, shown, [])
     quality_judged = quality is not None and canary.tokens >= quality.minTokens
     failed = []
-    if error_rate is not None and error_rate > analysis.maxErrorRate:
-        failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}")
+    # baseline + maxErrorRate, not their difference: with a clean stable revision exactly the old threshold.
+    if error_rate is not None and error_rate > (baseline or 0.0) + analysis.maxErrorRate:
+        failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}"
+                      + (f" + stable's {baseline:.3f}" if baseline else ""))
     if ttft is not None and ttft > analysis.maxTimeToFirstTokenP95Ratio:
         failed.append(f"TTFT p95 ratio {ttft:.2f} > {analysis.maxTimeToFirstTokenP95Ratio}")
     if itl is not None and itl > analysis.maxInterTokenLatencyP95Ratio:

@@ -71,10 +71,7 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     `kubectl scale isvc` or an outside autoscaler may set any count, zero included."""
     if spec.autoscaling is None or spec.autoscaling.mode == "none":
         return spec.replicas
-    low = spec.autoscaling.minReplicas
-    if spec.autoscaling.mode == "hpa":  # its HPA's floor (render_hpa): one whose target is at zero stops acting
-        low = max(1, low)
-    return min(max(spec.replicas, low), spec.autoscaling.maxReplicas)
+    return min(max(spec.replicas, spec.autoscaling.floor), spec.autoscaling.maxReplicas)
 
 
 def replicas_writer(spec: InferenceServiceSpec) -> str:

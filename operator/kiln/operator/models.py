@@ -302,6 +302,12 @@ class Autoscaling(Spec):
             raise ValueError("autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")
         return self
 
+    @property
+    def floor(self) -> int:
+        """The fewest replicas it serves with: an HPA's minReplicas is at least 1 (one whose target
+        is at zero stops acting; scaling to zero is an alpha feature gate)."""
+        return max(1, self.minReplicas) if self.mode == "hpa" else self.minReplicas
+
 
 class WarmPool(Spec):
     """Replicas of the stable revision loaded and warmed but not routed, beyond those that serve;
@@ -337,7 +343,9 @@ class Analysis(Spec):
         "Failed checks that roll the canary back (0 and 1 both: the first)."))
     minRequests: int = Field(10, ge=1, le=1_000_000, description=(
         "Canary requests an interval needs before it is judged; fewer: inconclusive."))
-    maxErrorRate: Ratio = 0.01
+    maxErrorRate: Ratio = Field(0.01, description=(
+        "How far the canary's 5xx share may exceed the stable revision's over an interval; the stable's "
+        "counts when it answered at least minRequests, else 0 (the threshold is then absolute)."))
     maxTimeToFirstTokenP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
     maxInterTokenLatencyP95Ratio: float = Field(1.25, ge=1.0, description="canary / stable, at least 1")
     quality: Quality | None = None

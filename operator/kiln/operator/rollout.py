@@ -217,8 +217,8 @@ def analysis_words(state: State) -> str:
     a = state.analysis
     if not a:
         return "no analysis interval has ended yet"
-    shown = ", ".join(f"{k} {a[k]}" for k in ("greedyAgreement", "noiseFloor", "errorRate", "ttftP95Ratio",
-                                              "itlP95Ratio") if a.get(k) is not None)
+    shown = ", ".join(f"{k} {a[k]}" for k in ("greedyAgreement", "noiseFloor", "errorRate", "stableErrorRate",
+                                              "ttftP95Ratio", "itlP95Ratio") if a.get(k) is not None)
     return f"last analysis {a['verdict'].lower()} ({shown or 'no figures'}; {a.get('canaryRequests', 0)} " \
            f"canary requests); {state.failed} failed check(s)"
 

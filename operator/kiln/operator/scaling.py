@@ -192,7 +192,7 @@ def render_hpa(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
         "spec": {
             "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": owner.name},
             # An HPA cannot go to zero (unless the HPAScaleToZero feature gate is on): use builtin for that.
-            "minReplicas": max(1, scaling.minReplicas), "maxReplicas": scaling.maxReplicas,
+            "minReplicas": scaling.floor, "maxReplicas": scaling.maxReplicas,
             "metrics": [{"type": "Pods", "pods": {"metric": {"name": HPA_METRIC},
                                                   "target": {"type": "AverageValue",
                                                              "averageValue": canonical(scaling.targetQueueDepth)}}}],

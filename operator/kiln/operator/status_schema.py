@@ -33,6 +33,9 @@ class AnalysisStatus(BaseModel):
     canaryRequests: int | None = None
     stableRequests: int | None = None
     errorRate: float | None = None
+    stableErrorRate: float | None = Field(None, description=(
+        "The stable revision's 5xx share, which the canary's may exceed by maxErrorRate; absent: stable "
+        "answered fewer than minRequests, and maxErrorRate is absolute."))
     ttftP95Ratio: float | None = None
     itlP95Ratio: float | None = None
     greedyAgreement: float | None = None
