@@ -7,6 +7,7 @@ Outputs are poisoned with NaN first, so an element a kernel fails to write fails
 unused cache slots and padded block-table entries hold NaN too, so a kernel that reads
 past a sequence's length fails as well.
 """
+import math
 import os
 import re
 import subprocess
@@ -342,12 +343,30 @@ def test_kernel_benchmark_names_its_cases(monkeypatch: pytest.MonkeyPatch) -> No
         bench_kernels.KERNELS)
 
 
+def test_tuning_never_replaces_an_entry_with_a_slower_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --with, the candidates may not hold the file's entry: it is timed beside them and kept
+    when it is faster. The GPU timer is the one stand-in (this machine has no GPU)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "bench"))
+    import tune_kernels
+    held, faster = {"GEMV": 1, "WORDS": 1, "SPLIT_K": 16}, {"MAGIC": 3, "SPLIT_K": 8}
+    times = {None: 10.0, str(held): 4.0, str(faster): 6.0, str({"MAGIC": 3}): 8.0}
+    monkeypatch.setattr(tune_kernels, "time_candidates", lambda kernel, key, candidates, shapes, deadline: [
+        [times[str(c) if c else None]] for c in candidates])
+    for file_holds, chosen in ((held, held), (None, faster), ({"MAGIC": 3}, faster)):
+        configs = {"quant_gemm": {"w4-g128-m1": file_holds}} if file_holds else {}
+        tune_kernels.tune("quant_gemm", [("w4-g128-m1", [])], [{}, {"MAGIC": 3}, faster], math.inf, configs, [])
+        assert configs["quant_gemm"]["w4-g128-m1"] == chosen
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
-@pytest.mark.parametrize("magic,gemv", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("magic,gemv", [(1, False), (2, False), (3, False), (1, True)])
 def test_int4_codes_without_conversions(dtype: torch.dtype, kind: str, magic: int, gemv: bool) -> None:
     """The MAGIC configs build the codes by OR-ing them into a float's mantissa: results as exact
-    as the converting kernel's, in the tensor-core GEMM and the GEMV, for every int4 format."""
+    as the converting kernel's, in the tensor-core GEMM and the GEMV, for every int4 format.
+    MAGIC 3 does it in inline PTX, which only a GPU runs (test_gpu.py runs this file compiled)."""
+    if magic == 3 and DEVICE == "cpu":
+        pytest.skip("MAGIC 3 is inline PTX: the interpreter cannot run it; it runs compiled on a GPU")
     gen = torch.Generator().manual_seed(14)
     x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 256, generator=gen).to(dtype), 64,

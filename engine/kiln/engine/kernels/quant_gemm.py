@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kiln.engine.kernels import dequant, int4_gemv, tuned
+from kiln.engine.kernels import dequant, int4_codes, int4_gemv, tuned
 from kiln.engine.kernels.paged_attention import dot_precision
 
 GROUP_SIZES = (32, 64, 128)
@@ -91,25 +91,6 @@ def _check_w4_shape(n: int, k: int, group_size: int) -> None:
 
 
 @triton.jit
-def _codes(packed, shift: tl.constexpr, offset, MAGIC: tl.constexpr, DTYPE: tl.constexpr):
-    # The 4-bit codes at `shift` of int32 `packed`, less `offset` (a zero point per row, 8 or 0).
-    # MAGIC 0: int32 (the caller converts). 1: fp32, made by OR-ing the code into the mantissa of
-    # 2**23 and subtracting 2**23 + offset. 2: the same in DTYPE's 16 bits (bf16 128.0, fp16 1024.0),
-    # no conversion at all. An int-to-float conversion runs at a quarter of the FMA rate or less.
-    # Every step is exact: |code - offset| <= 15.
-    q = (packed >> shift) & 0xF
-    if MAGIC == 0:
-        q = q - offset
-    elif MAGIC == 2 and DTYPE == tl.bfloat16:
-        q = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (offset + 128.0).to(tl.bfloat16)
-    elif MAGIC == 2 and DTYPE == tl.float16:
-        q = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (offset + 1024.0).to(tl.float16)
-    else:
-        q = (q | 0x4B000000).to(tl.float32, bitcast=True) - (offset + 8388608.0)
-    return q
-
-
-@triton.jit
 def _dequant_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_ym, stride_ys,
@@ -135,22 +116,28 @@ def _dequant_gemm_kernel(
         if INT4:
             # Byte j holds k = 2j (low nibble) and 2j + 1 (high): each byte is loaded once, and its
             # two codes meet x's even and odd columns in two dots over half the tile each.
-            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            j_ok = offs_j < K // 2
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # K is whole groups: no column masks
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                        mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+                        mask=m_ok[:, None], other=0.0)
             x_lo, x_hi = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K // 2, 2]))  # even, odd columns
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
-                             mask=n_ok[:, None] & j_ok[None, :], other=0).to(tl.int32)
+                             mask=n_ok[:, None], other=0)
             if HAS_ZEROS:
                 offset = tl.load(z_ptr + rows_w * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.int32)[:, None]
             elif HAS_MINS:  # q * s + m: see below
                 offset = 0
             else:  # symmetric: codes centred on 8
                 offset = 8
-            lo = _codes(packed, 0, offset, MAGIC, x_lo.dtype)  # |q - z| <= 15: exact in 16-bit floats
-            hi = _codes(packed, 4, offset, MAGIC, x_lo.dtype)
+            if MAGIC == 3 and x_lo.dtype != tl.float32:  # fp32 x: MAGIC 1's codes
+                lo, hi = int4_codes.biased(packed, x_lo)
+                bias = (offset + (128.0 if x_lo.dtype == tl.bfloat16 else 1024.0)).to(x_lo.dtype)
+                lo -= bias
+                hi -= bias
+            else:
+                # |q - z| <= 15: exact in 16-bit floats
+                lo = int4_codes.codes(packed.to(tl.int32), 0, offset, MAGIC, x_lo.dtype)
+                hi = int4_codes.codes(packed.to(tl.int32), 4, offset, MAGIC, x_lo.dtype)
             part = tl.dot(x_lo, tl.trans(lo.to(x_lo.dtype)), input_precision=DOT_PREC)
             part += tl.dot(x_hi, tl.trans(hi.to(x_hi.dtype)), input_precision=DOT_PREC)
             x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
@@ -206,8 +193,8 @@ def _dequant_gemv_kernel(
             x_lo, x_hi = tl.split(tl.reshape(x, [BLOCK_K // 2, 2]))
             packed = tl.load(w_ptr + rows_w[:, None] * stride_wn + offs_j[None, :],
                              mask=n_ok[:, None] & j_ok[None, :], other=0, eviction_policy="evict_first").to(tl.int32)
-            part = tl.sum(_codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
-                          + _codes(packed, 4, 0, MAGIC, tl.float32).to(tl.float32) * x_hi[None, :], axis=1)
+            part = tl.sum(int4_codes.codes(packed, 0, 0, MAGIC, tl.float32).to(tl.float32) * x_lo[None, :]
+                          + int4_codes.codes(packed, 4, 0, MAGIC, tl.float32).to(tl.float32) * x_hi[None, :], axis=1)
             x_sum = tl.sum(x_lo, axis=0) + tl.sum(x_hi, axis=0)
             acc += int4_gemv.group_dot(part, x_sum, s_ptr + rows_w * stride_sn + k0 // GROUP,
                                        z_ptr + rows_w * stride_zn + k0 // GROUP, n_ok, HAS_ZEROS, HAS_MINS)
@@ -262,7 +249,7 @@ def tile_config(m: int, group_size: int, device: torch.device | None = None, int
     Given a device, its GPU's tuned entry (kiln.engine.kernels.tuned, key w<4|8>-g<group>-m<1|16|64|big>)
     may set BLOCK_N, BLOCK_K (dividing the group), num_warps, num_stages, SPLIT_K (K partitions) and
     GEMV (1: a row a program on the CUDA cores, _dequant_gemv_kernel; with WORDS 1 and int4 weights,
-    int4_gemv's kernel, which reads them as int32 words, and its VARIANTS), MAGIC (_codes) and DEQUANT.
+    int4_gemv's kernel, which reads them as int32 words, and its VARIANTS), MAGIC (int4_codes) and DEQUANT.
     DEQUANT (the default above 16 rows): dequantize the whole weight, then cuBLAS (kernels.dequant)."""
     tiles = dict(GROUP=group_size, BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64,
                  BLOCK_K=min(64, group_size) if group_size else 64, DEQUANT=int(m > 16))
