@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--block-k", type=int, default=128, help="a quantization group of 128 columns")
     parser.add_argument("--num-warps", type=int, default=4)
-    parser.add_argument("--prefetch", type=int, choices=(0, 1), default=0)
-    parser.add_argument("--late-bias", type=int, choices=(0, 1), default=0)
+    parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=0)
+    parser.add_argument("--late-bias", type=int, choices=(0, 1, 2), default=0)
     parser.add_argument("--magic", type=int, choices=(0, 1, 2, 3), help="the tensor-core kernel instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

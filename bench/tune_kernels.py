@@ -145,6 +145,12 @@ GEMM_CANDIDATES = [
     {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 8},
     {"MAGIC": 3, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_stages": 4},
     {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16, "num_stages": 2},
+    # two tiles' words in flight a thread (int4_gemv's PREFETCH 2), not yet timed
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 20},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
+    {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "LATE_BIAS": 1, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
 ]
 # The GEMV on 16-bit weights at batch 1 (quant_gemm.linear), against cuBLAS (candidate 0).
 GEMV_CANDIDATES = [

@@ -558,14 +558,14 @@ def test_gpu_benchmarks_exit_clearly_without_cuda(script: str, args: list[str]) 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["w4-zeros", "w4-symmetric", "w4-mins"])
 @pytest.mark.parametrize("group,m,splits", [(32, 1, 2), (64, 3, 3), (128, 1, 3)])
-@pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1}],
-                         ids=["plain", "prefetch", "late-bias", "both"])
+@pytest.mark.parametrize("variants", [{}, {"PREFETCH": 1}, {"LATE_BIAS": 1}, {"PREFETCH": 1, "LATE_BIAS": 1},
+                                      {"PREFETCH": 2}], ids=["plain", "prefetch", "late-bias", "both", "prefetch-2"])
 def test_int4_words_gemv(dtype: torch.dtype, kind: str, group: int, m: int, splits: int,
                          variants: dict[str, int]) -> None:
     """WORDS: the GEMV reading int4 weights as int32 words (int4_gemv), each nibble of a word made a
     float where it stands (or moved to bits 12/16 first, its bias taken off a tile at once: LATE_BIAS),
     for every int4 format and group, split over K (3 splits: the sum's padded rows masked), N not a
-    tile multiple, with and without the next tile prefetched."""
+    tile multiple, with and without the next tile (or two: PREFETCH 2) prefetched."""
     gen = torch.Generator().manual_seed(group + m)
     x = torch.randn(m, 384, generator=gen).to(dtype).to(DEVICE)
     qweight, scales, zeros = quantize_w4(torch.randn(40, 384, generator=gen).to(dtype), group,

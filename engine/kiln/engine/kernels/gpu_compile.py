@@ -106,7 +106,7 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                     BLOCK_K=min(128, group or 256), MAGIC=magic, SCALED=w != t), 4)
     # int4 read as int32 words (int4_gemv): zeros, symmetric, GGUF Q4_1's mins.
     for offsets, group, s, prefetch, late in (("zeros", 128, t, 0, 0), ("zeros", 128, t, 0, 1), (None, 128, t, 1, 1),
-                                              ("mins", 32, "fp16", 1, 0)):
+                                              ("mins", 32, "fp16", 1, 0), ("zeros", 128, t, 2, 0)):
         yield words_gemv_job(t, s, offsets, group, 64, 4, PREFETCH=prefetch, LATE_BIAS=late)
     yield (activation._silu_mul_kernel, dict(x_ptr=f"*{t}", out_ptr=f"*{t}"), dict(BLOCK=activation.BLOCK), 4)
 
