@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.engine.config import Config
 from kiln.engine.lora import LoRAError, load_adapter
+from kiln.engine.lora_cache import LoRACapacityError
 from kiln.engine.llm import LLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def test_adapter_logits_match_transformers_with_the_update_merged(name, llm, mer
     base, with_update = hf_smollm2[0], merged[name]
     prompts = [engine.tokenizer.encode(t) for t in PROMPTS]
     # the adapter on the middle prompt only: its rows, and no others, take the update
-    logits = forward_prefill(engine.runner.model, prompts, [None, engine.loras[name], None])
+    logits = forward_prefill(engine.runner.model, prompts, [None, engine.loras.loaded[name], None])
     start = 0
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
@@ -132,7 +133,7 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     engine.step()
     # Unloaded while a request runs with it: no new request may name it, the running one finishes
     # with it (its weights leave with that request), and nothing else waits for that.
-    assert engine.remove_lora("attn") == 1 and len(engine.retiring) == 1
+    assert engine.remove_lora("attn") == 1 and len(engine.loras.retiring) == 1
     with pytest.raises(ValueError, match="no LoRA adapter named 'attn'"):
         llm.generate(PROMPTS[1], GREEDY, lora="attn")
     with pytest.raises(KeyError):
@@ -140,7 +141,7 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
     finished = None
     while finished is None:
         finished = next((o for o in engine.step() if o.finished), None)
-    assert finished.request_id == "busy" and finished.token_ids == before and engine.retiring == []
+    assert finished.request_id == "busy" and finished.token_ids == before and engine.loras.retiring == []
     other = tmp_path / "other"
     write_adapter(other, hf_smollm2[0].config, seed=7, rank=4, alpha=8, targets=("q_proj", "v_proj"))
     llm.add_lora("attn", str(other))
@@ -150,6 +151,53 @@ def test_unload_and_reload_under_the_same_name(llm, adapters, tmp_path, hf_smoll
         engine.remove_lora("attn")
         llm.add_lora("attn", str(adapters["attn"][0]))
     assert alone(llm, PROMPTS[1], "attn") == before
+
+
+@pytest.fixture(scope="module")
+def capped(adapters, smollm2_path) -> LLM:
+    """An engine that keeps at most 2 adapters loaded, started with sql and attn."""
+    return LLM(str(smollm2_path), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_cpu_loras=2,
+               kv_cache_memory=16 << 20, max_model_len=256,
+               lora_modules=tuple((name, str(path)) for name, (path, _) in adapters.items()))
+
+
+def test_past_max_cpu_loras_the_least_recently_used_adapter_is_unloaded_and_read_again(
+        capped, llm, tmp_path, hf_smollm2) -> None:
+    """vLLM's --max-cpu-loras: every adapter loaded stayed in memory. A third of two unloads the least
+    recently used one; it is still served, and a request naming it reads it again from its folder."""
+    engine = capped.engine
+    assert list(engine.loras.loaded) == ["sql", "attn"]
+    alone(capped, PROMPTS[0], "sql")  # now the most recently used
+    write_adapter(tmp_path / "third", hf_smollm2[0].config, seed=5)
+    capped.add_lora("third", str(tmp_path / "third"))
+    assert list(engine.loras.loaded) == ["sql", "third"] and list(engine.loras.paths) == ["sql", "attn", "third"]
+    assert alone(capped, PROMPTS[1], "attn") == alone(llm, PROMPTS[1], "attn")
+    assert list(engine.loras.loaded) == ["third", "attn"]
+    engine.remove_lora("third")
+
+
+def test_an_adapter_a_request_holds_is_never_unloaded_for_room(capped, llm, adapters) -> None:
+    """With every loaded adapter held by a running or waiting request, loading another (by the API, or
+    for a request naming one unloaded for room) fails at once, the server's 429, and the requests
+    finish with their own adapters' text; once they have, it loads."""
+    engine = capped.engine
+    sql_path = str(adapters["sql"][0])
+    capped.add_lora("spare", sql_path)
+    for lora in ("sql", "attn"):  # attn waits for sql's seat (max_loras 1), holding its adapter meanwhile
+        engine.add_request(f"held-{lora}", PROMPTS[0], GREEDY, lora)
+    engine.step()
+    assert sorted(engine.loras.loaded) == ["attn", "sql"]  # spare was unloaded for them
+    with pytest.raises(LoRACapacityError, match="all 2 loaded adapters"):
+        capped.add_lora("fourth", sql_path)
+    with pytest.raises(LoRACapacityError, match="'spare' cannot be loaded"):
+        engine.add_request("refused", PROMPTS[0], GREEDY, "spare")
+    assert "refused" not in engine.requests and "fourth" not in engine.loras.paths
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert done == {f"held-{lora}": alone(llm, PROMPTS[0], lora) for lora in ("sql", "attn")}
+    assert alone(capped, PROMPTS[0], "spare") == done["held-sql"]
+    engine.remove_lora("spare")
 
 
 @pytest.mark.parametrize("change, error", [
@@ -183,7 +231,7 @@ def test_an_adapter_that_cannot_be_served_is_refused_by_name(change, error, tmp_
     change(folder, hf_smollm2[0].config)
     with pytest.raises(LoRAError, match=error):
         load_adapter("bad", str(folder), llm.engine.runner.model, 16)
-    assert "bad" not in llm.engine.loras
+    assert "bad" not in llm.engine.loras.paths
 
 
 def _rename(folder: Path, old: str, new: str, keep: bool = False) -> None:
@@ -222,9 +270,12 @@ def test_an_adapter_of_another_model_or_module_is_refused(tmp_path, hf_smollm2, 
 def test_lora_settings_are_checked(llm, adapters) -> None:
     with pytest.raises(ValueError, match="already loaded"):
         llm.add_lora("sql", str(adapters["sql"][0]))
-    for field in ("max_loras", "max_lora_rank"):
+    for field in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
             Config(**{field: 0})
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(2\) must be at least max_loras \(3\)"):
+        Config(max_loras=3, max_cpu_loras=2)
+    assert Config().lora_capacity == 8 and Config(max_loras=12).lora_capacity == 12
     with pytest.raises(ValueError, match="enable_lora must be true or false"):
         Config(enable_lora="yes")
 

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from kiln.engine.llm import LLM
@@ -160,6 +161,37 @@ def test_a_request_racing_the_unload_of_its_adapter_gets_a_404(server, folders):
     assert [m.id for m in server.client.models.list().data] == [MODEL, "sql"]
 
 
+def test_max_cpu_loras_bounds_the_loaded_adapters_and_one_held_is_a_429(folders, reference):
+    """--max-cpu-loras 1: both adapters are served, one loaded at a time, each answering as it does
+    alone. While a stream holds the loaded one, a request for the other (which must be read again)
+    and a load get a 429 with Retry-After; once the stream ends, the other answers."""
+    s = ServerProcess("--max-model-len", "256", "--max-num-seqs", "8", "--kv-cache-memory", "128Mi", "--enable-lora",
+                      "--max-cpu-loras", "1", "--lora-modules", *(f"{name}={path}" for name, path in folders.items()))
+    try:
+        assert [m.id for m in s.client.models.list().data] == [MODEL, "sql", "poet"]
+        for lora in ("poet", "sql"):  # each read again in turn, the other unloaded for it
+            answer = s.client.completions.create(model=lora, prompt=PROMPT, temperature=0, max_tokens=16)
+            assert answer.choices[0].text == reference[lora]
+        stream = s.client.completions.create(model="sql", prompt=PROMPT, temperature=0, max_tokens=200, stream=True,
+                                             extra_body={"ignore_eos": True})
+        texts: list[str] = []
+        reader = threading.Thread(target=lambda: texts.extend(c.choices[0].text for c in stream))
+        reader.start()
+        s.wait_metrics(kiln__num_requests_running=1)
+        with pytest.raises(openai.RateLimitError) as refused:
+            s.client.completions.create(model="poet", prompt=PROMPT, max_tokens=2)
+        assert refused.value.code == "lora_capacity" and refused.value.response.headers["Retry-After"] == "1"
+        got, body = adapter_call(s.url + "/v1/load_lora_adapter",
+                                 {"lora_name": "new", "lora_path": str(folders["poet"])})
+        assert got == 429 and "all 1 loaded adapters (--max-cpu-loras) are in use" in body["error"]["message"], body
+        reader.join(120)
+        assert "".join(texts).startswith(reference["sql"]) and len(texts) >= 190
+        answer = s.client.completions.create(model="poet", prompt=PROMPT, temperature=0, max_tokens=16)
+        assert answer.choices[0].text == reference["poet"]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("path, body, status, message, param", [
     ("load", {"lora_name": "sql", "lora_path": "/nonexistent"}, 400, "already loaded", "lora_name"),
     ("load", {"lora_name": "new", "lora_path": "/nonexistent"}, 400, "must hold adapter_config.json", "lora_path"),
@@ -187,6 +219,7 @@ def test_bad_adapter_requests_are_refused_by_name(server, path, body, status, me
     (["--enable-lora", "--lora-modules", "noequals"], "expected name=path"),
     (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
     (["--enable-lora", "--max-lora-rank", "-1"], "max_lora_rank must be a positive integer"),
+    (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "max_cpu_loras (2) must be at least max_loras (4)"),
 ])
 def test_bad_lora_flags_stop_the_server_before_loading(args, message):
     done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,

@@ -58,8 +58,8 @@ def logits(llm: LLM) -> torch.Tensor:
     """One prefill of TINY_PROMPTS, each with its adapter of NAMES, through rank 0's model."""
     engine = llm.engine
     context = prefill_context([len(p) for p in TINY_PROMPTS])
-    context.lora = lora_mapping([(engine.loras[n] if n else None, len(p)) for n, p in zip(NAMES, TINY_PROMPTS)],
-                                torch.device("cpu"))
+    context.lora = lora_mapping([(engine.loras.loaded[n] if n else None, len(p))
+                                 for n, p in zip(NAMES, TINY_PROMPTS)], torch.device("cpu"))
     set_context(context)
     try:
         with torch.inference_mode():

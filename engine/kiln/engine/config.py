@@ -64,6 +64,9 @@ class Config:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    # The most adapters loaded at once (vLLM's --max-cpu-loras; kiln.engine.lora_cache); None:
+    # max(max_loras, 8), see lora_capacity.
+    max_cpu_loras: int | None = None
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, PEFT folder) loaded at start
     chat_template: str | None = None  # a Jinja chat template replacing the model's (vLLM's --chat-template)
 
@@ -75,9 +78,9 @@ class Config:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
-            if name == "kv_cache_memory" and value is None:
+            if name in ("kv_cache_memory", "max_cpu_loras") and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -89,6 +92,9 @@ class Config:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be the template's text, got {self.chat_template!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:  # vLLM's rule too
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                             "a batch's adapters are all loaded")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules (--lora-modules) need enable_lora (--enable-lora)")
         if self.load_format not in LOAD_FORMATS:
@@ -117,6 +123,12 @@ class Config:
             raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+
+    @property
+    def lora_capacity(self) -> int:
+        """max_cpu_loras, by default max_loras but at least 8: requests of a few adapters more than a
+        batch mixes may wait at once (a waiting request holds its adapter loaded)."""
+        return self.max_cpu_loras or max(self.max_loras, 8)
 
     @property
     def keeps_gguf_packed(self) -> bool:

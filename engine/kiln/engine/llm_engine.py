@@ -16,6 +16,7 @@ from kiln.engine.config import Config, resolve_max_model_len
 from kiln.engine.draft_model import DraftModel
 from kiln.engine.loader import load_model
 from kiln.engine.lora import LoRAAdapter, LoRANotLoadedError, load_adapter
+from kiln.engine.lora_cache import LoRACache
 from kiln.engine.model_runner import ModelRunner, RunnerOutput
 from kiln.engine.prompt_logprobs import PromptLogprob, entry
 from kiln.engine.sampling_params import SamplingParams
@@ -100,12 +101,20 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, loaded.model_config.vocab_size)
         self.config = replace(config, max_model_len=resolve_max_model_len(config, loaded.model_config))
         self.model = loaded.model  # whole (a tensor-parallel rank 0 runs its slice): adapters are read against it
-        self.loras: dict[str, LoRAAdapter] = {}  # LoRA adapters by the name requests use
-        self.retiring: list[LoRAAdapter] = []  # unloaded, still used by requests admitted before
+        # LoRA adapters by the name requests use, at most lora_capacity of them loaded (the runner
+        # and the requests are made below: looked up when called)
+        self.loras = LoRACache(self.config.lora_capacity, self._load_lora, lambda a: self.runner.remove_lora(a),
+                               lambda: (seq.lora for seq in self.requests.values()))
         # These, and a draft model, are loaded before the pool is sized: on a GPU their weights
-        # come off the free memory (adapters loaded later come out of what the pool leaves).
+        # come off the free memory (adapters loaded later come out of what the pool leaves). Each
+        # is read (one that cannot load stops the start); those past the capacity load when named.
+        first: dict[str, LoRAAdapter] = {}
         for name, path in self.config.lora_modules:
-            self.loras[name] = self._read_lora(name, path, replace=False)
+            self._check_lora_name(name)
+            adapter = load_adapter(name, path, self.model, self.config.max_lora_rank)
+            self.loras.paths[name] = path
+            if len(first) < self.loras.capacity:
+                first[name] = adapter
         speculative = self.config.speculative
         self.drafter = DraftModel(self.config, loaded.model_config) \
             if speculative is not None and speculative.method == "draft_model" else None
@@ -116,7 +125,7 @@ class LLMEngine:
             from kiln.engine.tp_ranks import start_tensor_parallel
             self.runner = start_tensor_parallel(self.config, loaded, draft_block_bytes)
         try:
-            self.loras = {name: self.runner.add_lora(adapter) for name, adapter in self.loras.items()}
+            self.loras.loaded = {name: self.runner.add_lora(adapter) for name, adapter in first.items()}
             if self.drafter:  # whole, on rank 0
                 self.drafter.allocate(self.runner.num_blocks)
             pool_tokens = self.runner.num_blocks * self.config.block_size
@@ -144,41 +153,28 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str, replace: bool = False) -> LoRAAdapter:
         """Load a PEFT LoRA folder that requests may name from now on (config.enable_lora). With
-        replace, one already loaded under that name is unloaded once the new one has loaded."""
-        adapter = self._read_lora(name, path, replace)
-        if name in self.loras:
-            self.remove_lora(name)
-        adapter = self.loras[name] = self.runner.add_lora(adapter)
-        return adapter
+        replace, one already loaded under that name is unloaded once the new one has loaded.
+        LoRACapacityError when lora_capacity adapters are loaded and requests hold them all."""
+        self._check_lora_name(name, replace)
+        return self.loras.add(name, path)
 
-    def _read_lora(self, name: str, path: str, replace: bool) -> LoRAAdapter:
+    def _check_lora_name(self, name: str, replace: bool = False) -> None:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name:
             raise ValueError("a LoRA adapter needs a non-empty name")
-        if name in self.loras and not replace:
+        if name in self.loras.paths and not replace:
             raise ValueError(f"LoRA adapter {name!r} is already loaded (load_inplace replaces it)")
-        return load_adapter(name, path, self.model, self.config.max_lora_rank)
+
+    def _load_lora(self, name: str, path: str) -> LoRAAdapter:
+        return self.runner.add_lora(load_adapter(name, path, self.model, self.config.max_lora_rank))
 
     def remove_lora(self, name: str) -> int:
         """Unload an adapter (KeyError if none has that name): no request may name it from now on,
         and those that already do finish with it first, its weights going with the last of them
         (refusing while any ran, as before, never succeeded under steady traffic). Returns how
         many requests still use it."""
-        adapter = self.loras.pop(name, None)
-        if adapter is None:
-            raise KeyError(f"no LoRA adapter named {name!r} is loaded")
-        self.retiring.append(adapter)
-        self._retire()
-        return sum(seq.lora is adapter for seq in self.requests.values())
-
-    def _retire(self) -> None:
-        """Free the unloaded adapters that no request uses any more."""
-        if self.retiring:
-            used = {id(seq.lora) for seq in self.requests.values()}
-            for adapter in [a for a in self.retiring if id(a) not in used]:
-                self.retiring.remove(adapter)
-                self.runner.remove_lora(adapter)
+        return self.loras.remove(name)
 
     def _new_scheduler(self) -> None:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -187,12 +183,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     lora: str | None = None) -> None:
-        """lora: the name of a loaded LoRA adapter to run the request with (add_lora)."""
+        """lora: the name of a loaded LoRA adapter to run the request with (add_lora); one unloaded
+        for room is read again (LoRACapacityError if requests hold every loaded one)."""
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if lora is not None and lora not in self.loras:
+        if lora is not None and lora not in self.loras.paths:
             raise LoRANotLoadedError(f"no LoRA adapter named {lora!r} is loaded")
         token_ids = self._tokenize(prompt)
         if params.max_tokens is None:
@@ -201,7 +198,8 @@ class LLMEngine:
         if params.logit_bias and not all(t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
                              f"{sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
-        seq = Sequence(request_id, token_ids, params, next(self._arrivals), self.loras.get(lora))
+        seq = Sequence(request_id, token_ids, params, next(self._arrivals),
+                       None if lora is None else self.loras.get(lora))
         if params.seed is not None:
             seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         if not params.ignore_eos:
@@ -281,7 +279,7 @@ class LLMEngine:
         if seq is not None:
             seq.finish("abort")
             self.scheduler.finish(seq)
-            self._retire()
+            self.loras.retire()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -340,7 +338,7 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 del self.requests[seq.request_id]
-        self._retire()
+        self.loras.retire()
         return outputs
 
     def _add_drafts(self) -> None:

@@ -1,6 +1,7 @@
 """LoRA adapters on `kiln serve`, with vLLM's flags and endpoints: `--enable-lora --lora-modules
-name=path`, each adapter listed by /v1/models and served under its name as the OpenAI `model`, and
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter to change the set while serving."""
+name=path`, each adapter listed by /v1/models and served under its name as the OpenAI `model`,
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter to change the set while serving, and
+`--max-cpu-loras` to bound how many are loaded at once (kiln.engine.lora_cache)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from kiln.engine.lora import LoRAError, adapter_files
+from kiln.engine.lora_cache import LoRACapacityError
 from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
@@ -44,6 +46,9 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=1,
                         help="distinct adapters one batch may mix; requests of others wait for a seat")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest rank an adapter may have")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters loaded at once (default: max(--max-loras, 8)): the least recently used one "
+                             "no request holds is unloaded for another and read again from its folder when named")
 
 
 def check_modules(lora_modules: list[tuple[str, str]], model_name: str) -> None:
@@ -65,9 +70,9 @@ def check_modules(lora_modules: list[tuple[str, str]], model_name: str) -> None:
 def model_cards(engine: AsyncEngine | None, model_name: str, base: dict[str, Any]) -> list[dict[str, Any]]:
     """/v1/models: the base model's card, then one per adapter naming its parent (as vLLM does)."""
     # A copy taken at once: the engine thread may load or unload one while this loop runs.
-    loras = list(engine.engine.loras.items()) if engine is not None else []
-    return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "kiln", "root": adapter.path,
-                      "parent": model_name} for name, adapter in loras]
+    loras = list(engine.engine.loras.paths.items()) if engine is not None else []
+    return [base] + [{"id": name, "object": "model", "created": 0, "owned_by": "kiln", "root": path,
+                      "parent": model_name} for name, path in loras]
 
 
 async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.Request) -> web.Response:
@@ -79,6 +84,8 @@ async def load_lora_adapter(engine: AsyncEngine, model_name: str, request: web.R
         adapter = await engine.call(lambda: engine.engine.add_lora(req.lora_name, req.lora_path, req.load_inplace))
     except LoRAError as e:  # a folder that cannot be served
         raise APIError(400, str(e), param="lora_path") from None
+    except LoRACapacityError as e:
+        raise capacity_error(e) from None
     except ValueError as e:  # the name: empty, or taken
         raise APIError(400, str(e), param="lora_name") from None
     log.info("LoRA adapter %r loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
@@ -96,6 +103,12 @@ async def unload_lora_adapter(engine: AsyncEngine, request: web.Request) -> web.
     log.info("LoRA adapter %r unloaded%s", req.lora_name,
              f"; the {users} request(s) using it finish with it first" if users else "")
     return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+
+def capacity_error(e: LoRACapacityError) -> APIError:
+    """A 429 (the server adds Retry-After): the requests holding the loaded adapters finish, and a
+    retry finds room."""
+    return APIError(429, str(e), code="lora_capacity", type_="rate_limit_error")
 
 
 def _check_enabled(engine: AsyncEngine) -> None:

@@ -15,6 +15,8 @@ from kiln.engine import RequestOutput, SamplingParams, cache_salt
 from kiln.engine.api_errors import APIError, model_not_found, parse_request
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
+from kiln.engine.lora_cache import LoRACapacityError
+from kiln.engine.lora_serving import capacity_error
 from kiln.engine.openai_protocol import (
     INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
@@ -284,7 +286,7 @@ class OpenAIServing:
     def _check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names, or None for the base model (also when not
         given: optional, as in vLLM)."""
-        loras = self.engine.engine.loras
+        loras = self.engine.engine.loras.paths
         if model is None or model == self.model_name:
             return None
         if model in loras:
@@ -301,7 +303,7 @@ class OpenAIServing:
             raise APIError(400, str(e)) from None
 
     def _model_not_found(self, model: str) -> APIError:
-        return model_not_found(model, [self.model_name, *self.engine.engine.loras])
+        return model_not_found(model, [self.model_name, *self.engine.engine.loras.paths])
 
     def _max_tokens(self, prompt_len: int, prompt_param: str, requested: int | None, param: str,
                     default: int | None) -> int:
@@ -357,6 +359,8 @@ class OpenAIServing:
             raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
         except LoRANotLoadedError:  # unloaded between _check_model and the engine's turn: as if never loaded
             raise self._model_not_found(lora) from None
+        except LoRACapacityError as e:
+            raise capacity_error(e) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -204,7 +204,8 @@ _GENERATION_ERRORS = {
     "400": error("invalid request: a bad or unsupported parameter, a prompt too long for the context"),
     "404": _NOT_SERVED,
     "413": error("the request body is over 16 MiB"),
-    "429": retry_later("too many requests or prompt tokens already wait for the engine"),
+    "429": retry_later("too many requests or prompt tokens already wait for the engine, or the request's "
+                       "LoRA adapter must be loaded again and requests hold every loaded one (--max-cpu-loras)"),
     "500": error("the engine failed while generating"),
     "503": _NOT_READY,
 }
@@ -299,7 +300,8 @@ def engine_document() -> dict[str, Any]:
         "/is_sleeping": get("Whether the KV cache is released", "isSleeping", {
             "200": response("the state", SleepState), "503": _NOT_READY}),
         "/v1/load_lora_adapter": _lora("Load a LoRA adapter (a PEFT folder), served under its name",
-                                       LoadLoRAAdapterRequest, "400", "a bad adapter or name, or LoRA not enabled"),
+                                       LoadLoRAAdapterRequest, "400", "a bad adapter or name, or LoRA not enabled",
+                                       "429", "requests hold every loaded adapter (--max-cpu-loras)"),
         "/v1/unload_lora_adapter": _lora("Unload a LoRA adapter (requests already using it finish with it)",
                                          UnloadLoRAAdapterRequest, "404", "no adapter of that name"),
         "/openapi.json": self_path(),
@@ -311,7 +313,8 @@ def _lora(summary: str, request: type[BaseModel], *errors: str) -> dict[str, Any
     statuses = {"400": "a bad request body, or LoRA not enabled (--enable-lora)",
                 **dict(zip(errors[::2], errors[1::2]))}
     return _with_body(summary, request, {"200": response("done", media=TEXT),
-                                         **{code: error(why) for code, why in statuses.items()},
+                                         **{code: (retry_later if code == "429" else error)(why)
+                                            for code, why in statuses.items()},
                                          "413": _GENERATION_ERRORS["413"], "503": _NOT_READY})
 
 

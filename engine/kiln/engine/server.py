@@ -308,7 +308,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                         quantization=args.quantization, quantization_cache=args.quantization_cache,
                         gguf_dequantize=args.gguf_dequantize, kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
-                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         lora_modules=tuple(args.lora_modules),
                         chat_template=read_chat_template(args.chat_template) if args.chat_template else None,
                         speculative=SpeculativeConfig.from_json(args.speculative_config)
