@@ -38,28 +38,50 @@ class BlockMachine(RuleBasedStateMachine):
         seq.num_computed_tokens += num_tokens
         self.bm.cache_full_blocks(seq)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, write: bool = True) -> int | None:
+        """Allocate and publish as the scheduler does, before the K/V are written; the tokens to
+        write (`_write`), None when there is no room."""
         prefix = self.bm.match_prefix(seq)
         num_tokens = len(seq) - len(prefix) * BLOCK
         if not self.bm.can_allocate(prefix, num_tokens):
-            return False
+            return None
         free_before, back = self.bm.num_free_blocks, seq.admitted
         cached_before = seq.num_cached_tokens
         self.bm.allocate(seq, prefix)
         self.bm.append_slots(seq, num_tokens)
+        self.bm.cache_full_blocks(seq, len(seq))
         assert self.bm.num_free_blocks >= 0 and self.bm.num_free_blocks <= free_before
         assert seq.num_computed_tokens == len(prefix) * BLOCK < len(seq)
         # What the prefix cache saved the prompt, counted at the first admission only.
         assert seq.num_cached_tokens == (cached_before if back else len(prefix) * BLOCK)
-        self._write(seq, num_tokens)
+        if write:
+            self._write(seq, num_tokens)
         self.live.append(seq)
-        return True
+        return num_tokens
 
     @rule(stem=st.sampled_from(STEMS), length=st.integers(1, 14), tail=st.lists(st.integers(0, 3), max_size=5))
     def start(self, stem: list[int], length: int, tail: list[int]) -> None:
         self.count += 1
         seq = Sequence(str(self.count), (stem + tail)[:length] or [0], SamplingParams(), self.count)
         self._admit(seq)
+
+    @rule(stem=st.sampled_from(STEMS), length=st.integers(1, 14), n=st.integers(2, 3), forward=st.booleans())
+    def start_choices(self, stem: list[int], length: int, n: int, forward: bool) -> None:
+        """n choices of one prompt admitted in one step, each published before any K/V is written;
+        then the step's forward writes them all, or fails and is undone (Scheduler.abandon)."""
+        admitted = []
+        for _ in range(n):
+            self.count += 1
+            seq = Sequence(str(self.count), stem[:length], SamplingParams(), self.count)
+            num_tokens = self._admit(seq, write=False)
+            if num_tokens is None:
+                break
+            admitted.append((seq, num_tokens))
+        for seq, num_tokens in reversed(admitted) if not forward else admitted:
+            if forward:
+                self._write(seq, num_tokens)
+            else:
+                self.preempt_seq(seq)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100), token=st.integers(0, 3))
@@ -86,7 +108,7 @@ class BlockMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.parked)
     @rule()
     def resume(self) -> None:
-        if self._admit(self.parked[0]):
+        if self._admit(self.parked[0]) is not None:
             self.parked.pop(0)
 
     @precondition(lambda self: self.live)
@@ -342,3 +364,58 @@ def test_drafts_take_only_what_the_real_tokens_behind_them_leave() -> None:
     batch = scheduler.schedule()
     assert scheduler.num_preemptions == 0 and [s.request_id for s in batch.seqs] == ["newer", "older"]
     assert batch.num_new_tokens == [2, 4]  # one guess fits the decode's own block; the free one is the prefill's
+
+
+def test_choices_admitted_in_one_step_share_their_prompt_blocks() -> None:
+    """n choices of one prompt (n requests of one prompt, as the server makes them) admitted in one
+    step: blocks were published only once the forward had computed them, so each choice computed
+    and held its own copy of the prompt. Now the first choice's full blocks are published as it is
+    scheduled, and the others take them: one copy, plus each choice's own last block."""
+    prompt, outs = list(range(10)), [3, 4, 5]  # two full blocks of 4, and 2 tokens in a third
+    bm = BlockManager(32, BLOCK)
+    scheduler = Scheduler(bm, 8, 64)
+    seqs = [Sequence(str(i), prompt, SamplingParams(), i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.seqs == seqs and batch.num_new_tokens == [10, 2, 2]
+    assert [s.num_cached_tokens for s in seqs] == [0, 8, 8]
+    assert all(s.block_table[:2] == seqs[0].block_table[:2] for s in seqs)
+    assert bm.num_blocks - bm.num_free_blocks == 3 + 1 + 1  # not 3 x 3
+    _run_to_completion(scheduler, seqs, outs)
+    assert bm.num_free_blocks == bm.num_blocks
+    for seq, out in zip(seqs, outs):  # the tokens each makes alone
+        expected = list(prompt)
+        for _ in range(out):
+            expected.append(sum(expected) % 7)
+        assert seq.token_ids == expected
+
+    # A prompt longer than the step: the choices behind it are admitted with its last chunk, and
+    # take that chunk's full block too.
+    bm = BlockManager(32, BLOCK)
+    scheduler = Scheduler(bm, 8, 10)
+    seqs = [Sequence(str(i), list(range(14)), SamplingParams(), i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.complete_step(scheduler.schedule())  # the first choice's first 10 tokens
+    batch = scheduler.schedule()
+    assert batch.seqs == seqs and batch.num_new_tokens == [4, 2, 2]
+    assert [s.num_cached_tokens for s in seqs] == [0, 12, 12]
+    assert bm.num_blocks - bm.num_free_blocks == 4 + 1 + 1
+
+
+def test_drafts_are_not_published_before_they_are_checked() -> None:
+    bm = BlockManager(8, BLOCK)
+    scheduler = Scheduler(bm, 8, 64)
+    seq = Sequence("s", [1, 2, 3], SamplingParams(), 0)
+    scheduler.add(seq)
+    scheduler.complete_step(scheduler.schedule())
+    seq.append_token(4)
+    seq.add_drafts([7, 7, 7, 7])  # the second block, all guesses
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [5]
+    assert set(bm.hash_to_block.values()) == {seq.block_table[0]}  # [1, 2, 3, 4] only
+    seq.drop_drafts()  # every guess rejected
+    batch.num_new_tokens = [1]
+    scheduler.complete_step(batch)
+    assert set(bm.hash_to_block.values()) == {seq.block_table[0]}

@@ -15,6 +15,7 @@ import torch
 
 from kiln.engine import LLM, LLMEngine, SamplingParams
 from kiln.engine.loader import resolve_model_path
+from kiln.engine.sequence import Sequence
 
 NEW_TOKENS = 64
 PROMPTS = [
@@ -126,6 +127,64 @@ def test_prefix_cache_hit_leaves_output_unchanged(llm: LLM) -> None:
     assert after.prefix_cache_hits - stats.prefix_cache_hits >= 2 * 96
     assert warm.num_cached_tokens >= 96
     assert warm.token_ids == cold.token_ids
+
+
+CHOICES_PROMPT = "You are a careful assistant. " * 12 + "Tell me something about the sea."
+
+
+def _choices(salt: str) -> list[SamplingParams]:
+    """A greedy choice and two seeded samplers, all in one cache_salt (a salt of its own: no sharing)."""
+    return [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, cache_salt=salt),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True, cache_salt=salt),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=8, max_tokens=16, ignore_eos=True, cache_salt=salt)]
+
+
+def test_choices_admitted_together_share_their_prompt_and_keep_their_outputs(llm: LLM) -> None:
+    """n=3 on one prompt: the three choices are admitted in one step. The second and third take
+    the first one's full prompt blocks as it computes them, in the same forward: one copy of the
+    prompt is held, not three; and each choice makes the tokens it makes alone, with nothing shared."""
+    alone = [llm.generate(CHOICES_PROMPT, _choices(f"choices-alone-{i}")[i])[0].token_ids for i in range(3)]
+    engine, bm = llm.engine, llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # nothing else holds a block
+    ids = [f"choice-{i}" for i in range(3)]
+    for request_id, params in zip(ids, _choices("choices-together")):
+        engine.add_request(request_id, CHOICES_PROMPT, params)
+    first = {o.request_id: o for o in engine.step()}
+    size, length = bm.block_size, engine.requests[ids[0]].num_prompt_tokens
+    full, blocks = (length - 1) // size, bm.blocks_for(length)  # the last token is always computed
+    assert full >= 4
+    assert [first[i].num_cached_tokens for i in ids] == [0, full * size, full * size]
+    assert bm.num_blocks - bm.num_free_blocks == blocks + 2 * (blocks - full)  # not 3 * blocks
+    final = dict(first)
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step())
+    assert [final[i].token_ids for i in ids] == alone
+
+
+def test_a_forward_cut_short_takes_back_the_blocks_published_for_it(llm: LLM, monkeypatch) -> None:
+    """Blocks are published as their step is scheduled, before its forward writes them. A step whose
+    forward fails (Ctrl-C) must unpublish them, or the next request with the prompt takes K/V never
+    written; and the choices admitted onto them must not count them as computed."""
+    alone = [llm.generate(CHOICES_PROMPT, _choices(f"cut-short-alone-{i}")[i])[0].token_ids for i in range(3)]
+    engine, bm = llm.engine, llm.engine.block_manager
+    ids = [f"cut-short-{i}" for i in range(3)]
+    for request_id, params in zip(ids, _choices("cut-short")):
+        engine.add_request(request_id, CHOICES_PROMPT, params)
+
+    def interrupted(batch):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine.runner, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 3, 0.0)  # back in the queue
+    probe = Sequence("probe", engine.requests[ids[0]].token_ids, _choices("cut-short")[0], 0)
+    assert bm.match_prefix(probe) == []  # nothing of theirs published
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step())
+    assert [final[i].token_ids for i in ids] == alone
 
 
 def test_logprobs_match_model_log_softmax(llm: LLM, hf_model, prompt_ids) -> None:

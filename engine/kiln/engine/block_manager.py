@@ -8,7 +8,10 @@ cryptographic, not Python's hash(): that one is deterministic for ints, so a cra
 be made to collide with another tenant's prefix. Blocks that fall free keep their contents and
 their hash: a later request with the same prefix takes them back instead of recomputing. Free
 blocks that hold nothing are handed out first; cached free blocks are evicted least recently used
-first.
+first. A block is published as soon as a step is scheduled to fill it, before the forward has
+computed it (as vLLM does), so that a request admitted later in the same step with the same prefix
+(another of a prompt's n choices) shares it rather than computing and holding its own copy: see
+Scheduler._publish for why reading it in that same forward is safe.
 """
 from __future__ import annotations
 
@@ -101,11 +104,12 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Publish the blocks the last step filled, so later requests can share them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Publish the sequence's blocks that are full within its first `num_tokens` tokens (by
+        default its computed ones), so other requests can share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = (seq.num_computed_tokens if num_tokens is None else num_tokens) // self.block_size
         for i in range(seq.num_published_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             h = self._block_hash(seq, i)
@@ -167,6 +171,10 @@ class BlockManager:
     def deallocate(self, seq: Sequence) -> None:
         """Drop the sequence's claim on its blocks. Leaves go back first, so eviction takes the
         ends of chains before the roots that other prompts are likelier to share."""
+        # Blocks published for a step whose forward never finished (Scheduler.abandon) hold nothing.
+        for block_id in seq.block_table[seq.num_computed_tokens // self.block_size : seq.num_published_blocks]:
+            if self.blocks[block_id].hash is not NO_HASH:
+                self._unpublish(self.blocks[block_id])
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -185,8 +193,10 @@ class BlockManager:
             block_id = self.empty_free.popleft()
         else:
             block_id, _ = self.cached_free.popitem(last=False)  # evict the least recently used
-            block = self.blocks[block_id]
-            del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = NO_HASH, ()
+            self._unpublish(self.blocks[block_id])
         self.blocks[block_id].ref_count = 1
         return block_id
+
+    def _unpublish(self, block: Block) -> None:
+        del self.hash_to_block[block.hash]
+        block.hash, block.token_ids = NO_HASH, ()

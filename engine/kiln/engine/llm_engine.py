@@ -316,11 +316,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        if self.drafter is not None:
-            self.drafter.fill(batch.seqs)
-        self._constrain_drafts(batch)
-        ran = self.runner.run(batch)
-        emitted = self._check_drafts(batch, ran)
+        try:
+            if self.drafter is not None:
+                self.drafter.fill(batch.seqs)
+            self._constrain_drafts(batch)
+            ran = self.runner.run(batch)
+            emitted = self._check_drafts(batch, ran)
+        except BaseException:
+            self.scheduler.abandon(batch)  # the step's blocks were published before its forward
+            raise
         self.scheduler.complete_step(batch)
         for seq, scored in ran.prompt_logprobs:
             seq.prompt_logprobs += [entry(position, self.tokenizer.decode_token) for position in scored]

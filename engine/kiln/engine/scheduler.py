@@ -103,6 +103,8 @@ class Scheduler:
             kept.append(seq)
             budget -= num_tokens
         kept.extend(queue)  # not scheduled this step (budget spent), still running
+        for seq, num_tokens in zip(batch.seqs, batch.num_new_tokens):
+            self._publish(seq, num_tokens)  # e.g. a prompt's last chunk, for its other choices admitted below
 
         # Admitting while preempting would only thrash.
         adapters = {seq.lora for seq in kept if seq.lora is not None}
@@ -119,6 +121,7 @@ class Scheduler:
             del self.waiting[i]
             self.block_manager.allocate(seq, prefix)
             self.block_manager.append_slots(seq, num_tokens)
+            self._publish(seq, num_tokens)  # before the next waiting request looks up its prefix
             seq.status = SequenceStatus.RUNNING
             if seq.lora is not None:
                 adapters.add(seq.lora)
@@ -136,6 +139,16 @@ class Scheduler:
         room = (len(seq.block_table) + free) * bm.block_size - seq.num_computed_tokens
         return max(0, min(num_tokens, room))
 
+    def _publish(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the prefix cache the blocks this step's `num_tokens` fill, before the forward has
+        computed them: a request admitted after this one in the same step (another of its prompt's
+        n choices) then shares them instead of computing and holding a copy. It reads them in that
+        same forward, which is safe: each layer stores the whole batch's K/V before any row attends,
+        nothing leaves the batch after this (victims of preemption are all out before), and a forward
+        that fails is undone (abandon). Drafts are left out: the check may yet reject them."""
+        end = min(seq.num_computed_tokens + num_tokens, len(seq) - seq.num_draft_tokens)
+        self.block_manager.cache_full_blocks(seq, end)
+
     def _preempt(self, seq: Sequence) -> None:
         seq.drop_drafts()  # unchecked guesses: not worth recomputing
         seq.num_draft_cached = 0  # a draft model's K/V go with the blocks
@@ -148,7 +161,15 @@ class Scheduler:
         """Record that the batch's tokens now have their K/V in the cache."""
         for seq, num_tokens in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_tokens
-            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.cache_full_blocks(seq)  # what accepted drafts filled (left out by _publish)
+
+    def abandon(self, batch: ScheduledBatch) -> None:
+        """Undo a step whose forward did not finish (an error; Ctrl-C in LLM.generate): the blocks
+        published for it hold nothing, and a sequence admitted onto them counts them as computed.
+        So its sequences go back to the queue, to be recomputed from what their blocks really hold."""
+        for seq in sorted(batch.seqs, key=lambda s: s.arrival, reverse=True):  # the oldest ends up first
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence, wherever it is."""
