@@ -139,12 +139,9 @@ GEMM_CANDIDATES = [
     # the codes made in inline PTX (quant_gemm._biased_codes), not yet timed: in the sm_90 cubin a 128x128
     # tile's loop is 3.2 instructions a code against MAGIC 2's 4.9 and the word GEMV's 4.6 (bench/sass.py),
     # and its loads are pipelined through shared memory, where the word GEMV's wait on occupancy
-    {"MAGIC": 3, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4}, {"MAGIC": 3, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
-    {"MAGIC": 3, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16}, {"MAGIC": 3, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8}, {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
-    {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8, "num_warps": 8},
-    {"MAGIC": 3, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8, "num_stages": 4},
-    {"MAGIC": 3, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16, "num_stages": 2},
+    *({"MAGIC": 3, "BLOCK_N": n, "BLOCK_K": 128, "SPLIT_K": splits, **more} for n, splits, more in (
+        (64, 4, {}), (64, 8, {}), (64, 16, {}), (32, 16, {}), (128, 8, {}), (128, 16, {}), (128, 8, {"num_warps": 8}),
+        (64, 8, {"num_stages": 4}), (128, 16, {"num_stages": 2}))),
     # two tiles' words in flight a thread (int4_gemv's PREFETCH 2), not yet timed
     {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 16},
     {"GEMV": 1, "WORDS": 1, "PREFETCH": 2, "BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": 8},
