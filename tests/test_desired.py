@@ -774,33 +774,3 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
 def test_bad_adapters_are_refused_before_any_pod(engine, model, error):
     with pytest.raises(ValueError, match=error):
         spec_of(model={"source": "builtin://smollm2-135m", **model}, engine=engine)
-
-
-def test_a_new_hpa_or_scaled_object_starts_from_the_replicas_that_serve():
-    """A switch from builtin (its decisions live in status) to hpa applied spec.replicas at once:
-    6 serving replicas dropped to 1 before the HPA had looked. They are held until the new scaler
-    reports, then spec.replicas (which it writes) rules again."""
-    from kiln.operator.scaling import external
-    owner = OWNER
-    for mode, kind in (("hpa", "HorizontalPodAutoscaler"), ("keda", "ScaledObject")):
-        spec = spec_of(replicas=1, autoscaling={"mode": mode, "minReplicas": 1, "maxReplicas": 8})
-        rev = revision_name("chat", spec)
-        serving = Observed.of(deployment(rev, replicas=6, ready=6))
-        scaling = external(owner, spec, serving, True, "http://prometheus:9090", rev)
-        assert scaling.replicas == 6 and "6 serving replica(s) held" in scaling.condition["message"], scaling
-        assert desired(OWNER, spec, serving, IMAGE, autoscaled=scaling.replicas).stable.replicas == 6
-        reported = Observed.of(deployment(rev, replicas=6, ready=6), {
-            "kind": kind, "metadata": {"name": "chat"},
-            "status": {"conditions": [{"type": "Ready" if mode == "keda" else "ScalingActive", "status": "True"}]}})
-        assert external(owner, spec, reported, True, "http://prometheus:9090", rev).replicas is None
-        assert want(spec, reported).stable.replicas == 1
-        # Never past the new bounds; nothing held for a service with no more than spec.replicas, or none yet.
-        capped = spec_of(replicas=1, autoscaling={"mode": mode, "minReplicas": 1, "maxReplicas": 4})
-        assert external(owner, capped, Observed.of(deployment(revision_name("chat", capped), replicas=6)), True,
-                        "http://prometheus:9090", revision_name("chat", capped)).replicas == 4
-        assert external(owner, spec, Observed(), True, "http://prometheus:9090", rev).replicas is None
-        assert external(owner, spec, Observed.of(deployment(rev, replicas=1)), True, "http://p:9090", rev).replicas is None
-    # No KEDA, no scaler to wait for: spec.replicas at once, as the condition says.
-    keda = spec_of(replicas=1, autoscaling={"mode": "keda", "maxReplicas": 8})
-    assert external(owner, keda, Observed.of(deployment(revision_name("chat", keda), replicas=6)), False,
-                    "http://p:9090", revision_name("chat", keda)).replicas is None

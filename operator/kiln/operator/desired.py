@@ -106,8 +106,7 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
             scalers: list[dict[str, Any]] | None = None, split: Split | None = None,
             router_placement: Placement = Placement()) -> Desired:
     """`pod_annotations` go on every pod template (e.g. the local test runtime's opt-in);
-    `autoscaled`: the builtin autoscaler's decision, when it decides, or the replicas held for a new
-    HPA or ScaledObject (scaling.external); `scalers`: the HPA or
+    `autoscaled`: the builtin autoscaler's decision, when it decides; `scalers`: the HPA or
     KEDA ScaledObject that scales the InferenceService, when one does; `split`: the rollout's
     stable and canary revisions (None: the spec's revision is stable and replaces the others);
     `router_placement`: where the router pods go (the operator's CPU engine defaults)."""
@@ -119,10 +118,10 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     # scaled; whether its pods are born standbys is its template's to say.
     stable_pooled = pooled(spec) if name == target else current is not None and template_pooled(current)
     pool = spec.warmPool.size if stable_pooled and spec.warmPool else 0
-    if autoscaled is not None:
-        replicas = autoscaled
-    elif replicas_writer(spec) == "spec":
+    if replicas_writer(spec) == "spec":
         replicas = desired_replicas(spec)
+    elif autoscaled is not None:
+        replicas = autoscaled
     else:  # no decision yet: keep what serves, or start with the capacity the service has now
         replicas = max(replicas_of(current) - pool, 0) if current else max((replicas_of(d) for d in olds),
                                                                             default=desired_replicas(spec))

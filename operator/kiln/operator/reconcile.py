@@ -172,7 +172,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
     if mode != "builtin":
         settings.samples.pop((owner.namespace, owner.name), None)
         scaling = manual() if mode == "none" else external(owner, spec, observed, keda_installed,
-                                                            settings.prometheus_url, stable)
+                                                            settings.prometheus_url)
         return capacity(scaling, observed, stable)
     assert spec.autoscaling is not None
     at = time.time()

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .autoscaler import Sample, ScalerState, decide, seconds
-from .desired import desired_replicas
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec
 from .observed import FAILING, Observed, engine_failure, is_ready, live, replicas_of, serves
 from .quantity import canonical
@@ -19,8 +18,7 @@ from .status import condition
 
 @dataclass(frozen=True)
 class Scaling:
-    replicas: int | None  # the stable revision's replicas as the builtin autoscaler decided, or as held
-    # while a new HPA or ScaledObject has yet to report (external); None: spec.replicas
+    replicas: int | None  # what the builtin autoscaler decided for the stable revision; None: not builtin
     condition: dict[str, Any]
     status: dict[str, Any] = field(default_factory=dict)  # status.autoscaling
     changed_from: int | None = None  # the replicas before a decision that changed them
@@ -243,12 +241,8 @@ def scaler_condition(found: dict[str, Any] | None, who: str) -> dict[str, Any]:
 
 
 def external(owner: Owner, spec: InferenceServiceSpec, observed: Observed, keda_installed: bool,
-             prometheus_url: str, stable: str) -> Scaling:
-    """`hpa` or `keda`: the object that scales the InferenceService's /scale, and its report.
-    Until that object first reports, the `stable` revision keeps the replicas that serve now where
-    spec.replicas is fewer: after a switch from builtin (whose decisions live in status, not in
-    spec.replicas) a service at 6 replicas dropped to spec.replicas' 1 before the new scaler had
-    looked. An HPA's first decision counts the pods that serve, so it starts from there."""
+             prometheus_url: str) -> Scaling:
+    """`hpa` or `keda`: the object that scales the InferenceService's /scale, and its report."""
     assert spec.autoscaling is not None
     if spec.autoscaling.mode == "keda" and not keda_installed:
         return Scaling(None, condition("ScalingReady", False, "KEDANotInstalled",
@@ -258,12 +252,4 @@ def external(owner: Owner, spec: InferenceServiceSpec, observed: Observed, keda_
         obj, who = render_hpa(owner, spec), "HorizontalPodAutoscaler"
     else:
         obj, who = render_scaled_object(owner, spec, prometheus_url), "KEDA ScaledObject"
-    report = scaler_condition(observed.get(obj["kind"], owner.name), who)
-    wanted = desired_replicas(spec)
-    serving = current_replicas(spec, observed, stable, wanted)
-    if report["reason"] != "Pending" or serving <= wanted:
-        return Scaling(None, report, objects=[obj])
-    held = min(serving, spec.autoscaling.maxReplicas)
-    report = {**report, "message": f"{report['message']}: {held} serving replica(s) held meanwhile, not "
-                                   f"spec.replicas' {spec.replicas}"}
-    return Scaling(held, report, objects=[obj])
+    return Scaling(None, scaler_condition(observed.get(obj["kind"], owner.name), who), objects=[obj])
