@@ -18,12 +18,8 @@ NOT_FORWARDED = HOP_BY_HOP | {"content-length", "content-encoding"}
 
 def request_headers(headers: Mapping[str, str], salt: str | None = None) -> list[tuple[str, str]]:
     """Pairs, not a dict: a header may repeat. `salt`: the tenant's prefix-cache salt, in the
-    header no client may set itself (one sent is dropped, with API keys or without); given only
-    once the router has checked the request's API key, which then stops here: no engine sees a
-    tenant's key. Without router keys, Authorization goes on for an engine's own --api-key."""
+    header no client may set itself (one sent is dropped, with API keys or without)."""
     dropped = NOT_FORWARDED | _named_in_connection(headers) | {cache_salt.HEADER.lower()}
-    if salt is not None:
-        dropped |= {"authorization"}
     return [(k, v) for k, v in headers.items() if k.lower() not in dropped] + \
         ([(cache_salt.HEADER, salt)] if salt else [])
 
