@@ -85,12 +85,16 @@ def test_check_passes_fails_each_way_and_is_inconclusive_on_few_samples():
 
 def test_the_error_rate_is_judged_beside_the_stable_revisions():
     """One 5xx in 10 failed a check at the default maxErrorRate even when stable failed as often
-    (a prompt no model answers, a shared dependency down): what stable fails is no regression."""
+    (a prompt no model answers, a shared dependency down): what stable fails is no regression, but
+    no evidence for the canary either: inconclusive."""
     analysis = Analysis()  # minRequests 10, maxErrorRate 0.01
     one_in_ten = figures(page("c", 9, 1))["c"]
     as_often = figures(page("s", 81, 9))["s"]
     result = check(one_in_ten, as_often, analysis)
-    assert result.verdict == PASS and result.figures["stableErrorRate"] == 0.1
+    assert result.verdict == INCONCLUSIVE and not result.failed and result.figures["stableErrorRate"] == 0.1
+    # Nor does failing every request beside a stable revision that does too (a shared outage) pass it.
+    assert check(figures(page("c", 0, 50))["c"], figures(page("s", 0, 500))["s"], analysis).verdict == INCONCLUSIVE
+    assert check(one_in_ten, figures(page("s", 900, 0))["s"], Analysis(maxErrorRate=0.2)).verdict == PASS
     clean = figures(page("s", 90, 0))["s"]
     assert check(one_in_ten, clean, analysis).failed == ["error rate 0.100 > 0.01"]  # the old threshold
     # Past maxErrorRate above stable's share is still a failure, said with both figures.

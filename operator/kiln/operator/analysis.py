@@ -129,7 +129,8 @@ def error_baseline(stable: Figures, least: int) -> float | None:
 def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
     requests: inconclusive, never a failure; the error rate fails past maxErrorRate above the
-    stable revision's (error_baseline); a latency ratio is judged only where both revisions
+    stable revision's (error_baseline), and past maxErrorRate alone it is inconclusive, never a
+    pass; a latency ratio is judged only where both revisions
     streamed at least minRequests responses. Too few mirrored tokens leaves quality unjudged
     (inconclusive unless another check failed: a canary failing every request scores no tokens,
     and that must not hide its errors). The agreement threshold is relative to the noise floor:
@@ -154,6 +155,9 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     if error_rate is not None and error_rate > (baseline or 0.0) + analysis.maxErrorRate:
         failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}"
                       + (f" + stable's {baseline:.3f}" if baseline else ""))
+    # Failing as often as stable is no regression, nor any evidence for the canary: a shared outage
+    # where both fail every request must not pass it (a Pass advances steps and clears a held Fail).
+    excused = error_rate is not None and not failed and error_rate > analysis.maxErrorRate
     if ttft is not None and ttft > analysis.maxTimeToFirstTokenP95Ratio:
         failed.append(f"TTFT p95 ratio {ttft:.2f} > {analysis.maxTimeToFirstTokenP95Ratio}")
     if itl is not None and itl > analysis.maxInterTokenLatencyP95Ratio:
@@ -166,7 +170,7 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
                           f"{int(canary.tokens)} tokens)")
     if failed:
         return Check(FAIL, shown, failed)
-    return Check(INCONCLUSIVE if quality and not quality_judged else PASS, shown, [])
+    return Check(INCONCLUSIVE if excused or (quality and not quality_judged) else PASS, shown, [])
 
 
 def rounded(value: float | None) -> float | None:
