@@ -404,6 +404,38 @@ def test_choices_admitted_in_one_step_share_their_prompt_blocks() -> None:
     assert bm.num_blocks - bm.num_free_blocks == 4 + 1 + 1
 
 
+def test_an_interrupt_inside_schedule_leaves_nothing_published_or_held(monkeypatch) -> None:
+    """A Ctrl-C in LLM.generate that lands inside schedule(), after a request was admitted: it was
+    in neither the waiting nor the running list, so the abort that follows freed nothing, and its
+    blocks, published for a forward that never ran, were matched by the next such prompt as if
+    computed."""
+    bm = BlockManager(16, BLOCK)
+    scheduler = Scheduler(bm, 8, 64)
+    seqs = [Sequence(str(i), list(range(12)), SamplingParams(), i) for i in range(2)]
+    for seq in seqs:
+        scheduler.add(seq)
+    match, calls = bm.match_prefix, []
+
+    def interrupted(seq: Sequence) -> list[int]:
+        calls.append(seq)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return match(seq)
+    monkeypatch.setattr(bm, "match_prefix", interrupted)
+    try:
+        scheduler.schedule()
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(bm, "match_prefix", match)
+    for seq in seqs:  # LLM.generate's abort of what it started
+        seq.finish("abort")
+        scheduler.finish(seq)
+    assert bm.num_free_blocks == bm.num_blocks and not bm.hash_to_block
+    again = Sequence("again", list(range(13)), SamplingParams(), 2)
+    scheduler.add(again)
+    assert scheduler.schedule().num_new_tokens == [13]  # computed afresh
+
+
 def test_drafts_are_not_published_before_they_are_checked() -> None:
     bm = BlockManager(8, BLOCK)
     scheduler = Scheduler(bm, 8, 64)

@@ -172,9 +172,11 @@ class Scheduler:
             self._preempt(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence, wherever it is."""
+        """Release a finished (or aborted) sequence, wherever it is: also one an interrupt caught
+        inside schedule(), admitted (its blocks allocated and published) but in neither list yet."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
+        if seq.block_table:  # a waiting sequence holds none
             self.block_manager.deallocate(seq)
