@@ -260,7 +260,9 @@ def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict
             continue
         group = int(key.split("-g")[1].split("-")[0]) if "-g" in key else 0
         fitting = candidates_for(key, group, candidates)
-        incumbent = configs.get(kernel, {}).get(key)  # what the file holds is timed too: never replaced by slower
+        # What the file holds is timed too: no slower candidate replaces it (the defaults still do
+        # when it is not MIN_GAIN faster than they are).
+        incumbent = configs.get(kernel, {}).get(key)
         if incumbent and len(fitting) > 1 and incumbent not in fitting:
             fitting.append(incumbent)
         if len(fitting) < 2:  # --with left only the defaults: nothing to compare, the file's entry stays
