@@ -162,7 +162,7 @@ def capped(adapters, smollm2_path) -> LLM:
 
 
 def test_past_max_cpu_loras_the_least_recently_used_adapter_is_unloaded_and_read_again(
-        capped, llm, tmp_path, hf_smollm2) -> None:
+        capped, llm, tmp_path, hf_smollm2, adapters) -> None:
     """vLLM's --max-cpu-loras: every adapter loaded stayed in memory. A third of two unloads the least
     recently used one; it is still served, and a request naming it reads it again from its folder."""
     engine = capped.engine
@@ -173,6 +173,9 @@ def test_past_max_cpu_loras_the_least_recently_used_adapter_is_unloaded_and_read
     assert list(engine.loras.loaded) == ["sql", "third"] and list(engine.loras.paths) == ["sql", "attn", "third"]
     assert alone(capped, PROMPTS[1], "attn") == alone(llm, PROMPTS[1], "attn")
     assert list(engine.loras.loaded) == ["third", "attn"]
+    # Replacing an idle adapter (here by its own folder) takes its own room: the other one stays.
+    engine.add_lora("attn", str(adapters["attn"][0]), replace=True)
+    assert sorted(engine.loras.loaded) == ["attn", "third"]
     engine.remove_lora("third")
 
 

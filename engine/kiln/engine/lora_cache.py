@@ -36,7 +36,10 @@ class LoRACache:
 
     def add(self, name: str, path: str) -> LoRAAdapter:
         """Serve the adapter in `path` under `name`; one already of that name is removed once the
-        new one has loaded (a folder that cannot load leaves it serving)."""
+        new one has loaded (a folder that cannot load leaves it serving, read again when named)."""
+        old = self.loaded.get(name)
+        if old is not None and id(old) not in {id(adapter) for adapter in self._held()}:
+            self._unload(self.loaded.pop(name))  # its room is the new one's, not another adapter's
         adapter = self._read(name, path)
         if name in self.paths:
             self.remove(name)
