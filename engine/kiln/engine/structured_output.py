@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 # touched), and a constraint over MAX_GRAMMAR_CHARS is refused: at most ~35k links, ~100 MiB.
 MAX_GRAMMAR_CHARS = 512 * 1024
 COMPILE_STACK_BYTES = 512 * 2**20
+COMPILED_KEPT = 4  # compiled grammars kept to copy (Grammars.matcher)
 
 
 def to_grammar(spec: StructuredOutputs) -> str:
@@ -69,6 +71,10 @@ class Grammars:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        # The last few grammars compiled, least recently used first: a request's n choices (and a
+        # client repeating its schema) copy one (milliseconds) instead of each compiling it on the
+        # engine thread (a second each for a large one: n=128 stalled every stream two minutes).
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     @cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -94,10 +100,15 @@ class Grammars:
         if len(grammar) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured outputs: the {kind} is too large: {len(grammar)} characters as a "
                              f"grammar, at most {MAX_GRAMMAR_CHARS} are taken")
-        matcher = self._compiler.submit(llguidance.LLMatcher, self.tokenizer, grammar, log_level=0).result()
-        if matcher.is_error():
-            raise ValueError(f"structured outputs: the {kind} does not compile: {matcher.get_error().strip()}")
-        return matcher
+        compiled = self._compiled.pop(grammar, None)
+        if compiled is None:
+            compiled = self._compiler.submit(llguidance.LLMatcher, self.tokenizer, grammar, log_level=0).result()
+            if compiled.is_error():
+                raise ValueError(f"structured outputs: the {kind} does not compile: {compiled.get_error().strip()}")
+        self._compiled[grammar] = compiled
+        if len(self._compiled) > COMPILED_KEPT:
+            self._compiled.popitem(last=False)
+        return compiled.deep_copy()
 
 
 def allowed_tokens(masks: list[bytes], vocab_size: int) -> torch.Tensor:
