@@ -252,6 +252,8 @@ BAD = [
      {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("empty stop string", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ""}, 400, "stop"),
     ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["x"] * 33}, 400, "stop"),
+    ("too many stop token ids", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "stop_token_ids": list(range(2049))}, 400, "stop_token_ids"),
     ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400,
      "temperature"),
     ("token id out of vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt"),

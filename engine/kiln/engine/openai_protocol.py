@@ -128,7 +128,9 @@ class _SamplingFields(_Request):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: Annotated[str | list[str] | None, WithJsonSchema(_STOP_SCHEMA)] = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
+    # As many as logit_bias takes: each choice builds a set of them and the sampler walks it every
+    # step while min_tokens holds (two million ids cost seconds of the engine a choice, and GiBs).
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(default=None, max_length=2048)
     ignore_eos: bool = False
     # vLLM's extensions: no stop before min_tokens; the stop string kept in the text; special
     # tokens' text (e.g. the chat template's end-of-turn) written out.
