@@ -4,6 +4,7 @@ real server on SmolLM2, which copies the call format from earlier turns of the c
 from __future__ import annotations
 
 import json
+import time
 import logging
 import re
 from typing import Literal
@@ -76,6 +77,11 @@ def test_each_parser_reads_its_calls_and_the_text_before_them(parser, text, pars
     (HERMES, '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
     (LLAMA, '{"name": "f", "parameters": {"x": Infinity}}'), (PYTHONIC, "[f(x=1e999)]"), (PYTHONIC, "[f(x=b'ab')]"),
     (MISTRAL, '[TOOL_CALLS][{"name": "f", "arguments": "oops"}]'),
+    # Not valid Unicode (a lone surrogate written as an escape): a Responses stream broke on it.
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"x": "\\ud83d"}}</tool_call>'),
+    (HERMES, '<tool_call>{"name": "f\\udc00", "arguments": {}}</tool_call>'), (PYTHONIC, '[f(x="\\ud83d")]'),
+    # Nested past CPython's parser stack: MemoryError, not SyntaxError, escaped as a 500.
+    (PYTHONIC, "[" + "-" * 12000), (PYTHONIC, "[x" + "+" * 12000 + "1]"),
     # No call at all: content (it was a "tool_calls" finish with no calls, the text lost).
     (PYTHONIC, "[]"), (MISTRAL, "[TOOL_CALLS][]"), (LLAMA, "<|python_tag|>"),
 ])
@@ -281,6 +287,21 @@ def test_required_arguments_beyond_float_are_content_not_infinity() -> None:
     assert calls.message('[{"name": "f", "parameters": {"x": 1e400}}]', "stop") == \
         ({"content": '[{"name": "f", "parameters": {"x": 1e400}}]'}, "stop")
     assert calls.message('[{"name": "f", "parameters": {"x": 1e30}}]', "stop")[1] == "tool_calls"
+
+
+def test_a_mistral_call_name_followed_by_a_run_of_whitespace_fails_fast() -> None:
+    """A model looping on spaces after a call's name: the pattern backtracked quadratically, 65 s
+    on the event loop (every stream and /health stalled) for 128k spaces."""
+    started = time.monotonic()
+    assert MISTRAL.parse("[TOOL_CALLS]get_weather" + " " * 131072 + "x") is None
+    assert MISTRAL.parse("a [CALL_ID] b" + " " * 131072 + "x") is None
+    assert time.monotonic() - started < 5  # linear: about 0.01 s; quadratic: a minute
+
+
+def test_required_arguments_that_are_not_unicode_are_content() -> None:
+    calls = tool_calls(request({"type": "object", "properties": {"x": {"type": "string"}}}))
+    text = '[{"name": "f", "parameters": {"x": "\\ud83d"}}]'
+    assert calls.message(text, "stop") == ({"content": text}, "stop")
 
 
 def test_output_nested_past_the_json_parsers_depth_is_content_not_a_500() -> None:

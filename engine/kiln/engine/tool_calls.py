@@ -18,7 +18,7 @@ from typing import Any
 from kiln.engine.api_errors import APIError
 from kiln.engine.openai_protocol import ChatCompletionRequest, NamedToolChoice
 from kiln.engine.sampling_params import StructuredOutputs
-from kiln.engine.tool_parsers import PARSERS, openai_call_id
+from kiln.engine.tool_parsers import PARSERS, arguments_json, openai_call_id, unicode
 
 NAMED_CHOICE = '{"type": "function", "function": {"name": ...}}'  # chat's shape of a named tool_choice
 
@@ -84,8 +84,7 @@ class ToolCalls:
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             try:
-                calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False, allow_nan=False))
-                         for call in json.loads(text)]
+                calls = [(unicode(call["name"]), arguments_json(call["parameters"])) for call in json.loads(text)]
             except (ValueError, RecursionError):  # cut short by max_tokens, a number beyond float (1e400:
                 # no JSON again), or nested past the parser's depth
                 return {"content": text}, finish_reason

@@ -39,8 +39,20 @@ def _call(obj: object) -> tuple[str, str]:
         arguments = {}
     if not isinstance(arguments, dict):
         raise ValueError("arguments are not an object")
-    # A client runs json.loads / JSON.parse on them: strict JSON (no NaN), the text as written.
-    return obj["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    return unicode(obj["name"]), arguments_json(arguments)
+
+
+def arguments_json(arguments: object) -> str:
+    """A call's arguments as a client reads them (json.loads / JSON.parse): strict JSON (no NaN),
+    the text as written; ValueError if they are not valid Unicode."""
+    return unicode(json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+
+
+def unicode(text: str) -> str:
+    """text, or ValueError (UnicodeEncodeError) where it holds a lone surrogate: a model writing
+    "\ud83d" in its JSON made one, which broke a Responses stream mid-way and strict JSON clients."""
+    text.encode()
+    return text
 
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
@@ -69,7 +81,9 @@ def _llama3_json(calls_text: str) -> Calls:
         position = text.index(";", position) + 1
 
 
-_MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)\s*(?:\[CALL_ID\]\s*\w+\s*)?(?:\[ARGS\])?\s*(\{.*\})\s*", re.DOTALL)
+# No two \s* side by side: a call's name followed by a run of whitespace (a model looping on
+# newlines) backtracked quadratically, 65 s on the event loop for 128k spaces.
+_MISTRAL_V11_CALL = re.compile(r"\s*([\w.-]+)(?:\s*\[CALL_ID\]\s*\w+)?\s*(?:\[ARGS\]\s*)?(\{.*\})\s*", re.DOTALL)
 
 
 def _mistral(calls_text: str) -> Calls:
@@ -90,7 +104,7 @@ def _pythonic(calls_text: str) -> Calls:
     text = calls_text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
     try:
         tree = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError as e:
+    except (SyntaxError, MemoryError) as e:  # MemoryError: nested past the parser's stack ("[" + "-" * 12000)
         raise ValueError("not a Python list") from e
     if not isinstance(tree, ast.List):
         raise ValueError("not a list of calls")
