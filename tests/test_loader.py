@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -306,6 +307,12 @@ def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir
     ("config.json", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
      r"config\.json: unsupported rope_scaling type 'yarn'"),
     ("config.json", {"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),  # ran as silu
+    ("config.json", {"bos_token_id": "x"}, r"config\.json: bos_token_id must be a token id, got 'x'"),
+    ("config.json", {"eos_token_id": 10**6}, r"config\.json: token id\(s\) \[1000000\] \(bos/eos_token_id\) beyond"),
+    # sizes the weights do not have: terabytes asked of the allocator, or minutes building layers
+    ("config.json", {"vocab_size": 10**12}, r"config\.json: vocab_size, hidden_size \(1000000000000, "),
+    ("config.json", {"num_hidden_layers": 10**6}, r"config\.json: num_hidden_layers \(1000000,\), but the weights"),
+    ("config.json", {"intermediate_size": 2**40}, r"config\.json: intermediate_size \(1099511627776,\), but"),
     ("tokenizer_config.json", "{bad", r"tokenizer_config\.json: invalid JSON"),
     ("tokenizer_config.json", json.dumps({"chat_template": "{{ x | no_such_filter }}"}),
      r"tokenizer_config\.json: the chat template does not compile"),
@@ -500,3 +507,17 @@ def test_config_resolves_auto_choices(smollm2_fp32) -> None:
     assert resolve_max_model_len(Config(max_model_len=512), model_config) == 512
     with pytest.raises(ValueError, match="exceeds the model's maximum of 8192"):
         resolve_max_model_len(Config(max_model_len=10000), model_config)
+
+
+def test_integer_weights_are_refused_by_name(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """An int32 q_proj was cast into the float model in silence."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "ints"
+    shutil.copytree(tiny_llama_dir, folder)
+    (path,) = folder.glob("*.safetensors")
+    tensors = load_file(path)
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name].round().to(torch.int32)
+    save_file(tensors, path)
+    with pytest.raises(ModelLoadError, match=rf"tensor '{re.escape(name)}' is torch.int32, not floating point"):
+        load_model(Config(model=str(folder), dtype="float32"))

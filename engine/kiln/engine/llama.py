@@ -224,6 +224,8 @@ class LlamaForCausalLM(nn.Module):
             if shard is not None:
                 sizes = self.shard_sizes(target.split(".")[-2])
                 dest = dest.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if not tensor.is_floating_point():  # an int32 q_proj was cast into the model in silence
+                raise ModelLoadError(f"{source}: tensor {name!r} is {tensor.dtype}, not floating point")
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(dest.shape)}")

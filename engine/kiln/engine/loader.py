@@ -121,6 +121,13 @@ def read_hf_config(folder: Path) -> ModelConfig:
     gen_path = folder / GENERATION_CONFIG
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos_token_ids = _eos_ids((path, raw.get("eos_token_id")), (gen_path, gen.get("eos_token_id")))
+    bos = raw.get("bos_token_id")
+    if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool) or bos < 0):
+        raise ModelLoadError(f"{path}: bos_token_id must be a token id, got {bos!r}")
+    vocab = raw.get("vocab_size")
+    beyond = [i for i in [bos, *eos_token_ids] if i is not None and isinstance(vocab, int) and i >= vocab]
+    if beyond:  # an EOS never sampled ran every request to max_tokens; a BOS never written
+        raise ModelLoadError(f"{path}: token id(s) {beyond} (bos/eos_token_id) beyond vocab_size {vocab}")
     try:
         heads = raw["num_attention_heads"]
         return ModelConfig(
@@ -141,6 +148,28 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: missing key {e.args[0]!r}") from None
     except (ValueError, TypeError) as e:  # ModelConfig's checks
         raise ModelLoadError(f"{path}: {e}") from None
+
+
+def check_sizes(folder: Path, config: ModelConfig) -> None:
+    """config.json's sizes against the tensors its folder holds (their headers), before the model
+    is built from them: a vocab_size of 10**12, or 10**6 layers, asked the allocator for terabytes
+    or ran for minutes before any tensor was compared."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(folder):
+        try:
+            with safe_open(path, framework="pt") as f:
+                shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+        except Exception:  # iter_safetensors names what is wrong with the file
+            return
+    layers = [int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()]
+    found = {"vocab_size, hidden_size": shapes.get("model.embed_tokens.weight"),
+             "num_hidden_layers": (max(layers) + 1,) if layers else None,
+             "intermediate_size": shapes.get("model.layers.0.mlp.gate_proj.weight", (None,))[:1]}
+    said = {"vocab_size, hidden_size": (config.vocab_size, config.hidden_size),
+            "num_hidden_layers": (config.num_hidden_layers,), "intermediate_size": (config.intermediate_size,)}
+    for key, shape in found.items():
+        if shape is not None and None not in shape and shape != said[key]:
+            raise ModelLoadError(f"{folder / 'config.json'}: {key} {said[key]}, but the weights hold {shape}")
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,6 +225,7 @@ def load_model(config: Config) -> LoadedModel:
     packed = {}
     if path.is_dir():
         model_config = read_hf_config(path)
+        check_sizes(path, model_config)
         tokenizer = load_hf_tokenizer(path, model_config.eos_token_ids, model_config.bos_token_id)
         if not model_config.eos_token_ids:
             model_config.eos_token_ids = tokenizer.eos_token_ids
