@@ -521,3 +521,23 @@ def test_integer_weights_are_refused_by_name(tmp_path: Path, tiny_llama_dir: Pat
     save_file(tensors, path)
     with pytest.raises(ModelLoadError, match=rf"tensor '{re.escape(name)}' is torch.int32, not floating point"):
         load_model(Config(model=str(folder), dtype="float32"))
+
+
+@pytest.mark.parametrize("file, data, message", [
+    ("tokenizer_config.json", json.dumps({"eos_token": {"x": 1}}).encode(), r"tokenizer_config\.json: eos_token must be"),
+    ("tokenizer_config.json", json.dumps({"eos_token": 5}).encode(), r"tokenizer_config\.json: eos_token must be"),
+    ("chat_template.jinja", b"\xff{{ messages }}", r"chat_template\.jinja: not UTF-8 text"),
+])
+def test_tokenizer_files_are_named(tmp_path: Path, tiny_llama_dir: Path, file: str, data: bytes, message: str) -> None:
+    """A KeyError or TypeError (eos_token read where config.json names no EOS), or a decode error
+    naming no file."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama_dir, folder)
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).is_file():
+            config = json.loads((folder / name).read_text())
+            config.pop("eos_token_id", None)
+            (folder / name).write_text(json.dumps(config))
+    (folder / file).write_bytes(data)
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(Config(model=str(folder), dtype="float32"))

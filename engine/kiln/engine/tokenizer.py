@@ -262,9 +262,9 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
     named = tok_config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template_path = folder / "chat_template.jinja"
-        template = template_path.read_text()
+        template = _read_text(template_path)
         if (folder / "additional_chat_templates" / "tool_use.jinja").is_file():  # transformers' folder of named ones
-            tool_use = (folder / "additional_chat_templates" / "tool_use.jinja").read_text()
+            tool_use = _read_text(folder / "additional_chat_templates" / "tool_use.jinja")
     elif isinstance(named, list):  # named templates, as transformers picks them: tool_use for tools
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
                    for t in named):
@@ -276,9 +276,20 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         template = named
     if not eos_token_ids and tok_config.get("eos_token"):
         eos = tok_config["eos_token"]
-        eos_id = tokenizer.token_to_id(eos["content"] if isinstance(eos, dict) else eos)
+        eos = eos.get("content") if isinstance(eos, dict) else eos  # transformers' AddedToken, or the text
+        if not isinstance(eos, str):  # a KeyError or TypeError from deep in the start-up, naming no file
+            raise ModelLoadError(f"{config_path}: eos_token must be the token's text (or {{\"content\": text}}), "
+                                 f"got {tok_config['eos_token']!r}")
+        eos_id = tokenizer.token_to_id(eos)
         eos_token_ids = [] if eos_id is None else [eos_id]
     return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template, template_path, tool_use)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:  # the message alone named no file
+        raise ModelLoadError(f"{path}: not UTF-8 text: {e}") from None
 
 
 def build_gguf_tokenizer(metadata: dict[str, Any], source: str) -> HFTokenizer:
