@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.gguf_file import GGUFTensor
 from kiln.engine.gguf_loader import dequantize, open_gguf, read_model_config, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
 from kiln.engine.tokenizer import build_gguf_tokenizer
@@ -355,6 +356,18 @@ def test_gguf_metadata_out_of_range_is_named() -> None:
     with pytest.raises(ModelLoadError, match=r"rms_norm_eps must be a positive number, got inf"):
         read_model_config({**meta, "llama.attention.head_count": 4,
                            "llama.attention.layer_norm_rms_epsilon": float("inf")}, [], "x.gguf")
+    meta["llama.attention.head_count"] = 4
+    with pytest.raises(ModelLoadError, match=r"x\.gguf: GGUF metadata: cannot convert float infinity"):
+        read_model_config({**meta, "llama.embedding_length": float("inf")}, [], "x.gguf")  # an OverflowError
+    # Sizes the tensors do not have (a model built from them asked for terabytes, or took seconds and GiBs).
+    tensors = [GGUFTensor(name, None, shape, None) for name, shape in (
+        ("token_embd.weight", (64, 100)), ("blk.0.ffn_gate.weight", (64, 128)), ("blk.1.ffn_gate.weight", (64, 128)))]
+    assert read_model_config(meta, tensors, "x.gguf").num_hidden_layers == 2
+    for key, value, held in (("feed_forward_length", 2**40, 128), ("block_count", 20000, 2),
+                             ("embedding_length", 32, 64)):
+        with pytest.raises(ModelLoadError, match=rf"x\.gguf: GGUF metadata llama\.{key} is {value}, the tensors "
+                                                 rf"hold {held}"):
+            read_model_config({**meta, f"llama.{key}": value}, tensors, "x.gguf")
 
 
 @pytest.mark.parametrize("change,message", [

@@ -134,7 +134,7 @@ def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: s
         bos = meta.get("tokenizer.ggml.bos_token_id")
         tokens = meta.get("tokenizer.ggml.tokens")
         vocab = len(tokens) if tokens is not None else int(meta[f"{arch}.vocab_size"])
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=vocab, hidden_size=hidden,
             intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
             num_hidden_layers=int(meta[f"{arch}.block_count"]),
@@ -152,8 +152,26 @@ def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: s
         )
     except KeyError as e:
         raise ModelLoadError(f"{source}: GGUF metadata lacks {e.args[0]!r}") from None
-    except (ValueError, TypeError) as e:  # ModelConfig's checks name the field
+    except (ValueError, TypeError, ArithmeticError) as e:  # ModelConfig's checks name the field; int(inf)
         raise ModelLoadError(f"{source}: GGUF metadata: {e}") from None
+    _check_sizes(config, tensors, arch, source)
+    return config
+
+
+def _check_sizes(config: ModelConfig, tensors: list[GGUFTensor], arch: str, source: str) -> None:
+    """The metadata's sizes against the tensors the file holds, before a model is built from them:
+    a feed_forward_length of 2**40 asked the allocator for terabytes, 20,000 blocks took seconds and
+    GiBs before any tensor was compared."""
+    shapes = {t.name: t.shape[::-1] for t in tensors}  # GGUF lists the fastest dimension first
+    blocks = [int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()]
+    found = {"embedding_length": shapes.get("token_embd.weight", (None, None))[1:],
+             "block_count": (max(blocks) + 1,) if blocks else (None,),
+             "feed_forward_length": shapes.get("blk.0.ffn_gate.weight", (None,))[:1]}
+    said = {"embedding_length": (config.hidden_size,), "block_count": (config.num_hidden_layers,),
+            "feed_forward_length": (config.intermediate_size,)}
+    for key, shape in found.items():
+        if None not in shape and shape != said[key]:
+            raise ModelLoadError(f"{source}: GGUF metadata {arch}.{key} is {said[key][0]}, the tensors hold {shape[0]}")
 
 
 def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
