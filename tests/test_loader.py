@@ -554,3 +554,16 @@ def test_tokenizer_files_are_named(tmp_path: Path, tiny_llama_dir: Path, file: s
     (folder / file).write_bytes(data)
     with pytest.raises(ModelLoadError, match=message):
         load_model(Config(model=str(folder), dtype="float32"))
+
+
+def test_a_gguf_metadata_array_past_its_bound_is_refused(tmp_path: Path) -> None:
+    """Arrays are read as Python values, about 10x their bytes: a corrupt count inside a large file
+    asked for tens of GiB before any error."""
+    import struct
+    from kiln.engine.gguf_file import MAX_ARRAY, read_gguf
+    key = b"llama.some_array"
+    path = tmp_path / "big.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<IIQ", 9, 5, MAX_ARRAY + 1) + bytes(64))  # an INT32 array
+    with pytest.raises(ValueError, match=rf"claims {MAX_ARRAY + 1} entries; at most {MAX_ARRAY}"):
+        read_gguf(path)

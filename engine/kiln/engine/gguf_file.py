@@ -29,7 +29,7 @@ _FORMATS = {kind: struct.Struct("<" + code) for kind, code in _CODES.items()}
 _U32, _U64 = _FORMATS[V.UINT32], _FORMATS[V.UINT64]
 # Linux 5.14+: fault every page of a mapping in, reading the file at disk speed; Python names no constant.
 _MADV_POPULATE_READ = 22
-
+MAX_ARRAY = 1 << 24  # entries a metadata array may hold: vocabularies and merges are well under a million
 
 @dataclass(frozen=True)
 class GGUFTensor:
@@ -88,6 +88,8 @@ class _Cursor:
 
     def array(self) -> list[Any]:
         kind, count = V(self.unpack(_U32)), self.unpack(_U64)
+        if count > MAX_ARRAY:  # read as Python values, about 10x their bytes: a corrupt count asked for GiBs
+            raise ValueError(f"a metadata array at byte {self.offset} claims {count} entries; at most {MAX_ARRAY} are read")
         if kind in _CODES:  # numbers: one numpy read instead of one unpack each
             dtype = np.dtype("<" + _CODES[kind])
             values = np.frombuffer(self.buffer, dtype, count, self.offset).tolist()
