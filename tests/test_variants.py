@@ -166,8 +166,16 @@ QKV = "model.layers.0.self_attn.qkv_proj"
      r"missing tensors \['model\.layers\.1\.self_attn\.o_proj\.act_scale'\]"),
     (lambda t, m: t.pop("model.layers.0.input_layernorm.folded_scale"),
      r"missing tensors \['model\.layers\.0\.input_layernorm\.folded_scale'\]"),
+    # Loaded, and served wrong in silence: a scale broadcast as one, a NaN, a tensor nobody reads.
+    (lambda t, m: t.update({"model.layers.1.self_attn.o_proj.act_scale": t["model.layers.1.self_attn.o_proj.act_scale"][:1]}),
+     r"tensor model\.layers\.1\.self_attn\.o_proj\.act_scale has shape \(1,\), the model expects \(\d+,\)"),
+    (lambda t, m: t.update({"model.layers.0.input_layernorm.folded_scale":
+                            t["model.layers.0.input_layernorm.folded_scale"][:1]}),
+     r"tensor model\.layers\.0\.input_layernorm\.folded_scale has shape \(1,\)"),
+    (lambda t, m: t[f"{QKV}.scales"].view(-1)[0].fill_(float("nan")), rf"tensor {QKV}\.scales holds values that are not"),
+    (lambda t, m: t.update({"model.layers.0.extra": t[f"{QKV}.scales"].clone()}), r"unexpected tensors \['model\.layers\.0\.extra'\]"),
 ], ids=["no-scales", "short-scales", "narrow-codes", "float-codes", "int4-marker", "none-marker", "no-act-scale",
-        "no-folded-scale"])
+        "no-folded-scale", "short-act-scale", "short-folded-scale", "nan-scales", "extra-tensor"])
 def test_a_damaged_quantized_folder_is_named_at_load(tiny_llama_dir, tmp_path, tamper, message) -> None:
     out = tmp_path / "variant"
     assert kiln(["quantize", "--model", str(tiny_llama_dir), "--method", "int8", "--out", str(out),

@@ -136,6 +136,20 @@ def load_quantized_folder(model: nn.Module, state: dict[str, torch.Tensor], mark
         missing += [scale_tensor(n) for n in linears if scale_tensor(n) not in state]
     if missing:
         raise ModelLoadError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    expected = {f"{n}.{part}" for n in linears for part in parts} | {f"{n}.bias" for n in linears} | set(floats)
+    if method in ACTIVATION_AWARE:
+        expected |= {scale_tensor(n) for n in linears}
+    unexpected = sorted(set(state) - expected)
+    if unexpected:  # a mixed-up folder: loaded, and the tensors ignored in silence
+        raise ModelLoadError(f"{source}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    for name, linear in linears.items():
+        if not bool(state[f"{name}.scales"].isfinite().all()):
+            raise ModelLoadError(f"{source}: tensor {name}.scales holds values that are not finite")
+        # The probe below runs zeros through each layer: a scale of the wrong length broadcast as one.
+        scale = scale_tensor(name) if method in ACTIVATION_AWARE else None
+        if scale is not None and tuple(state[scale].shape) != (linear.weight.shape[1],):
+            raise ModelLoadError(f"{source}: tensor {scale} has shape {tuple(state[scale].shape)}, the model "
+                                 f"expects ({linear.weight.shape[1]},)")
     for name, param in floats.items():
         if state[name].shape != param.shape:
             raise ModelLoadError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)}, "
