@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -61,7 +62,11 @@ def test_dummy_weights_need_no_weight_files(tiny_llama_dir: Path, tmp_path: Path
     folder.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    # A download of the JSON files only (`--include "*.json"`): its index names shards not there.
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     llm = LLM(str(folder), load_format="dummy", dtype="float32", device="cpu", max_model_len=64)
+    index.unlink()
     params = dict(llm.engine.runner.model.named_parameters())
     assert all(p.isfinite().all() for p in params.values())
     assert params["model.embed_tokens.weight"].std() > 0.01 and (params["model.norm.weight"] == 1).all()

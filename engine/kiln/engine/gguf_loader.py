@@ -163,7 +163,8 @@ def _check_sizes(config: ModelConfig, tensors: list[GGUFTensor], arch: str, sour
     a feed_forward_length of 2**40 asked the allocator for terabytes, 20,000 blocks took seconds and
     GiBs before any tensor was compared."""
     shapes = {t.name: t.shape[::-1] for t in tensors}  # GGUF lists the fastest dimension first
-    blocks = [int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isdigit()]
+    blocks = [int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isascii()
+              and n.split(".")[1].isdigit()]
     found = {"embedding_length": shapes.get("token_embd.weight", (None, None))[1:],
              "block_count": (max(blocks) + 1,) if blocks else (None,),
              "feed_forward_length": shapes.get("blk.0.ffn_gate.weight", (None,))[:1]}
@@ -171,7 +172,8 @@ def _check_sizes(config: ModelConfig, tensors: list[GGUFTensor], arch: str, sour
             "feed_forward_length": (config.intermediate_size,)}
     for key, shape in found.items():
         if None not in shape and shape != said[key]:
-            raise ModelLoadError(f"{source}: GGUF metadata {arch}.{key} is {said[key][0]}, the tensors hold {shape[0]}")
+            raise ModelLoadError(f"{source}: GGUF metadata {arch}.{key} is {said[key][0]}, the tensors hold "
+                                 f"{shape[0] if shape else shape}")
 
 
 def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:

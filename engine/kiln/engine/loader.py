@@ -161,7 +161,7 @@ def check_sizes(folder: Path, config: ModelConfig) -> None:
                 shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
         except Exception:  # iter_safetensors names what is wrong with the file
             return
-    layers = [int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and n.split(".")[2].isdigit()]
+    layers = [int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and _index(n.split(".")[2])]
     found = {"vocab_size, hidden_size": shapes.get("model.embed_tokens.weight"),
              "num_hidden_layers": (max(layers) + 1,) if layers else None,
              "intermediate_size": shapes.get("model.layers.0.mlp.gate_proj.weight", (None,))[:1]}
@@ -170,6 +170,10 @@ def check_sizes(folder: Path, config: ModelConfig) -> None:
     for key, shape in found.items():
         if shape is not None and None not in shape and shape != said[key]:
             raise ModelLoadError(f"{folder / 'config.json'}: {key} {said[key]}, but the weights hold {shape}")
+
+
+def _index(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # "²" is a digit to isdigit(), not to int()
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -225,7 +229,8 @@ def load_model(config: Config) -> LoadedModel:
     packed = {}
     if path.is_dir():
         model_config = read_hf_config(path)
-        check_sizes(path, model_config)
+        if config.load_format != "dummy":  # no weight files read: a folder of its JSON files will do
+            check_sizes(path, model_config)
         tokenizer = load_hf_tokenizer(path, model_config.eos_token_ids, model_config.bos_token_id)
         if not model_config.eos_token_ids:
             model_config.eos_token_ids = tokenizer.eos_token_ids

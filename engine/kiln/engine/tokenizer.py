@@ -287,7 +287,7 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:  # the message alone named no file
         raise ModelLoadError(f"{path}: not UTF-8 text: {e}") from None
 
