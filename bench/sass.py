@@ -1,6 +1,6 @@
 """The int4 word GEMV's main loop as the GPU runs it, read on a machine without one: compile
 kernels/int4_gemv.py (or with --magic, quant_gemm's tensor-core kernel at 16 rows, its int4 codes
-made as quant_gemm._codes says) for an NVIDIA architecture with Triton's bundled ptxas, disassemble the cubin
+made as kernels/int4_codes.py says) for an NVIDIA architecture with Triton's bundled ptxas, disassemble the cubin
 with its nvdisasm, and count the instructions of the K loop (a thread's work for one tile) by
 opcode, with the registers a thread (cuobjdump) and so how many programs share an SM. Pointers and
 sizes are taken to be multiples of 16, as on Llama-3-8B shapes, where Triton's launcher
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-k", type=int, default=128, help="a quantization group of 128 columns")
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--prefetch", type=int, choices=(0, 1, 2), default=0)
-    parser.add_argument("--late-bias", type=int, choices=(0, 1, 2), default=0)
+    parser.add_argument("--late-bias", type=int, choices=(0, 1), default=0)
     parser.add_argument("--magic", type=int, choices=(0, 1, 2, 3), help="the tensor-core kernel instead")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -74,7 +74,7 @@ GEMM_CANDIDATES = [
     {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"GEMV": 1, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
     {"GEMV": 1, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 8},
     {"GEMV": 1, "BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 4},
-    # int4 codes made floats without conversions (quant_gemm._codes): 2**23 in fp32, or 16-bit
+    # int4 codes made floats without conversions (int4_codes.codes): 2**23 in fp32, or 16-bit
     {"MAGIC": 1, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8}, {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 8},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}, {"MAGIC": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 8},
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4}, {"MAGIC": 2, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 4},
@@ -136,7 +136,7 @@ GEMM_CANDIDATES = [
     {"MAGIC": 2, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
     {"MAGIC": 2, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16},
     {"BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 16}, {"BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 16},
-    # the codes made in inline PTX (quant_gemm._biased_codes), not yet timed: in the sm_90 cubin a 128x128
+    # the codes made in inline PTX (int4_codes.ptx_codes), not yet timed: in the sm_90 cubin a 128x128
     # tile's loop is 3.2 instructions a code against MAGIC 2's 4.9 and the word GEMV's 4.6 (bench/sass.py),
     # and its loads are pipelined through shared memory, where the word GEMV's wait on occupancy
     *({"MAGIC": 3, "BLOCK_N": n, "BLOCK_K": 128, "SPLIT_K": splits, **more} for n, splits, more in (

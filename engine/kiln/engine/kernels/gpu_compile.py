@@ -85,7 +85,7 @@ def other_jobs(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_
                dict(INT4=int4, HAS_ZEROS=offsets == "zeros", HAS_MINS=offsets == "mins", GROUP=group,
                     BLOCK_N=dequant.BLOCK_N, BLOCK_K=dequant.BLOCK_K), 4)
     # A split-K config (tuned on a GPU, see kernels.tuned): fp32 partial products, then their sum;
-    # with int4 codes made floats each way (quant_gemm._codes, _biased_codes' inline PTX).
+    # with int4 codes made floats each way (int4_codes: codes, ptx_codes' inline PTX).
     for magic, offsets in ((0, "zeros"), (1, "zeros"), (2, "zeros"), (2, None), (2, "mins"), (3, "zeros"), (3, None),
                            (3, "mins")):
         yield (quant_gemm._dequant_gemm_kernel,

@@ -10,7 +10,7 @@ def codes(packed, shift: tl.constexpr, offset, MAGIC: tl.constexpr, DTYPE: tl.co
     # The 4-bit codes at `shift` of int32 `packed`, less `offset` (a zero point per row, 8 or 0).
     # MAGIC 0: int32 (the caller converts). 1: fp32, made by OR-ing the code into the mantissa of
     # 2**23 and subtracting 2**23 + offset. 2: the same in DTYPE's 16 bits (bf16 128.0, fp16 1024.0),
-    # no conversion at all (3: the same in inline PTX, `biased`). Every step is exact:
+    # no conversion at all (3: the same in inline PTX, `ptx_codes`). Every step is exact:
     # |code - offset| <= 15.
     q = (packed >> shift) & 0xF
     if MAGIC == 0:
@@ -37,12 +37,15 @@ BIASED_FP16 = tl.constexpr(biased_asm("0x64006400"))  # 1024.0
 
 
 @triton.jit
-def biased(packed, x):
-    # MAGIC 3: the low and high codes of uint8 `packed` as x's 16-bit floats 128 + code (bf16) or
-    # 1024 + code (fp16), four bytes at once in PTX: two byte permutes spread bytes 0-1 and 2-3 to
-    # the halves of two words, then one AND-OR a pair of codes, one shift a word for the high codes.
-    # Triton's lowering of MAGIC 2 (codes) spends about two PRMTs a code packing bytes widened to int32.
-    # Only a GPU runs this (the interpreter has no PTX): tests/test_gpu.py checks it.
-    return tl.inline_asm_elementwise(asm=BIASED_BF16 if x.dtype == tl.bfloat16 else BIASED_FP16,
-                                     constraints="=r,=r,=r,=r,r", args=[packed], dtype=(x.dtype, x.dtype),
-                                     is_pure=True, pack=4)
+def ptx_codes(packed, offset, x):
+    # MAGIC 3: the low and high codes of uint8 `packed`, less `offset`, in x's 16-bit floats. Four
+    # bytes at once in PTX: two byte permutes spread bytes 0-1 and 2-3 to the halves of two words,
+    # then one AND-OR a pair of codes (the float 128 + code in bf16, 1024 + code in fp16), one shift
+    # a word for the high codes. Triton's lowering of MAGIC 2 (codes) spends about two PRMTs a code
+    # packing bytes widened to int32. Only a GPU runs this (the interpreter has no PTX):
+    # tests/test_gpu.py checks it.
+    bf16: tl.constexpr = x.dtype == tl.bfloat16
+    lo, hi = tl.inline_asm_elementwise(asm=BIASED_BF16 if bf16 else BIASED_FP16, constraints="=r,=r,=r,=r,r",
+                                       args=[packed], dtype=(x.dtype, x.dtype), is_pure=True, pack=4)
+    bias = (offset + (128.0 if bf16 else 1024.0)).to(x.dtype)
+    return lo - bias, hi - bias

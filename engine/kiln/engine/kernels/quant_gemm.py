@@ -130,10 +130,7 @@ def _dequant_gemm_kernel(
             else:  # symmetric: codes centred on 8
                 offset = 8
             if MAGIC == 3 and x_lo.dtype != tl.float32:  # fp32 x: MAGIC 1's codes
-                lo, hi = int4_codes.biased(packed, x_lo)
-                bias = (offset + (128.0 if x_lo.dtype == tl.bfloat16 else 1024.0)).to(x_lo.dtype)
-                lo -= bias
-                hi -= bias
+                lo, hi = int4_codes.ptx_codes(packed, offset, x_lo)
             else:
                 # |q - z| <= 15: exact in 16-bit floats
                 lo = int4_codes.codes(packed.to(tl.int32), 0, offset, MAGIC, x_lo.dtype)
