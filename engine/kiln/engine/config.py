@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -245,6 +246,14 @@ def _check_rope_scaling(scaling: Any, head_dim: int) -> None:
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ModelLoadError(f"rope_scaling: high_freq_factor ({scaling['high_freq_factor']}) must be greater than "
                              f"low_freq_factor ({scaling['low_freq_factor']})")
+
+
+def layer_count(names: Iterable[str], prefix: str) -> int | None:
+    """1 + the highest N of the tensor names `prefix`N..., None if there is none (the HF folder's
+    and the GGUF file's layers, checked against their configs before a model is built)."""
+    numbers = [name[len(prefix):].split(".")[0] for name in names if name.startswith(prefix)]
+    found = [int(n) for n in numbers if n.isascii() and n.isdigit()]  # "²" is a digit to isdigit(), not to int()
+    return max(found) + 1 if found else None
 
 
 def resolve_max_model_len(config: Config, model_config: ModelConfig) -> int:

@@ -31,6 +31,7 @@ _U32, _U64 = _FORMATS[V.UINT32], _FORMATS[V.UINT64]
 _MADV_POPULATE_READ = 22
 MAX_ARRAY = 1 << 24  # entries a metadata array may hold: vocabularies and merges are well under a million
 
+
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor, with the fields of gguf's ReaderTensor that the loader reads."""

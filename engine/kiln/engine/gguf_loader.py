@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kiln.engine import startup
-from kiln.engine.config import ModelConfig, ModelLoadError
+from kiln.engine.config import ModelConfig, ModelLoadError, layer_count
 from kiln.engine.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from kiln.engine.gguf_quant import PACKED_TYPES, PackedWeight, dequantize_blocks, read_packed
 from kiln.engine.tokenizer import Tokenizer, build_gguf_tokenizer
@@ -163,10 +163,8 @@ def _check_sizes(config: ModelConfig, tensors: list[GGUFTensor], arch: str, sour
     a feed_forward_length of 2**40 asked the allocator for terabytes, 20,000 blocks took seconds and
     GiBs before any tensor was compared."""
     shapes = {t.name: t.shape[::-1] for t in tensors}  # GGUF lists the fastest dimension first
-    blocks = [int(n.split(".")[1]) for n in shapes if n.startswith("blk.") and n.split(".")[1].isascii()
-              and n.split(".")[1].isdigit()]
     found = {"embedding_length": shapes.get("token_embd.weight", (None, None))[1:],
-             "block_count": (max(blocks) + 1,) if blocks else (None,),
+             "block_count": (layer_count(shapes, "blk."),),
              "feed_forward_length": shapes.get("blk.0.ffn_gate.weight", (None,))[:1]}
     said = {"embedding_length": (config.hidden_size,), "block_count": (config.num_hidden_layers,),
             "feed_forward_length": (config.intermediate_size,)}

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from kiln.engine import startup
 from kiln.engine.cpu_attention import HEAD_DIMS
-from kiln.engine.config import GENERATION_CONFIG, POSITIVE_INTS, Config, ModelConfig, ModelLoadError, resolve_max_model_len
+from kiln.engine.config import (GENERATION_CONFIG, POSITIVE_INTS, Config, ModelConfig, ModelLoadError, layer_count,
+                                resolve_max_model_len)
 from kiln.engine.gguf_loader import install_packed, load_gguf
 from kiln.engine.llama import LlamaForCausalLM
 from kiln.engine.quantized_folder import load_quantized_folder, read_marker
@@ -161,19 +162,15 @@ def check_sizes(folder: Path, config: ModelConfig) -> None:
                 shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
         except Exception:  # iter_safetensors names what is wrong with the file
             return
-    layers = [int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.") and _index(n.split(".")[2])]
+    layers = layer_count(shapes, "model.layers.")
     found = {"vocab_size, hidden_size": shapes.get("model.embed_tokens.weight"),
-             "num_hidden_layers": (max(layers) + 1,) if layers else None,
+             "num_hidden_layers": (layers,) if layers else None,
              "intermediate_size": shapes.get("model.layers.0.mlp.gate_proj.weight", (None,))[:1]}
     said = {"vocab_size, hidden_size": (config.vocab_size, config.hidden_size),
             "num_hidden_layers": (config.num_hidden_layers,), "intermediate_size": (config.intermediate_size,)}
     for key, shape in found.items():
         if shape is not None and None not in shape and shape != said[key]:
             raise ModelLoadError(f"{folder / 'config.json'}: {key} {said[key]}, but the weights hold {shape}")
-
-
-def _index(text: str) -> bool:
-    return text.isascii() and text.isdigit()  # "²" is a digit to isdigit(), not to int()
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
