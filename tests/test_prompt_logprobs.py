@@ -232,9 +232,9 @@ def test_prompt_logprobs_over_every_choice_are_bounded() -> None:
     """Each choice scores its prompt and answers with its own copy: n=128 of an 8k-token prompt at
     prompt_logprobs 20 came to GiBs of Python objects. Past MAX_SCORED_ENTRIES it is a 400."""
     from kiln.engine.api_errors import APIError
-    from kiln.engine.openai_serving import MAX_SCORED_ENTRIES, OpenAIServing
-    OpenAIServing._check_scored(None, 8192 * 24 * 21)  # 24 choices of 8k tokens at 20 alternatives
+    from kiln.engine.openai_serving import MAX_SCORED_ENTRIES, check_scored
+    check_scored(8192 * 24 * 21)  # 24 choices of 8k tokens at 20 alternatives
     with pytest.raises(APIError) as refused:
-        OpenAIServing._check_scored(None, 8192 * 128 * 21)
+        check_scored(8192 * 128 * 21)
     assert refused.value.status == 400 and refused.value.param == "prompt_logprobs"
     assert str(MAX_SCORED_ENTRIES) in refused.value.message

@@ -38,7 +38,7 @@ class LoRACache:
         """Serve the adapter in `path` under `name`; one already of that name is removed once the
         new one has loaded (a folder that cannot load leaves it serving, read again when named)."""
         old = self.loaded.get(name)
-        if old is not None and id(old) not in {id(adapter) for adapter in self._held()}:
+        if old is not None and id(old) not in self._held_ids():
             self._unload(self.loaded.pop(name))  # its room is the new one's, not another adapter's
         adapter = self._read(name, path)
         if name in self.paths:
@@ -62,7 +62,7 @@ class LoRACache:
     def retire(self) -> None:
         """Free the removed adapters that no request holds any more."""
         if self.retiring:
-            held = {id(adapter) for adapter in self._held()}
+            held = self._held_ids()
             for adapter in [a for a in self.retiring if id(a) not in held]:
                 self.retiring.remove(adapter)
                 self._unload(adapter)
@@ -70,7 +70,7 @@ class LoRACache:
     def _read(self, name: str, path: str) -> LoRAAdapter:
         """Load an adapter once there is room: the retiring ones count, as their weights are loaded too."""
         self.retire()
-        held = {id(adapter) for adapter in self._held()}
+        held = self._held_ids()
         while len(self.loaded) + len(self.retiring) >= self.capacity:
             idle = next((n for n, adapter in self.loaded.items() if id(adapter) not in held), None)
             if idle is None:
@@ -79,3 +79,6 @@ class LoRACache:
                     "are in use by requests; retry once some finish")
             self._unload(self.loaded.pop(idle))
         return self._load(name, path)
+
+    def _held_ids(self) -> set[int]:
+        return {id(adapter) for adapter in self._held()}

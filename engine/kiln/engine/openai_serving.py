@@ -154,6 +154,15 @@ class _PromptOnly:
         return getattr(self._out, name)
 
 
+def check_scored(entries: int) -> None:
+    """Each choice scores its prompt itself and answers with its own copy (about 300 bytes an
+    entry as Python objects): n=128 of an 8k-token prompt at prompt_logprobs 20 came to GiBs."""
+    if entries > MAX_SCORED_ENTRIES:
+        raise APIError(400, f"the prompt's logprobs for every choice would be {entries} entries (prompt tokens x n "
+                            f"x (logprobs + 1)); at most {MAX_SCORED_ENTRIES} are served: ask fewer choices or "
+                            "alternatives", param="prompt_logprobs")
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
                  sampling_defaults: dict[str, float | int] | None = None) -> None:
@@ -182,7 +191,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             scored = max(scored or 0, req.logprobs)
         if scored is not None:
-            self._check_scored(sum(map(len, prompt_ids)) * req.n * (scored + 1))
+            check_scored(sum(map(len, prompt_ids)) * req.n * (scored + 1))
         params = [self._sampling(req, self._max_tokens(len(ids), "prompt", 1 if prompt_only else req.max_tokens,
                                                   "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), req.logprobs, scored)
                   for ids in prompt_ids]
@@ -276,14 +285,6 @@ class OpenAIServing:
             raise APIError(400, f"{prompts} prompt(s) x n={n} make {prompts * n} choices; this server holds at "
                                 f"most {self.engine.capacity} requests at once (--max-num-seqs + --max-queue)",
                            param="n" if prompts == 1 else "prompt")
-
-    def _check_scored(self, entries: int) -> None:
-        """Each choice scores its prompt itself and answers with its own copy (about 300 bytes an
-        entry as Python objects): n=128 of an 8k-token prompt at prompt_logprobs 20 came to GiBs."""
-        if entries > MAX_SCORED_ENTRIES:
-            raise APIError(400, f"the prompt's logprobs for every choice would be {entries} entries (prompt tokens x n "
-                                f"x (logprobs + 1)); at most {MAX_SCORED_ENTRIES} are served: ask fewer choices or "
-                                "alternatives", param="prompt_logprobs")
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         # Tokenizing holds the GIL, so a prompt of megabytes stalled every stream and /health for
