@@ -146,6 +146,15 @@ def test_max_tokens_cuts_a_constrained_output_short(llm):
         json.loads(out.text)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_complete_answer_ends_before_min_tokens(llm, temperature):
+    """Once the answer is complete its grammar allows only EOS, which min_tokens would forbid: the
+    grammar wins, and the request stops there rather than drawing a token neither allows."""
+    params = constrained("choice", ["yes", "no"], temperature=temperature, seed=3, min_tokens=20)
+    out = llm.chat([{"role": "user", "content": "Is the sky blue?"}], params)[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no"), out
+
+
 @pytest.mark.parametrize("kind,value", [
     ("regex", "(a{1000}){1000}"),
     ("json", {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(ab{500}){500}$"}},

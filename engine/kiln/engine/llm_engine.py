@@ -400,7 +400,9 @@ class LLMEngine:
                             f"{seq.matcher.get_error().strip()}"
                 seq.finish("error")
                 return
-        if seq.may_stop and token in seq.stop_token_ids:
+        # A constrained row draws a stop token before min_tokens only when its grammar allows
+        # nothing else (Sampler._without_stops): the answer is complete.
+        if token in seq.stop_token_ids and (seq.may_stop or seq.matcher is not None):
             if params.include_stop_str_in_output:  # its text, if it has any once decoded
                 seq.text += seq.detokenizer.add([token])
             seq.text += seq.detokenizer.flush()  # a character left unfinished comes out as U+FFFD

@@ -209,10 +209,10 @@ class Sampler:
             ))
         if any(p.logit_bias for p in params):
             logits = self._biased(logits, params)
-        if any(not seq.may_stop for seq in seqs):
-            logits = self._without_stops(logits, seqs)
         if any(seq.matcher is not None for seq in seqs):
             logits = constrain(logits, seqs, drafts)
+        if any(not seq.may_stop for seq in seqs):
+            logits = self._without_stops(logits, seqs)
         if noise is None:  # all greedy: no filtering, no noise
             return self.argmax(logits), logprobs
         return self._draw(logits, params, greedy, noise), logprobs
@@ -226,7 +226,9 @@ class Sampler:
 
     @staticmethod
     def _without_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """min_tokens: rows that may not stop yet cannot draw EOS or a stop token (a new tensor)."""
+        """min_tokens: rows that may not stop yet cannot draw EOS or a stop token (a new tensor),
+        unless nothing else is left: a structured output whose answer is complete allows only EOS,
+        and ends there (the grammar wins over min_tokens; a row of -inf would draw token 0)."""
         vocab = logits.shape[1]  # a stop token id beyond the vocabulary is never drawn anyway
         held = [(i, token) for i, seq in enumerate(seqs) if not seq.may_stop
                 for token in seq.stop_token_ids if token < vocab]
@@ -235,7 +237,9 @@ class Sampler:
         rows, cols = zip(*held)
         index = (torch.tensor(rows, dtype=torch.int64, device=logits.device),
                  torch.tensor(cols, dtype=torch.int64, device=logits.device))
-        return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        held_logits = logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        stuck = torch.isneginf(held_logits).all(dim=-1, keepdim=True)
+        return torch.where(stuck, logits, held_logits)
 
     def _column(self, params: list[SamplingParams], name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=self.device)
