@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -434,6 +436,31 @@ def test_an_interrupt_inside_schedule_leaves_nothing_published_or_held(monkeypat
     again = Sequence("again", list(range(13)), SamplingParams(), 2)
     scheduler.add(again)
     assert scheduler.schedule().num_new_tokens == [13]  # computed afresh
+
+
+def test_an_interrupt_after_a_preemption_leaves_the_victim_in_no_list(monkeypatch) -> None:
+    """A Ctrl-C inside schedule() after it preempted a sequence (back in waiting, still in the old
+    running list): the abort must take it out of both, or it runs again, finished, next step."""
+    bm = BlockManager(2, BLOCK)
+    scheduler = Scheduler(bm, 8, 64)
+    old, new = (Sequence(str(i), list(range(BLOCK)), SamplingParams(), i) for i in range(2))
+    for seq in (old, new):
+        scheduler.add(seq)
+    scheduler.complete_step(scheduler.schedule())  # both prompts, a block each: the pool is full
+    for seq in (old, new):
+        seq.append_token(1)
+
+    def interrupted(seq: Sequence, num_tokens: int) -> None:
+        raise KeyboardInterrupt
+    monkeypatch.setattr(scheduler, "_publish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.schedule()  # old's decode needs a block: new gives way, then the interrupt
+    assert new in scheduler.waiting and new in scheduler.running
+    for seq in (old, new):  # LLM.generate's abort of what it started
+        seq.finish("abort")
+        scheduler.finish(seq)
+    assert not scheduler.waiting and not scheduler.running
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_drafts_are_not_published_before_they_are_checked() -> None:

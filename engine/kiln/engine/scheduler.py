@@ -173,10 +173,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence, wherever it is: also one an interrupt caught
-        inside schedule(), admitted (its blocks allocated and published) but in neither list yet."""
-        if seq in self.waiting:
+        inside schedule(), admitted (its blocks allocated and published) but in neither list yet,
+        or preempted (back in waiting) but not yet out of running."""
+        if seq in self.waiting:  # a victim preempted before the interrupt may be in both lists
             self.waiting.remove(seq)
-        elif seq in self.running:
+        if seq in self.running:
             self.running.remove(seq)
         if seq.block_table:  # a waiting sequence holds none
             self.block_manager.deallocate(seq)
