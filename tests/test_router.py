@@ -315,6 +315,21 @@ def test_a_replica_refusing_a_request_unread_passes_it_to_another(code: str) -> 
 
 
 @on_event_loop
+async def test_a_refusal_answered_after_a_failed_retry_counts_against_the_refusing_revision() -> None:
+    """Refused by revision a, then no connection to revision b: the client gets a's refusal, and
+    the metrics must say so; counted as b's 503s, they failed a canary that never saw the requests."""
+    b = Endpoint("127.0.0.1", refusing(1)[0].port, "b")
+    async with service(1, also=[b], revisions=["a"], fake=FirstRefuses) as svc:
+        for _ in range(2):  # whichever revision each asks first
+            answer = await svc.client.post("/v1/completions", json={"refuse_code": "not_ready"})
+            assert answer.status == 503 and (await answer.json())["error"]["code"] == "not_ready"
+        samples = await svc.metrics()
+        assert svc.hits() == [2] and metric(samples, "kiln_router_errors_total", revision="b", reason="connect") == 2
+        assert metric(samples, "kiln_router_requests_total", revision="a", code="503") == 2
+        assert not has_series(samples, "kiln_router_requests_total", revision="b", code="503")
+
+
+@on_event_loop
 async def test_a_replicas_other_503s_are_its_answer_not_retried() -> None:
     async with service(2, fake=FirstRefuses) as svc:
         answers = [await svc.client.post("/v1/completions", json={"refuse_code": "overloaded"}) for _ in range(4)]

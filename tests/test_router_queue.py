@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
+import tracemalloc
 
 import aiohttp
 import pytest
@@ -14,7 +16,7 @@ from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, StaticEndpoints
 from kiln.router.main import serving
 from kiln.router.proxy import Limits, build_app
-from router_fakes import FakeEngine, metric, on_event_loop, parse_metrics, service, until
+from router_fakes import FakeEngine, metric, on_event_loop, parse_metrics, raw_replica, service, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -234,3 +236,35 @@ async def test_a_client_that_stops_reading_gives_its_place_back_after_the_idle_t
                 stalled.settimeout(5)
                 while stalled.recv(1 << 20):
                     pass
+
+
+@on_event_loop
+async def test_a_body_is_held_once_while_its_answer_comes() -> None:
+    """--max-body-bytes-in-flight counts each body once: the chunks it was read in, kept beside
+    the joined body while the replica answered, made the memory held twice what the limit saw."""
+    size = 8 << 20
+    body = b"x" * size
+    read, release = asyncio.Event(), asyncio.Event()
+
+    async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        left = int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1))
+        while left:  # read and dropped: what stays is the router's
+            left -= len(await reader.read(min(left, 1 << 16)))
+        read.set()
+        await release.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    async with raw_replica(replica) as endpoint, service(0, also=[endpoint]) as svc:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            pending = asyncio.create_task(svc.client.post("/v1/completions", data=body))
+            await read.wait()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        release.set()
+        assert (await pending).status == 200
+        assert held < 1.5 * size, f"the router holds {held / size:.2f} copies of the body"

@@ -28,12 +28,15 @@ class ScoringEngine(FakeEngine):
     agrees = len(OUTPUT_IDS)
     slow = False
     short = False  # a scoring answer one entry short
+    key: str | None = None  # demanded of every request, as an engine's KILN_API_KEYS does
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.scored = 0
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        if self.key is not None and request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
         payload = await request.json()
         if payload.get("return_token_ids"):
             return web.json_response({"choices": [{"text": "shadow", "token_ids": OUTPUT_IDS,
@@ -236,7 +239,7 @@ async def test_mirrored_comparisons_score_the_canary_and_the_noise_floor() -> No
 
 
 @contextlib.asynccontextmanager
-async def every_request_mirrored(**flags: bool) -> AsyncIterator:
+async def every_request_mirrored(**flags: bool | str) -> AsyncIterator:
     """A stable and a canary ScoringEngine (with these class flags set) behind a router that
     mirrors every request to the canary and none to the noise floor."""
     saved = {name: getattr(ScoringEngine, name) for name in flags}
@@ -263,6 +266,24 @@ async def test_a_comparison_that_cannot_be_scored_counts_no_tokens() -> None:
         samples = await svc.metrics()
         assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == 0
         assert metric(samples, "kiln_router_mirror_agreed_total", revision="canary") == 0
+
+
+@on_event_loop
+async def test_shadows_carry_the_clients_api_key_to_engines_that_demand_one() -> None:
+    """Engines checking API keys (KILN_API_KEYS in spec.engine.env) answered every keyless shadow
+    401: the canary analysis got no mirrored tokens, and stayed inconclusive."""
+    async with every_request_mirrored(key="key-a") as svc:
+        canary = svc.engines[1]
+        response = await svc.client.post("/v1/completions", json={"prompt": "hi"},
+                                         headers={"Authorization": "Bearer key-a"})
+        assert response.status == 200
+        mirrored = "kiln_router_mirrored_requests_total"
+        samples = await svc.metrics()
+        while not metric(samples, mirrored, outcome="scored") + metric(samples, mirrored, outcome="failed"):
+            await asyncio.sleep(0.01)  # bounded by the test timeout
+            samples = await svc.metrics()
+        assert metric(samples, mirrored, outcome="scored") == 1 and canary.scored == 1
+        assert metric(samples, "kiln_router_mirror_tokens_total", revision="canary") == len(OUTPUT_IDS)
 
 
 @on_event_loop

@@ -68,8 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
                         help="largest request body; larger get a 413 (default: %(default)s)")
     parser.add_argument("--max-body-bytes-in-flight", type=int, default=DEFAULTS.max_body_bytes_in_flight,
-                        help="request body bytes held at once (twice a body's size with API keys); "
-                             "past it a 429: keep it within the router's memory (default: %(default)s)")
+                        help="request body bytes held at once, each body until its answer ends; past it a "
+                             "429: keep it within the router's memory, with room for what it leaves out (the "
+                             "unsent part of a body in a socket's buffer, and up to 4 MiB of bodies the "
+                             "quality gate's mirror compares) (default: %(default)s)")
     parser.add_argument("--max-held", type=int, default=DEFAULTS.max_held,
                         help="requests held at once while no replica is ready (scaled to "
                              "zero); more get a 429 (default: %(default)s)")

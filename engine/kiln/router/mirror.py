@@ -84,8 +84,9 @@ class Mirroring:
         self._sample = Credit()
         self._floor = Credit()
 
-    def offer(self, path: str, body: bytes, traffic: Traffic) -> None:
-        """Maybe mirror this request (called as it arrives; returns at once)."""
+    def offer(self, path: str, body: bytes, traffic: Traffic, authorization: str | None) -> None:
+        """Maybe mirror this request (called as it arrives; returns at once). `authorization`: the
+        client's header, which shadows carry too: engines with API keys refuse a request without."""
         if traffic.mirror is None or traffic.stable is None or traffic.canary is None \
                 or path not in MIRRORED_PATHS or not self._sample.take(traffic.mirror.sample_rate):
             return
@@ -95,7 +96,7 @@ class Mirroring:
             self._metrics.mirrored.labels("skipped").inc()
             return
         floor = self._floor.take(traffic.mirror.floor_sample_rate)
-        task = asyncio.get_running_loop().create_task(self._compare(path, body, traffic, floor))
+        task = asyncio.get_running_loop().create_task(self._compare(path, body, traffic, floor, authorization))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -104,17 +105,19 @@ class Mirroring:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _compare(self, path: str, body: bytes, traffic: Traffic, floor: bool) -> None:
+    async def _compare(self, path: str, body: bytes, traffic: Traffic, floor: bool,
+                       authorization: str | None) -> None:
         assert traffic.stable is not None and traffic.canary is not None
         try:
             async with asyncio.timeout(TIMEOUT_S):
-                await self._score_against_stable(path, body, traffic.stable, traffic.canary, floor)
+                await self._score_against_stable(path, body, traffic.stable, traffic.canary, floor,
+                                                authorization)
         except Exception as exc:  # noqa: BLE001 - a failed shadow only costs a sample
             log.info("mirrored comparison failed: %r", exc)
             self._metrics.mirrored.labels("failed").inc()
 
     async def _score_against_stable(self, path: str, body: bytes, stable: str, canary: str,
-                                    floor: bool) -> None:
+                                    floor: bool, authorization: str | None) -> None:
         request = greedy_request(body)
         if request is None:
             self._metrics.mirrored.labels("skipped").inc()
@@ -123,7 +126,7 @@ class Mirroring:
         if generator is None or self._balancer.pick(revision=canary) is None:
             self._metrics.mirrored.labels("skipped").inc()
             return
-        answer = await self._post(generator, path, request)
+        answer = await self._post(generator, path, request, authorization)
         choice = answer["choices"][0]
         prompt = choice.get("prompt_token_ids") or answer.get("prompt_token_ids")
         output = choice["token_ids"]
@@ -136,15 +139,17 @@ class Mirroring:
                 continue
             scored = await self._post(scorer, "/v1/completions", {
                 "model": request.get("model"), "prompt": prompt + output, "max_tokens": 1, "temperature": 0,
-                "prompt_logprobs": 0})
+                "prompt_logprobs": 0}, authorization)
             agreed = agreement(scored, prompt, output)  # first: one that raises counts no tokens either
             self._metrics.mirror_tokens.labels(revision).inc(len(output))
             self._metrics.mirror_agreed.labels(revision).inc(agreed)
         self._metrics.mirrored.labels("scored").inc()
 
-    async def _post(self, endpoint: Endpoint, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
+                    authorization: str | None) -> dict[str, Any]:
+        headers = {"Authorization": authorization} if authorization else None
         with self._balancer.busy(endpoint):
-            async with self._session().post(endpoint.url + path, json=payload) as response:
+            async with self._session().post(endpoint.url + path, json=payload, headers=headers) as response:
                 if response.status != 200:
                     raise RuntimeError(f"{endpoint} answered {response.status}: {(await response.text())[:200]}")
                 return await response.json()

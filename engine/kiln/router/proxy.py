@@ -184,13 +184,15 @@ class Router:
                 return error_response(400, unreadable_body(exc), "invalid_request_error",
                                       "invalid_body")
             body = b"".join(chunks)
+            del chunks  # or the body is held twice until its answer ends, and counted once
             more = len(body) - held
             if more > 0:
                 if not self._hold_body(more, mine=held):
                     return self._bodies_refused()
                 held += more
             if request.method == "POST":
-                self.mirroring.offer(request.path, body, self.traffic.current())
+                self.mirroring.offer(request.path, body, self.traffic.current(),
+                                     request.headers.get("Authorization"))
             return await self._send(request, body, exchange)
         finally:
             self._body_bytes -= held
@@ -262,6 +264,7 @@ class Router:
         failed: list[Endpoint] = []  # refused this request since the ready replicas last changed
         tried: list[Endpoint] = []
         not_served: web.Response | None = None  # a revision's 404 for the model named, or a replica's refusal
+        refused_by = NO_REVISION  # not_served's revision, which the metrics blame (not the last one tried)
         elsewhere = False  # a revision lacks the model named: then one at weight 0 may answer it
         sent_to: Endpoint | None = None  # the replica of the last attempt (retries are counted by its revision)
         again: Endpoint | None = None  # the replica a dead pooled connection was to
@@ -275,6 +278,7 @@ class Router:
                 endpoint = self._pick(failed, keys, anywhere=elsewhere)
             again = None
             if endpoint is None and not_served is not None:  # no other revision to ask
+                exchange.revision = refused_by
                 return not_served
             if endpoint is None:
                 # None ready (scaled to zero, still starting), or only one that just refused the
@@ -292,7 +296,7 @@ class Router:
                 with self.balancer.busy(endpoint):
                     return await self._relay(request, endpoint, body, exchange, fresh)
             except NotServedHere as e:
-                not_served, elsewhere = e.answer, True
+                not_served, refused_by, elsewhere = e.answer, endpoint.revision, True
                 failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
             except Retryable as retry:
                 if retry.stale and not fresh:
@@ -313,8 +317,10 @@ class Router:
                                           "request and is gone: not passed on to another", "bad_gateway",
                                           "upstream_error")
                 failed.append(endpoint)
-                not_served = retry.answer or not_served
+                if retry.answer is not None:
+                    not_served, refused_by = retry.answer, endpoint.revision
         if not_served is not None:
+            exchange.revision = refused_by
             return not_served
         exchange.revision = NO_REVISION
         self.metrics.errors.labels(NO_REVISION, "no_endpoint").inc()
