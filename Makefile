@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 .PHONY: test up down clean-venv local-bins images
 
 $(PY):
-	python3 -m venv $(VENV)
+	python3 -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 	$(PY) -m pip install -q --upgrade pip
 
 # Reinstall only when the dependency list changes.

@@ -2,15 +2,19 @@
 runtime's sync loop, against fakes (no root, no bridge, no network namespaces)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import http.server
 import ipaddress
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -412,3 +416,140 @@ def test_stop_takes_a_process_that_exits_as_it_is_signalled(monkeypatch, sleeper
     monkeypatch.setattr(processes.os, "kill", gone)
     processes.stop(record, grace=0.1)
     monkeypatch.undo()  # before the sleeper's own kill
+
+
+def test_a_cluster_started_without_its_runtime_is_removed(tmp_path, monkeypatch):
+    """ensure_runtime failed after this `up` started the cluster: it was neither removed nor marked
+    the tests', so no one would ever take it down."""
+    monkeypatch.setattr(build, "ensure_built", lambda **_: {})
+    monkeypatch.setattr(network, "ip", FakeIp())
+
+    def start(c, bridge, subnet, dir_created, log, timeout):
+        c.save({"bridge": bridge, "subnet": str(subnet), "ports": {"apiserver": 1}, "processes": {},
+                "dir_created": dir_created})
+
+    def no_runtime(c, log):
+        raise RuntimeError("runtime: process exited")
+    monkeypatch.setattr(cluster, "start", start)
+    monkeypatch.setattr(cluster, "ensure_runtime", no_runtime)
+    with pytest.raises(RuntimeError, match="runtime: process exited"):
+        cluster.up(tmp_path / "cl", "kiln0", str(SUBNET), user=os.getpid())
+    assert not (tmp_path / "cl").exists()
+
+
+def test_a_garbled_users_entry_does_not_stop_down(tmp_path, sleeper):
+    """A session killed between creating its users/<pid> file and writing it left an empty one:
+    `kiln local down` and the fixtures' leave() failed on it with a ValueError traceback."""
+    directory = tmp_path / "cl"
+    write_state(directory, owner="tests")
+    (directory / "users").mkdir()
+    (directory / "users" / str(sleeper.pid)).write_text("")
+    (directory / "users" / f"{sleeper.pid}.tmp").write_text("12")
+    assert cluster.down(directory) is True
+    write_state(directory)
+    c = cluster.Cluster(directory)
+    c.add_user(sleeper.pid)
+    assert c.users() == [sleeper.pid]
+    assert [p.name for p in (directory / "users").iterdir()] == [str(sleeper.pid)]  # no temp file left
+
+
+def test_a_second_runtime_for_a_cluster_is_refused(tmp_path, monkeypatch, capsys):
+    """A second runtime took the first one's pod namespaces for stale ones and deleted them."""
+    from kiln.cli import main
+    directory = tmp_path / "cl"
+    write_state(directory)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)  # run() must not take this process's signals
+
+    class Runtime:
+        def __init__(self, c):
+            self.stopping = threading.Event()
+
+        def serve(self):  # the runtime holds the lock itself (`up` only launches it)
+            with pytest.raises(RuntimeError, match=f"already runs for this cluster \\(pid {os.getpid()}\\)"):
+                runtime.hold_lock(cluster.Cluster(directory))
+    monkeypatch.setattr(runtime, "Runtime", Runtime)
+    assert runtime.run(directory) == 0
+    with runtime.hold_lock(cluster.Cluster(directory)):  # released when the runtime ended
+        monkeypatch.setattr(runtime, "Runtime", lambda c: pytest.fail("a second runtime started"))
+        assert main(["local", "runtime", "--dir", str(directory)]) == 1
+    assert capsys.readouterr().err.strip() == (f"kiln local runtime: a pod runtime already runs for this cluster "
+                                               f"(pid {os.getpid()})")
+
+
+def test_the_revision_without_git_is_unknown(tmp_path, monkeypatch):
+    """A machine without git failed `make images` with FileNotFoundError."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert images.revision() == "unknown"
+
+
+def test_containers_conf_is_replaced_not_rewritten():
+    """podman calls of other processes read it: rewritten in place, one could read it half-written."""
+    conf = build.cache_root() / "containers.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("# an older recipe\n")
+    with conf.open() as reader:  # a podman that opened it before the update
+        assert images.podman_env()["CONTAINERS_CONF"] == str(conf)
+        assert reader.read() == "# an older recipe\n"
+    assert conf.read_text() == images.CONTAINERS_CONF
+    assert [p.name for p in conf.parent.iterdir()] == ["containers.conf"]
+
+
+@pytest.mark.parametrize("argv, refused", [(["down", "--bridge", "x"], "--bridge"), (["up", "--rebuild"], "--rebuild"),
+                                           (["build", "--dir", "d"], "--dir"),
+                                           (["status", "--jobs", "8", "--force"], "--force, --jobs")])
+def test_an_option_the_action_ignores_is_refused(monkeypatch, capsys, argv, refused):
+    """One parser serves every action: `down --bridge X` ignored --bridge without a word."""
+    from kiln.cli import main
+    for name in ("up", "down"):
+        monkeypatch.setattr(cluster, name, lambda *_, **__: pytest.fail("the action ran"))
+    monkeypatch.setattr(build, "ensure_built", lambda **_: pytest.fail("the action ran"))
+    assert main(["local", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"kiln local {argv[0]} takes no {refused}"
+
+
+def test_up_builds_with_the_jobs_asked(tmp_path, monkeypatch):
+    from kiln.cli import main
+    asked = []
+
+    def ensure_built(jobs=2, log=None):
+        asked.append(jobs)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(build, "ensure_built", ensure_built)
+    assert main(["local", "up", "--dir", str(tmp_path / "cl"), "--jobs", "8"]) == 1
+    assert asked == [8]
+
+
+def test_service_account_tokens_outlive_a_day(tmp_path, monkeypatch):
+    """Minted once, never refreshed: a day's tokens left `make up`'s operator and pods on 401s."""
+    asked = []
+
+    def kubeconfig(admin, namespace, account, path, expiration_s, **_):
+        asked.append(expiration_s)
+        return path
+    monkeypatch.setattr(demo, "service_account_kubeconfig", kubeconfig)
+    monkeypatch.setattr(demo, "api_client", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(runtime, "service_account_kubeconfig", kubeconfig)
+    demo.operator_kubeconfig(cluster.Cluster(tmp_path))
+    rt = object.__new__(runtime.Runtime)
+    rt.admin, rt.workdir, rt.relay = None, tmp_path, SimpleNamespace(address=("10.213.0.1", 1))
+    rt.service_account_kubeconfig(pod("p", "aaaaaaaa-1", "10.213.0.70"))
+    assert len(asked) == 2 and all(s >= 365 * 24 * 3600 for s in asked)
+    # granted whole: no maximum on the apiserver that would shorten them
+    ports = dict.fromkeys(("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok"), 1)
+    argv = cluster.commands(cluster.Cluster(tmp_path), {"bridge": "kiln0", "subnet": str(SUBNET), "ports": ports})
+    assert not [a for a in argv["kube-apiserver"] if a.startswith("--service-account-max-token-expiration")]
+
+
+def test_a_failed_venv_is_not_left_half_made(tmp_path):
+    """Without ensurepip (python3-venv), `python3 -m venv` fails after making bin/python, and the
+    next `make` took that venv without pip for a made one."""
+    venv = tmp_path / "venv"
+    plan = subprocess.run(["make", "-n", "-C", str(Path(__file__).parents[1]), f"VENV={venv}", f"{venv}/bin/python"],
+                          capture_output=True, text=True, check=True).stdout
+    recipe = next(line for line in plan.splitlines() if " -m venv " in line)
+    fakes = tmp_path / "bin"
+    fakes.mkdir()
+    (fakes / "python3").write_text('#!/bin/sh\nmkdir -p "$3/bin" && touch "$3/bin/python"\nexit 1\n')
+    (fakes / "python3").chmod(0o755)
+    assert subprocess.run(["sh", "-c", recipe], env={"PATH": f"{fakes}:/usr/bin:/bin"}).returncode == 1
+    assert not venv.exists()

@@ -7,6 +7,11 @@ from pathlib import Path
 
 from kiln.local import build, cluster, processes
 
+DEFAULT_JOBS = 2
+# The options each action reads: one given to another action is refused, not silently ignored.
+OPTIONS = {"build": {"jobs"}, "up": {"dir", "bridge", "subnet", "jobs"}, "down": {"dir", "force"},
+           "status": {"dir"}, "runtime": {"dir"}, "images": {"image", "torch", "rebuild"}}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("build", "up", "down", "status", "runtime", "images"),
@@ -20,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subnet", default=None,
                         help=f"pod address range, IPv4 /16 to /28 ($KILN_LOCAL_SUBNET, else {cluster.DEFAULT_SUBNET})")
     parser.add_argument("--force", action="store_true", help="down even while test sessions use the cluster")
-    parser.add_argument("--jobs", type=jobs, default=2, help="parallel Go compile jobs for build")
+    # None when not given, so that giving it to an action that builds nothing can be refused.
+    parser.add_argument("--jobs", type=jobs, default=None,
+                        help=f"build, up: parallel Go compile jobs (default {DEFAULT_JOBS})")
     parser.add_argument("--image", action="append", choices=("engine", "operator"),
                         help="images: build only this one (repeatable; default both)")
     parser.add_argument("--torch", default=None,
@@ -30,10 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    ignored = sorted(f"--{name}" for name, value in vars(args).items()
+                     if name != "action" and value not in (None, False) and name not in OPTIONS[args.action])
+    if ignored:
+        print(f"kiln local {args.action} takes no {', '.join(ignored)}", file=sys.stderr)
+        return 2
     directory = args.dir or cluster.default_dir()
+    compile_jobs = args.jobs or DEFAULT_JOBS
     try:
         if args.action == "build":
-            built = build.ensure_built(jobs=args.jobs)
+            built = build.ensure_built(jobs=compile_jobs)
             print("built: " + (", ".join(f"{m} in {s:.0f}s" for m, s in built.items()) or "nothing (cached)"))
             for target in build.TARGETS:
                 print(f"{target.module} {target.version}: {build.bin_dir(target)}")
@@ -45,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             if problem:
                 print(f"kiln local up: {problem}", file=sys.stderr)
                 return 2
-            c, started = cluster.up(directory, bridge, subnet)
+            c, started = cluster.up(directory, bridge, subnet, jobs=compile_jobs)
             print(("started" if started else "already up") + f": {c.server()}")
             print(f"export KUBECONFIG={c.kubeconfig}")
         elif args.action == "down":

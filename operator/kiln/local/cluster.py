@@ -35,9 +35,13 @@ SERVICE_CIDR = "10.96.0.0/16"
 NODES = ("kiln-gpu-0", "kiln-gpu-1")
 # Top-level entries of the state directory that `up` creates and `down` removes.
 ENTRIES = ("state.json", "pki", "etcd", "logs", "certs", "admin.kubeconfig", "controller-manager.kubeconfig",
-           "scheduler.kubeconfig", "kwok.yaml", "netns", "users", "pods")
+           "scheduler.kubeconfig", "kwok.yaml", "netns", "users", "pods", "runtime.lock")
 ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 RUNTIME = "runtime"  # the test pod runtime (kiln.local.runtime), started after the control plane
+# ServiceAccount tokens of pods and of `make up`'s operator are minted once, never refreshed: a
+# year, or a cluster up for longer than a day gets 401s forever. The apiserver (commands()) sets
+# no --service-account-max-token-expiration, so it grants the whole request.
+TOKEN_SECONDS = 365 * 24 * 3600
 
 
 def default_dir() -> Path:
@@ -116,8 +120,23 @@ class Cluster:
 
     def users(self) -> list[int]:
         """Pids of the test sessions still using the cluster."""
-        found = self.dir.glob("users/*")
-        return [int(p.name) for p in found if processes.alive({"pid": int(p.name), "start": int(p.read_text())})]
+        pids = []
+        for path in self.dir.glob("users/*"):
+            try:
+                record = {"pid": int(path.name), "start": int(path.read_text())}
+            except (OSError, ValueError):  # add_user's temp file, or a garbled entry: no session
+                continue
+            if processes.alive(record):
+                pids.append(record["pid"])
+        return pids
+
+    def add_user(self, user: int) -> None:
+        users = self.dir / "users"
+        users.mkdir(exist_ok=True)
+        # Whole or absent: a session killed mid-write must not leave an entry users() cannot read.
+        tmp = users / f"{user}.tmp"
+        tmp.write_text(str(processes.start_ticks(user)))
+        os.replace(tmp, users / str(user))
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -252,12 +271,14 @@ def health_checks(c: Cluster, state: dict) -> dict[str, Callable[[], bool]]:
 
 
 def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBNET,
-       log: TextIO = sys.stderr, timeout: float = 180.0, user: int | None = None) -> tuple[Cluster, bool]:
+       log: TextIO = sys.stderr, timeout: float = 180.0, user: int | None = None,
+       jobs: int = 2) -> tuple[Cluster, bool]:
     """Start the cluster unless it runs already; returns (cluster, whether this call started it).
 
     `user` (a pid) registers a test session: a cluster that sessions started is taken down
     by the last of them to leave(), never under another session that still uses it. An `up`
     without one (a user's) makes the cluster the user's: no session takes it down then.
+    `jobs`: parallel Go compile jobs if the binaries need building.
     """
     # Here, not only in the CLI: `make up` and tests take bridge and subnet from the environment.
     problem = check_network(bridge, subnet)
@@ -275,16 +296,19 @@ def up(directory: Path, bridge: str = DEFAULT_BRIDGE, subnet: str = DEFAULT_SUBN
             leftovers = [e for e in ENTRIES if (c.dir / e).exists()]
             if leftovers:
                 raise RuntimeError(f"{c.dir} holds {leftovers} from something else; use an empty directory")
-            build.ensure_built(log=log)
+            build.ensure_built(jobs=jobs, log=log)
             try:
                 start(c, bridge, ipaddress.IPv4Network(subnet), dir_created, log, timeout)
+                # In the try: a cluster started here but left without its runtime would be owned
+                # by no one (not marked for the tests below), so nothing would ever take it down.
+                ensure_runtime(c, log)
             except BaseException:
                 remove(c)
                 raise
-        ensure_runtime(c, log)
+        else:
+            ensure_runtime(c, log)
         if user is not None:
-            (c.dir / "users").mkdir(exist_ok=True)
-            (c.dir / "users" / str(user)).write_text(str(processes.start_ticks(user)))
+            c.add_user(user)
             if started:
                 c.save({**c.state(), "owner": "tests"})
         elif c.state().get("owner") == "tests":

@@ -23,7 +23,6 @@ from kiln.local.testing import api_client, eventually, kubectl, service_account_
 REPO = Path(__file__).resolve().parents[3]
 OPERATOR = "operator"
 EXAMPLE = REPO / "examples" / "smollm2.yaml"
-TOKEN_SECONDS = 24 * 3600
 
 
 def install(kubeconfig: Path) -> None:
@@ -35,7 +34,7 @@ def operator_kubeconfig(c: cluster.Cluster) -> Path:
     """A kubeconfig holding only the kiln-operator ServiceAccount's token."""
     with api_client(c.kubeconfig) as admin:
         return service_account_kubeconfig(admin, "kiln-system", "kiln-operator", c.dir / "pods" / "operator.kubeconfig",
-                                          expiration_s=TOKEN_SECONDS)
+                                          expiration_s=cluster.TOKEN_SECONDS)
 
 
 def ensure_operator(c: cluster.Cluster) -> dict:

@@ -94,7 +94,12 @@ def podman_env() -> dict[str, str]:
     conf = build.cache_root() / "containers.conf"
     if not conf.exists() or conf.read_text() != CONTAINERS_CONF:
         conf.parent.mkdir(parents=True, exist_ok=True)
-        conf.write_text(CONTAINERS_CONF)
+        # Replaced whole, never rewritten in place: podman calls of other processes (pods,
+        # builds, test sessions) read it meanwhile.
+        with tempfile.NamedTemporaryFile("w", dir=conf.parent, prefix=".containers.conf.", delete=False) as tmp:
+            tmp.write(CONTAINERS_CONF)
+        os.chmod(tmp.name, 0o644)  # as write_text made it (the temp file is 0600)
+        os.replace(tmp.name, conf)
     return {**os.environ, "CONTAINERS_CONF": str(conf)}
 
 
@@ -179,7 +184,10 @@ def host_mounts() -> tuple[list[str], dict[str, str]]:
 
 
 def revision() -> str:
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:  # no git on this machine: the revision label is informational, not worth a failed build
+        return "unknown"
     return done.stdout.strip() or "unknown"
 
 

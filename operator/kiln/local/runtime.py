@@ -22,6 +22,7 @@ Everything lives under the cluster's state directory, so `kiln local down` remov
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -29,13 +30,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import kubernetes
 from kubernetes.client.rest import ApiException
 
 from kiln.local import containers, images, kwok, processes
-from kiln.local.cluster import Cluster
+from kiln.local.cluster import TOKEN_SECONDS, Cluster
 from kiln.local.network import PodNetwork
 from kiln.local.pod_spec import NotYet, PodRun, Probe, pod_env
 from kiln.local.relay import Relay
@@ -47,7 +48,6 @@ TICK_S = 0.5
 RESTART_BACKOFF_S = 5.0
 NOT_YET_RETRY_S = 2.0  # a pod waiting for a Secret, ConfigMap or image: how often to look again
 SHUTDOWN_GRACE_S = 5.0  # when the runtime itself stops (kiln local down): within `down`'s 10 s for it
-TOKEN_SECONDS = 24 * 3600
 
 
 def runnable(pod: Any) -> bool:
@@ -344,8 +344,27 @@ def run(directory: Path) -> int:
     if not c.state().get("ports"):
         print(f"kiln local runtime: no local cluster in {c.dir}; run `kiln local up` first", file=sys.stderr)
         return 1
-    runtime = Runtime(c)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: runtime.stopping.set())
-    runtime.serve()
+    with hold_lock(c):
+        runtime = Runtime(c)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: runtime.stopping.set())
+        runtime.serve()
     return 0
+
+
+def hold_lock(c: Cluster) -> IO[str]:
+    """<dir>/runtime.lock, held while the returned file is open. A second runtime would take the
+    first one's pod namespaces for stale ones and delete them, killing their processes.
+    Taken here, in the runtime's own process: the lock goes with it however it ends."""
+    lock = open(c.dir / "runtime.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip()
+        lock.close()
+        raise RuntimeError("a pod runtime already runs for this cluster" + (f" (pid {holder})" if holder else ""))
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
