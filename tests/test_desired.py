@@ -638,6 +638,23 @@ def test_a_short_warm_pool_keeps_nothing_from_serving_and_a_failing_one_is_said_
     assert conditions(status_for(pooled, [deployment(rev, replicas=0), going]))["Ready"] == ("True", "ScaledToZero")
 
 
+def test_standbys_a_quota_refuses_keep_nothing_from_serving():
+    """The Deployment's ReplicaFailure (or a progress deadline) concerns its standbys once every
+    serving replica is ready: Ready stays True, at zero too; without them ready it is the news."""
+    quota = [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+              "message": 'pods "x" is forbidden: exceeded quota: gpus'}]
+    spec = spec_of(replicas=1, warmPool={"size": 2})
+    rev = revision_name("chat", spec)
+    status = status_for(spec, [deployment(rev, replicas=1, ready=1, conditions=quota)])
+    assert conditions(status)["Ready"] == ("True", "Serving")
+    status = status_for(spec, [deployment(rev, replicas=1, ready=0, conditions=quota)])
+    assert conditions(status)["Ready"] == ("False", "FailedCreate")
+    deadline = [{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "exceeded"}]
+    pooled = spec_of(replicas=0, warmPool={"size": 1})
+    status = status_for(pooled, [deployment(revision_name("chat", pooled), replicas=0, conditions=deadline)])
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")
+
+
 def test_an_error_is_news_once_per_message():
     from kiln.operator.status import invalid
     first = invalid({}, 1, "InvalidSpec", "bad field x", "t1")

@@ -80,6 +80,10 @@ def test_pool_status_counts_ready_standbys_and_accumulates_idle_cost():
     assert cond["status"] == "True" and "lastPromotion" in block
     _, cond = pool_status(2, pods("s+", "w-"), "0/2 nodes have enough nvidia.com/gpu", 0, block, 1, 1020.0)
     assert (cond["status"], cond["reason"]) == ("False", "InsufficientCapacity")
+    # Standbys a quota refuses: the Deployment's ReplicaFailure, quoted (Ready does not carry it).
+    _, cond = pool_status(2, pods("s+", "w+"), None, 0, block, 1, 1030.0,
+                          failure=("FailedCreate", "chat-x: exceeded quota: gpus"))
+    assert (cond["status"], cond["reason"]) == ("False", "FailedCreate") and "exceeded quota" in cond["message"]
 
 
 def test_a_ready_standby_takes_the_place_of_a_serving_pod_that_stopped_being_ready():

@@ -29,7 +29,7 @@ from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
                       pod_counts)
 from .scrape import scrape
-from .status import event_type, invalid, summarize, transitions
+from .status import deployment_failure, event_type, invalid, summarize, transitions
 from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
 
 FIELD_MANAGER = "kiln-operator"
@@ -271,9 +271,10 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
                        f"{scaling.replicas} serving replica(s): {scaling.condition['message']}")
     warm = None
     if want.stable.serving is not None and spec.warmPool is not None:
+        engine = observed.engine(want.stable.name)
         warm = pool_status(spec.warmPool.size, pods_of(observed.pods(want.stable.name)),
                            pod_counts(observed, want.stable.name)[3], promoted, previous.get("warmPool") or {},
-                           spec.resources.gpus, time.time())
+                           spec.resources.gpus, time.time(), deployment_failure(engine) if engine else None)
         idle = warm[0]["idleGPUSeconds"] - (previous.get("warmPool") or {}).get("idleGPUSeconds", 0.0)
         metrics.IDLE_GPU_SECONDS.labels(namespace, name).inc(max(idle, 0.0))
     # A template this pass changed is not rolled out yet: judged as read before the patch, it was

@@ -36,22 +36,30 @@ def workload_condition(current: dict[str, Any] | None, desired: int, ready: int)
     if current is None:
         return condition("WorkloadReady", False, "Creating", "the revision's Deployment does not exist yet")
     name = current["metadata"]["name"]
-    status = current.get("status") or {}
-    for cond in status.get("conditions") or []:
-        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-            return condition("WorkloadReady", False, "ProgressDeadlineExceeded",
-                             f"{name}: {cond.get('message', '')}")
-        # Pods that cannot even be created (a ResourceQuota, Pod Security admission): the
-        # Deployment carries its ReplicaSet's FailedCreate, which no pod would ever report.
-        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
-            return condition("WorkloadReady", False, cond.get("reason") or "ReplicaFailure",
-                             f"{name}: {cond.get('message', '')}")
     message = f"{ready}/{desired} replicas of {name} ready"
+    # Before the Deployment's failures: with every serving replica ready, those are a warm pool's
+    # standbys that cannot be made or scheduled, which WarmPoolReady reports; nothing is kept from serving.
     if desired == 0:
         return condition("WorkloadReady", True, "ScaledToZero", f"{name} is scaled to zero")
-    if fully_ready(current, desired):
+    if ready >= desired and fully_ready(current, desired):
         return condition("WorkloadReady", True, "ReplicasReady", message)
+    failure = deployment_failure(current)
+    if failure is not None:
+        return condition("WorkloadReady", False, *failure)
     return condition("WorkloadReady", False, "ReplicasNotReady", message)
+
+
+def deployment_failure(current: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of a Deployment that cannot make progress: past its progress deadline, or
+    its pods cannot even be created (a ResourceQuota, Pod Security admission): the Deployment
+    carries its ReplicaSet's FailedCreate, which no pod would ever report."""
+    name = current["metadata"]["name"]
+    for cond in (current.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return "ProgressDeadlineExceeded", f"{name}: {cond.get('message', '')}"
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return cond.get("reason") or "ReplicaFailure", f"{name}: {cond.get('message', '')}"
+    return None
 
 
 def model_condition(current: dict[str, Any] | None, desired: int, pods: list[dict[str, Any]]) -> dict[str, Any]:

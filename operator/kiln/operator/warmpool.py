@@ -90,10 +90,11 @@ def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
 
 
 def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted: int, previous: dict[str, Any],
-                gpus: int, now: float) -> tuple[dict[str, Any], dict[str, Any]]:
+                gpus: int, now: float, failure: tuple[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(status.warmPool, the WarmPoolReady condition) for the stable revision's pool. The pool's
     cost is kept visible: replica- and GPU-seconds spent ready and idle, accumulated from pass
-    to pass at the count the previous pass saw."""
+    to pass at the count the previous pass saw. `failure`: the Deployment's (reason, message)
+    when it cannot make pods (status.deployment_failure), e.g. a quota short of the standbys."""
     ready = sum(1 for p in pods if p.ready and not p.serving)
     now = float(int(now))  # accountedAt keeps whole seconds: the fraction would be counted twice
     since = epoch(previous.get("accountedAt"))
@@ -108,6 +109,8 @@ def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted:
         block["lastPromotion"] = iso(now) if promoted else previous["lastPromotion"]
     if ready >= size:
         cond = condition("WarmPoolReady", True, "Filled", f"{ready} standby replica(s) loaded and warm")
+    elif failure is not None:
+        cond = condition("WarmPoolReady", False, failure[0], f"{ready}/{size} standby replicas ready; {failure[1]}")
     elif unschedulable:
         cond = condition("WarmPoolReady", False, "InsufficientCapacity",
                          f"{ready}/{size} standby replicas ready; no node fits the rest: {unschedulable}")
