@@ -346,6 +346,16 @@ def test_a_failing_pod_is_not_loading_and_holds_no_scale_down_even_to_zero():
     assert (decision.replicas, decision.reason) == (0, "ScaledToZero")
 
 
+def test_a_missed_scrape_with_a_short_panic_window_decides_from_the_stable_one():
+    """A 1s panic window holds one tick's sample at most: a scrape that failed left it empty, and
+    the pass held as if blind (MetricsUnavailable, a Warning) with a stable window full of load."""
+    run = Run(spec(panicWindow="1s"), replicas=2)
+    run.run([8.0] * 10)
+    decision = run.tick(None)
+    assert (decision.replicas, decision.ok) == (2, True) and decision.reason != "MetricsUnavailable", decision
+    assert run.tick(20.0).replicas > 2  # and its own sample again drives a scale-up
+
+
 def test_a_raised_min_replicas_applies_at_once_with_or_without_metrics():
     # Metrics down for good (a NetworkPolicy keeping the operator out) and minReplicas raised to
     # pin capacity: it held at 0, saying so, while a lowered maxReplicas applied.

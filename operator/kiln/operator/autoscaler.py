@@ -91,12 +91,17 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     if state.replicas > spec.maxReplicas:
         state = replace(state, replicas=spec.maxReplicas, last_scale=now, lower_since=None, lower_asks=())
     fresh = [s for s in samples if now - stable_window <= s.time <= now]
-    stable_load, panic_load = average(fresh, now - stable_window), average(fresh, now - panic_window)
+    stable_load = average(fresh, now - stable_window)
+    # A panic window shorter than a tick or two holds one sample at most, and a missed scrape
+    # leaves it empty: the stable window's average stands in, rather than holding as if blind.
+    panic_load = average(fresh, now - panic_window)
+    if panic_load is None:
+        panic_load = stable_load
     if state.replicas < spec.minReplicas:  # a minReplicas raised applies at once too, metrics or not
         state = replace(state, replicas=spec.minReplicas, last_scale=now, lower_since=None, lower_asks=())
     current = state.replicas
     if panic_load is None or stable_load is None:  # nothing recent: hold, never guess zero
-        return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.panicWindow}; "
+        return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.stableWindow}; "
                          f"holding {current} replica(s)", "stable", None, ok=False), state)
     target = spec.targetQueueDepth
     want_stable = math.ceil(stable_load / target)
