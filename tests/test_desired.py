@@ -655,6 +655,27 @@ def test_standbys_a_quota_refuses_keep_nothing_from_serving():
     assert conditions(status)["Ready"] == ("True", "ScaledToZero")
 
 
+def test_an_old_revision_gives_up_its_warm_pool_while_it_serves_on():
+    """No standby of an old revision is ever promoted: scaled to the pods that serve, its
+    ReplicaSet deletes the standbys, whose GPUs the new revision's pods may wait for."""
+    spec = spec_of(replicas=2, warmPool={"size": 2})
+    old = deployment("chat-0ld0ld00", replicas=4, ready=4)
+    old["spec"]["template"] = {"metadata": {"labels": {"kiln.dev/serving": "false"}}}
+
+    def pod(name: str, serving: bool) -> dict:
+        return {"kind": "Pod", "metadata": {"name": name, "labels": {
+            "kiln.dev/component": "engine", LABEL_REVISION: "chat-0ld0ld00",
+            "kiln.dev/serving": str(serving).lower()}}, "status": {"phase": "Running"}}
+    observed = Observed.of(old, *(pod(f"s{i}", True) for i in range(2)), *(pod(f"w{i}", False) for i in range(2)),
+                           deployment(revision_name("chat", spec), replicas=4, ready=1))
+    olds = [r for r in want(spec, observed).revisions if r.role == "old"]
+    assert [(r.name, r.replicas) for r in olds] == [("chat-0ld0ld00", 2)]
+    # One without a pool is left at its size, as before.
+    plain = Observed.of(deployment("chat-0ld0ld00", replicas=3, ready=3),
+                        deployment(revision_name("chat", spec), replicas=4, ready=1))
+    assert [r.replicas for r in want(spec, plain).revisions if r.role == "old"] == [None]
+
+
 def test_an_error_is_news_once_per_message():
     from kiln.operator.status import invalid
     first = invalid({}, 1, "InvalidSpec", "bad field x", "t1")

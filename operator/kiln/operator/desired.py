@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .models import InferenceServiceSpec
-from .observed import Observed, deployment_counts, is_ready, replicas_of, serves
+from .observed import Observed, deployment_counts, is_ready, live, replicas_of, serves
 from .placement import Placement
 from .render import (Owner, operator_namespace, pooled, render_deployment, render_network_policies, render_pdbs,
                      render_revision_service, render_router, render_router_account, render_service, revision_name,
@@ -92,6 +92,15 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
         and (status.get("updatedReplicas") or 0) >= replicas
 
 
+def old_replicas(deployment: dict[str, Any], observed: Observed) -> int | None:
+    """An old revision is left at its size (None), but its warm pool goes: no standby of it is
+    ever promoted, and their GPUs may be what the new revision's pods wait for. Scaled to its
+    serving pods, the ReplicaSet takes the standbys first (their lower pod-deletion-cost)."""
+    if not template_pooled(deployment):
+        return None
+    return sum(1 for p in observed.pods(deployment["metadata"]["name"]) if live(p) and serves(p))
+
+
 def routed_weight(split: Split, observed: Observed, size: int) -> int:
     """The canary's share of requests: its step's weight in proportion to how many of the `size`
     replicas the step sized it for are ready. New ones load for minutes, and the few ready ones
@@ -146,7 +155,7 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     keep = [] if fully_ready(current, replicas) or (split and (split.canary or split.dropped)) else olds
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
-                           None, 0 if weighted else None) for d in keep]
+                           old_replicas(d, observed), 0 if weighted else None) for d in keep]
     router = render_router(owner, spec, image, pod_annotations, router_placement)
     return Desired(revisions, [*render_router_account(owner), router, render_service(owner), *render_pdbs(owner),
                                *render_network_policies(owner, operator_namespace()), *(scalers or [])])
