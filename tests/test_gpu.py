@@ -20,7 +20,8 @@ import torch
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.config import Config, ModelLoadError
-from kiln.engine.model_runner import gpu_kv_budget, graph_batch_sizes, profile_seq_lens
+from kiln.engine.model_runner import gpu_kv_budget, graph_batch_sizes, profile_seq_lens, sampled_rows
+from kiln.engine.speculative import SpeculativeConfig
 from test_engine_generate import PROMPTS as ENGINE_CORE_PROMPTS
 
 GiB = 2 ** 30
@@ -43,6 +44,10 @@ def test_decode_graph_sizes_and_profile_step() -> None:
     assert graph_batch_sizes(1) == [1]
     assert profile_seq_lens(2048, 8192) == [2048]
     assert profile_seq_lens(2048, 600) == [600, 600, 600, 248]
+    # The sampler's rows the profile sizes for: a draft's row each with speculation, within the budget.
+    assert sampled_rows(Config(load_format="dummy")) == 128
+    assert sampled_rows(Config(load_format="dummy", speculative=SpeculativeConfig(num_speculative_tokens=3))) == 512
+    assert sampled_rows(Config(load_format="dummy", max_num_seqs=8, max_num_batched_tokens=4)) == 4
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -53,6 +53,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def sampled_rows(config: Config) -> int:
+    """The most logit rows one step samples: one a sequence, and with speculation one more a draft."""
+    drafts = config.speculative.num_speculative_tokens if config.speculative is not None else 0
+    return min(config.max_num_batched_tokens, config.max_num_seqs * (drafts + 1))
+
+
 def profile_seq_lens(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
     """Prompts that fill the largest step the scheduler can make, for the memory profile."""
     full, rest = divmod(max_num_batched_tokens, max_model_len)
@@ -169,9 +175,10 @@ class ModelRunner:
                                 torch.cat([torch.arange(length, device=self.device) for length in lens]))
         finally:
             reset_context()
-        logits = self.model.compute_logits(hidden[:1].expand(config.max_num_seqs, -1))
-        torch.log_softmax(logits, dim=-1)  # the sampler's largest temporary
-        del hidden, logits
+        logits = self.model.compute_logits(hidden[:1].expand(sampled_rows(config), -1))
+        # The sampler's largest temporaries, alive at once: log-probabilities and top-k/top-p's sort.
+        logprobs, ordered = torch.log_softmax(logits, dim=-1), torch.sort(logits, dim=-1)
+        del hidden, logits, logprobs, ordered
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
