@@ -212,6 +212,7 @@ def test_an_adapter_a_request_holds_is_never_unloaded_for_room(capped, llm, adap
     (lambda d, c: write_adapter(d, c, 3, bias="all"), "bias='all'"),
     (lambda d, c: write_adapter(d, c, 3, lora_bias=True), "LoRA biases"),
     (lambda d, c: write_adapter(d, c, 3, modules_to_save=["lm_head"]), "modules_to_save"),
+    (lambda d, c: write_adapter(d, c, 3, layer_replication=[[0, 2], [1, 3]]), "layer_replication"),
     (lambda d, c: write_adapter(d, c, 3, r=0), "positive integer r"),
     (lambda d, c: write_adapter(d, c, 3, r=4), "has rank 8, adapter_config.json says r=4"),
     (lambda d, c: write_adapter(d, c, 3, layers=range(40, 41)), "layer 40; the model has 30"),

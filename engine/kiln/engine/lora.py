@@ -112,7 +112,10 @@ def _scale(name: str, config: dict, max_rank: int) -> float:
         raise LoRAError(f"LoRA adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
     refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
                "alpha_pattern": "per-module alphas", "modules_to_save": "fully trained modules (modules_to_save)",
-               "lora_bias": "LoRA biases (lora_B.bias)"}  # PEFT >= 0.14; its tensors would be refused unnamed
+               "lora_bias": "LoRA biases (lora_B.bias)",  # PEFT >= 0.14; its tensors would be refused unnamed
+               # Its layer indices are those of the stacked copy, not the base model's: applied here,
+               # each update would land on another layer than it was trained for.
+               "layer_replication": "replicated layers (layer_replication)"}
     for option, what in refused.items():
         if config.get(option):
             raise LoRAError(f"LoRA adapter {name!r}: {what} are not supported ({option} is set)")
