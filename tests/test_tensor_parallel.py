@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import signal
 import subprocess
 import sys
@@ -126,6 +127,16 @@ class TestTP2:
         assert f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9" in str(group.failure)
         with pytest.raises(TensorParallelError, match="rank 1"):
             tiny_tp2.generate(TINY_PROMPTS[:1], GREEDY_64)
+
+
+def test_a_view_sent_to_the_workers_carries_only_its_own_rows():
+    """Prompt logprobs send the workers chunks of the step's hidden states: pickled as views,
+    each chunk wrote the whole step's storage down every worker's pipe."""
+    hidden = torch.randn(2048, 64)
+    chunk = tp_ranks._to_host(hidden[128:256])
+    assert torch.equal(chunk, hidden[128:256])
+    assert len(pickle.dumps(chunk)) < 2 * hidden[128:256].nbytes
+    assert tp_ranks._to_host(hidden) is hidden and tp_ranks._to_host(3) == 3  # whole ones go as they are
 
 
 def test_cpu_ranks_share_rank_0s_threads(tiny_llama_dir):

@@ -78,7 +78,12 @@ def _worker_context(fields: list, adapters: dict[int, LoRAAdapter], device: torc
 
 
 def _to_host(value: Any) -> Any:
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+    """A tensor as sent to the workers. A view (a prompt-logprobs chunk of the step's hidden
+    states) is copied out: pickled, a view writes its whole storage."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.cpu()
+    return value.clone() if value.untyped_storage().nbytes() != value.nbytes else value
 
 
 class WorkerGroup:
