@@ -213,7 +213,9 @@ class Engine(Spec):
         'How the model writes a tool call, which tool_choice "auto" (the default with tools) needs: '
         "hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral or pythonic (Llama 3.2, 4). "
         "With none, requests with tools must name tool_choice."))  # kiln.engine.tool_parsers.PARSERS
-    chatTemplate: str | None = Field(None, min_length=1, max_length=65536, description=(
+    # It goes to the engine as one argument, which Linux caps at 128 KiB (MAX_ARG_STRLEN): 32000
+    # characters of up to 4 UTF-8 bytes each fit; more, and the container could never start (E2BIG).
+    chatTemplate: str | None = Field(None, min_length=1, max_length=32000, description=(
         "A Jinja chat template replacing the model's (kiln serve --chat-template), for a model that has "
         "none or a different one; an engine whose template does not compile exits at start."))
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
@@ -241,12 +243,22 @@ class Toleration(Spec):
         "self.operator == 'Exists' || (has(self.key) && self.key != '')",
         "a toleration without key must have operator Exists (it then tolerates every taint)"), cel(
         "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-        "a toleration with tolerationSeconds must have effect NoExecute")))
+        "a toleration with tolerationSeconds must have effect NoExecute"), cel(
+        # LABEL_KEY checks the prefix's form, not its length (a regex cannot do both).
+        "!has(self.key) || self.key.matches('^([^/]{1,253}/)?[^/]*$')",
+        "a toleration key's prefix (before the /) is at most 253 characters")))
     key: str | None = Field(None, max_length=317, pattern=LABEL_KEY)
     operator: Literal["Exists", "Equal"] = "Equal"
     value: str | None = Field(None, max_length=63, pattern=LABEL_VALUE)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     tolerationSeconds: int | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _prefix_length(cls, key: str | None) -> str | None:
+        if key is not None and "/" in key and len(key.split("/")[0]) > 253:
+            raise ValueError("a toleration key's prefix (before the /) is at most 253 characters")
+        return key
 
 
 class Resources(Spec):
