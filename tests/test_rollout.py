@@ -42,6 +42,9 @@ def test_figures_sum_routers_and_leave_client_hang_ups_out():
     found = figures([*page("c", 10, 2, (5, 5, 0, 0)), *page("c", 5, 0, (0, 5, 0, 0))])
     assert (found["c"].requests, found["c"].errors) == (17, 2)
     assert found["c"].ttft == {0.1: 5, 0.5: 15, 1.0: 15, float("inf"): 15}
+    # Attempts the canary refused and another replica answered are its requests and its errors.
+    retried = figures([*page("c", 10), ("kiln_router_retries_total", {"revision": "c"}, 3)])
+    assert (retried["c"].requests, retried["c"].errors) == (13, 3)
 
 
 def test_quantile_interpolates_inside_the_bucket_like_prometheus():

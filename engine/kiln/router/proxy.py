@@ -308,6 +308,7 @@ class Router:
                     fresh = True
                     tried.pop()
                     again = suspect = endpoint
+                    sent_to = None  # nor a retry: the canary analysis counts those as the revision's errors
                     continue
                 if retry.reason == "connect" and endpoint == suspect:
                     # Its connection broke on reading the request, then it refused a new one: the

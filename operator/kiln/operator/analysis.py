@@ -24,8 +24,8 @@ HISTOGRAMS = {"kiln_router_time_to_first_token_seconds": "ttft",
 @dataclass
 class Figures:
     """One revision's counters as a router reports them (or their sum, or their increase)."""
-    requests: float = 0.0  # answered, 499s left out
-    errors: float = 0.0  # of those, 5xx
+    requests: float = 0.0  # answered (499s left out), and attempts another replica answered instead
+    errors: float = 0.0  # of those, 5xx and the attempts
     ttft: dict[float, float] = field(default_factory=dict)  # cumulative bucket counts by upper bound
     itl: dict[float, float] = field(default_factory=dict)
     tokens: float = 0.0  # mirrored tokens this revision scored against the stable revision's
@@ -66,6 +66,12 @@ def figures(samples: Iterable[Sample]) -> dict[str, Figures]:
         if name == "kiln_router_requests_total" and labels.get("code") != CLIENT_GONE:
             f.requests += value
             f.errors += value if labels.get("code", "").startswith("5") else 0.0
+        elif name == "kiln_router_retries_total":
+            # Attempts this revision could not take (it refused, its replica refused the connection,
+            # it lacks the model), answered by another replica, often the stable revision's: counted
+            # there alone, a canary that refuses requests showed no error at all.
+            f.requests += value
+            f.errors += value
         elif name == "kiln_router_mirror_tokens_total":
             f.tokens += value
         elif name == "kiln_router_mirror_agreed_total":
