@@ -164,6 +164,22 @@ def test_store_kvcache_rejects_wrong_slot_count() -> None:
     k = torch.zeros(4, 2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kvcache(k, k, torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping contiguous"):  # a view: read with the wrong stride
+        store_kvcache(k, k, torch.zeros(2, 4, 2, 8), torch.zeros(2, 4, 2, 8), torch.zeros(8, dtype=torch.int64)[::2])
+
+
+def test_kernels_refuse_strided_index_and_output_views() -> None:
+    """Views the kernels would read or write with the wrong stride, silently: refused first."""
+    batch = paged_batch([1], [5], 6, 2, 32, torch.float32, block_size=16, seed=6)
+    wide = batch["block_tables"].repeat_interleave(2, dim=1)
+    with pytest.raises(ValueError, match="block table row contiguous"):
+        paged_attention(**{**batch, "block_tables": wide[:, ::2]})
+    with pytest.raises(ValueError, match="out must be shaped like q"):
+        paged_attention(**batch, out=torch.empty(*batch["q"].shape[:2], 64, device=DEVICE)[..., ::2])
+    qweight, scales = quantize_w8(torch.randn(24, 64))
+    with pytest.raises(ValueError, match="last dim contiguous"):
+        w8a16_gemm(torch.randn(4, 64, device=DEVICE), qweight.to(DEVICE), scales.to(DEVICE),
+                   out=torch.empty(24, 4, device=DEVICE).t())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -81,6 +81,8 @@ def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"store_kvcache shape mismatch: k {tuple(k.shape)}, cache {tuple(k_cache.shape)}, "
                          f"slot_mapping {tuple(slot_mapping.shape)}")
+    if not slot_mapping.is_contiguous():  # read one element after another
+        raise ValueError("store_kvcache needs slot_mapping contiguous")
 
 
 def _slot_after_slot(t: torch.Tensor) -> bool:

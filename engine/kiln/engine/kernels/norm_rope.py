@@ -196,3 +196,5 @@ def _check_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_s
                          f"{tuple(positions.shape)}, {tuple(q.shape)}, {tuple(k.shape)}, {tuple(cos_sin.shape)}")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(1) != 1:
         raise ValueError("rope needs the head dim contiguous")
+    if not positions.is_contiguous():  # read one element after another
+        raise ValueError("rope needs positions contiguous")

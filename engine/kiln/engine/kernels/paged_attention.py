@@ -226,6 +226,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     largest context the graph will see.
     """
     _check_layout(q, k_cache, v_cache)
+    # The kernel steps through these one element at a time: a strided view would be read wrong.
+    if not (cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()) or block_tables.stride(-1) != 1:
+        raise ValueError("paged_attention needs cu_seqlens_q, seq_lens and each block table row contiguous")
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1):
+        raise ValueError(f"paged_attention's out must be shaped like q {tuple(q.shape)}, head dim contiguous")
     check_scales(k_cache, k_scales, v_scales)
     quantized = is_quantized(k_cache.dtype)
     if quantized and k_scales.stride() != v_scales.stride():

@@ -265,6 +265,8 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if out is not None and out.stride(-1) != 1:  # the kernels store each row's columns one after another
+        raise ValueError("the quantized GEMM's out needs its last dim contiguous")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out.view(m, n)
     if m == 0:
         return y.view(*x.shape[:-1], n)
