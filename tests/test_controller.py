@@ -363,11 +363,14 @@ def test_a_namesakes_late_deletion_does_not_end_the_new_ones_loop(monkeypatch):
         await on_service(event={"type": "ADDED"}, namespace="ns", name="a", meta={"resourceVersion": "2", "uid": "new"})
         await on_service(event={"type": "DELETED"}, namespace="ns", name="a", meta={"resourceVersion": "3", "uid": "old"})
         seen = len(passes)
-        await asyncio.sleep(0.5)
+        # Its resync passes (every 0.05 s) go on; an ended loop would run none and time out here.
+        async with asyncio.timeout(10):
+            while len(passes) < seen + 3:
+                await asyncio.sleep(0.01)
         await stop()
         return len(passes) - seen
 
-    assert asyncio.run(scenario()) >= 3  # its resync passes go on
+    assert asyncio.run(scenario()) >= 3
 
 
 def test_a_follower_drops_the_loop_of_an_object_deleted_meanwhile():

@@ -166,15 +166,10 @@ def test_cached_build_is_reused() -> None:
     """A second process finds the built library under ~/.cache/kiln/ops and loads it without building."""
     library = cpu_library.build_dir() / "kiln_cpu_ops.so"
     built = library.stat().st_mtime_ns
-    code = ("import time; from kiln.engine import cpu_library as c; t = time.perf_counter(); "
-            "assert c.available(); print(time.perf_counter() - t)")
-    start = time.perf_counter()
+    code = "from kiln.engine import cpu_library as c; assert c.available()"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    print(f"second process: op loaded in {float(run.stdout):.3f} s ({time.perf_counter() - start:.1f} s with "
-          "interpreter and torch start)")
-    assert float(run.stdout) < 5  # a build takes ~15 s here (the mtime below is the proof; this a backstop)
-    assert library.stat().st_mtime_ns == built
+    assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
 
 
 def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch: pytest.MonkeyPatch,

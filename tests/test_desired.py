@@ -18,6 +18,7 @@ from kiln.operator.observed import Observed
 from kiln.operator.plan import plan
 from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name
 from kiln.operator.status import summarize, transitions
+from kiln.router import main as router_main
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_EXAMPLE = ROOT / "examples/full.yaml"
@@ -137,13 +138,12 @@ def test_children_carry_owner_labels_and_matching_selectors():
 
 
 def test_router_discovers_every_revision_with_least_privilege():
-    router = pytest.importorskip("kiln.router.main")
     wanted = want(spec_of())
     pod = pod_spec(child(wanted, "Deployment", "chat-router"))
     (c,) = pod["containers"]
     assert c["command"][:2] == ["kiln", "router"]
     parser = argparse.ArgumentParser()
-    router.add_arguments(parser)
+    router_main.add_arguments(parser)
     args = parser.parse_args(c["command"][2:])
     # It reads the EndpointSlices of every revision's Service, on the port name engines carry.
     revision_svc = wanted.stable.service
@@ -223,8 +223,9 @@ def test_engine_container_command_resources_probes_and_hardening():
     # The engine takes the operator's speculative config as written.
     speculative = SpeculativeConfig.from_json(c["command"][-3])
     assert (speculative.num_speculative_tokens, speculative.disable_by_batch_size) == (3, 8)
+    from kiln.engine import server  # imports torch: only in the tests that parse its command line
     parser = argparse.ArgumentParser()
-    pytest.importorskip("kiln.engine.server").add_arguments(parser)
+    server.add_arguments(parser)
     assert parser.parse_args(c["command"][2:]).tool_call_parser == "hermes"  # a choice the engine knows
     assert c["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                               "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
@@ -284,8 +285,8 @@ def test_a_chat_template_reaches_the_engine_whole_as_a_new_revision():
     template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
     spec = spec_of(engine={"chatTemplate": template})
     (c,) = pod_spec(want(spec).stable.deployment)["containers"]
+    from kiln.engine import server
     parser = argparse.ArgumentParser()
-    server = pytest.importorskip("kiln.engine.server")
     server.add_arguments(parser)
     given = parser.parse_args(c["command"][2:]).chat_template
     assert given == template and server.read_chat_template(given) == template  # the engine takes it as a template
@@ -301,7 +302,7 @@ def test_cpu_only_service_asks_for_no_gpu():
 
 
 def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
-    server = pytest.importorskip("kiln.engine.server")
+    from kiln.engine import server
     pod = pod_spec(want(spec_of(engine={"tensorParallelSize": 2}, resources={"gpus": 2})).stable.deployment)
     (c,) = pod["containers"]
     assert c["command"][-2:] == ["--tensor-parallel-size", "2"]
@@ -319,7 +320,7 @@ def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
 
 
 def test_engine_command_is_accepted_by_kiln_serve():
-    server = pytest.importorskip("kiln.engine.server")
+    from kiln.engine import server
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
     c = pod_spec(want(spec_of(engine={"maxModelLen": 512, "kvCache": {"prefixCaching": False}}))

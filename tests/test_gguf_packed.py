@@ -18,6 +18,7 @@ from kiln.engine.config import Config, ModelLoadError  # noqa: E402
 from kiln.engine.context import prefill_context, reset_context, set_context  # noqa: E402
 from kiln.engine.gguf_loader import dequantize, open_gguf, unpermute_qk  # noqa: E402
 from kiln.engine.gguf_quant import PackedWeight, read_packed  # noqa: E402
+from kiln.engine.kernels import quant_gemm  # noqa: E402
 from kiln.engine.loader import load_model  # noqa: E402
 from kiln.engine.quantization import Int4Linear, Int8Linear, QuantLinear, resident_weight_bytes  # noqa: E402
 
@@ -87,7 +88,6 @@ def test_cpu_matmuls_match_dequantized(tmp_path: Path, kind: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_kernels_on_gguf_formats(tmp_path: Path, dtype: torch.dtype, kind: str) -> None:
-    quant_gemm = pytest.importorskip("kiln.engine.kernels.quant_gemm")
     device = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
     packed = read_packed(synthetic(tmp_path, kind))
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
@@ -138,7 +138,8 @@ def test_tiny_llama_mixed_types_load_packed(tmp_path: Path, tiny_llama_dir: Path
     # float32 packed modules dequantize to the very weights the plain load holds
     torch.testing.assert_close(tiny_logits(packed.model, ids), tiny_logits(plain.model, ids), rtol=1e-6, atol=1e-6)
     asked = load_model(Config(model=str(path), dtype="float32", device="cpu", quantization="int8"))
-    assert all(m.group_size is None for m in asked.model.modules() if isinstance(m, Int8Linear))  # requantized
+    requantized = [m for m in asked.model.modules() if isinstance(m, Int8Linear)]
+    assert requantized and all(m.group_size is None for m in requantized)  # per-channel, not Q8_0's groups
 
 
 def test_packed_projections_that_disagree_with_the_config_are_refused(tmp_path: Path, tiny_llama_dir: Path) -> None:

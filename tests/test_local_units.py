@@ -411,11 +411,15 @@ def test_stop_takes_a_process_that_exits_as_it_is_signalled(monkeypatch, sleeper
     """Gone between alive() and the signal: ProcessLookupError stopped `kiln local down` half-way."""
     record = {"pid": sleeper.pid, "start": processes.start_ticks(sleeper.pid)}
 
+    sent = []
+
     def gone(pid, sig):
+        sent.append((pid, sig))
         raise ProcessLookupError(3, "No such process")
     monkeypatch.setattr(processes.os, "kill", gone)
-    processes.stop(record, grace=0.1)
+    processes.stop(record, grace=0.1)  # returns, rather than raise or wait out the grace to SIGKILL
     monkeypatch.undo()  # before the sleeper's own kill
+    assert sent == [(sleeper.pid, signal.SIGTERM)]
 
 
 def test_a_cluster_started_without_its_runtime_is_removed(tmp_path, monkeypatch):
