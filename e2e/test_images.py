@@ -1,4 +1,4 @@
-"""The images, built and run: `make images` (cached: a second build costs seconds), the operator
+"""The images, built and run: `make images` (cached: a second build rebuilds nothing), the operator
 image without torch and under 300 MB, and an InferenceService whose engine and router pods the
 local runtime runs from the engine image (container mode: podman + runc), answering a chat
 through the router, as a non-root user on a read-only root filesystem."""
@@ -33,7 +33,6 @@ def test_a_second_build_is_cached(built):
         if all(b.cached for b in again):
             break
     assert all(b.cached for b in again), again
-    assert sum(b.seconds for b in again) < 60
     assert {b.reference for b in again} == {names.image("engine"), names.image("operator")}
 
 

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import kubernetes
 import yaml
 
 from kiln.local.testing import OperatorProcess, service_account_kubeconfig
 from kiln.operator.reconcile import CHILD_KINDS
-from operator_support import (GROUP, PLURAL, REPO, VERSION, absent, apply, condition, engine_deployments, engines,
-                              event_reasons, events, history, isvc, ready, smollm2, until)
+from operator_support import (GROUP, PLURAL, REPO, VERSION, a_pass_ran, absent, apply, condition, engine_deployments,
+                              engines, event_reasons, events, free_port, history, isvc, ready, smollm2, until)
 
 SA = "system:serviceaccount:kiln-system:kiln-operator"
 
@@ -230,7 +229,8 @@ def events_match_status(apis, ns: str, name: str) -> list[str] | None:
 
 
 def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
-    operator.restart(interval=1)  # a resync tick every second
+    port = free_port()
+    operator.restart(f"--metrics-port={port}", interval=1)  # a resync tick every second, passes counted
     apply(kubectl, ns, smollm2("counted"))
     until(lambda: ready(apis, ns, "counted"), "counted Ready")
     seen = until(lambda: events_match_status(apis, ns, "counted"), "an Event for each stored condition")
@@ -238,15 +238,17 @@ def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
         mine = [h for h in seen if h.startswith(type_ + "=")]
         assert mine and all(a != b for a, b in zip(mine, mine[1:])), f"{type_} repeated itself: {mine}"
     # Resync ticks and a restart change nothing, so they post nothing.
-    time.sleep(3)
-    operator.restart(interval=1)
-    time.sleep(4)
+    a_pass_ran(port, ns, "counted")
+    assert history(apis, ns, "counted") == seen
+    port = free_port()
+    operator.restart(f"--metrics-port={port}", interval=1)
+    a_pass_ran(port, ns, "counted", since=0)  # the new process's first pass (a fresh read), ended
     assert history(apis, ns, "counted") == seen
 
     # One spec change that adds one condition: exactly one Event, and no more on later ticks.
     kubectl("patch", "isvc/counted", "-n", ns, "--type=merge", "-p", '{"spec":{"rollout":{"steps":[{"weight":50}]}}}')
     until(lambda: len(history(apis, ns, "counted")) > len(seen), "an Event for the change")
-    time.sleep(3)
+    a_pass_ran(port, ns, "counted")
     assert history(apis, ns, "counted")[len(seen):] == ["CanaryReady=True Promoted"]
     operator.restart()
 
@@ -267,21 +269,50 @@ def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(opera
     assert ready_events[0].startswith("Ready=False") and ready_events[-1] == "Ready=True Serving", after
 
 
+def refusing_policy(ns: str, prefix: str) -> list[dict]:
+    """A ValidatingAdmissionPolicy (as a cluster's Kyverno or Gatekeeper rules would) refusing the
+    Deployments in `ns` whose names start with `prefix`, and its binding."""
+    name = f"refuse-{ns}"
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": name},
+              "spec": {"failurePolicy": "Fail",
+                       "matchConstraints": {"resourceRules": [{"apiGroups": ["apps"], "apiVersions": ["v1"],
+                                                               "operations": ["CREATE", "UPDATE"],
+                                                               "resources": ["deployments"]}]},
+                       "validations": [{"expression": f"!object.metadata.name.startsWith('{prefix}')",
+                                        "message": "this cluster's policy refuses these Deployments"}]}}
+    binding = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+               "metadata": {"name": name},
+               "spec": {"policyName": name, "validationActions": ["Deny"],
+                        "matchResources": {"namespaceSelector": {"matchLabels": {
+                            "kubernetes.io/metadata.name": ns}}}}}
+    return [policy, binding]
+
+
 def test_a_child_the_api_server_refuses_is_a_condition_and_one_event(operator, apis, ns, kubectl):
-    operator.restart(interval=1)
-    body = smollm2("refused")
-    # The CRD's pattern lets a key's prefix be longer than the 253 characters Kubernetes takes.
-    body["spec"]["resources"]["tolerations"] = [{"key": "x" * 254 + "/gpu", "operator": "Exists"}]
-    apply(kubectl, ns, body)
-    cond = until(lambda: condition(isvc(apis, ns, "refused"), "Ready").get("reason") == "Rejected"
-                 and condition(isvc(apis, ns, "refused"), "Ready"), "Ready=False Rejected")
-    assert "tolerations" in cond["message"] and cond["status"] == "False"
-    until(lambda: "Rejected" in event_reasons(apis, ns, "refused", "Warning"), "the Warning")
-    time.sleep(3)  # resync ticks retry it and fail the same way: no new Event
-    assert [e.reason for e in events(apis, ns, "refused")].count("Rejected") == 1
-    kubectl("patch", "isvc/refused", "-n", ns, "--type=json",
-            "-p", '[{"op":"remove","path":"/spec/resources/tolerations"}]')
-    until(lambda: ready(apis, ns, "refused"), "refused Ready once fixed")
+    port = free_port()
+    operator.restart(f"--metrics-port={port}", interval=1)
+    policy, binding = refusing_policy(ns, "refused-")
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
+    probe = yaml.safe_dump({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "refused-probe"},
+                            "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
+                                "metadata": {"labels": {"a": "b"}}, "spec": {"containers": [
+                                    {"name": "c", "image": "x"}]}}}})
+    # The API server enforces a new policy once its informer has it: wait for that before applying.
+    until(lambda: kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", input=probe,
+                          check=False).returncode != 0, "the policy enforced")
+    try:
+        apply(kubectl, ns, smollm2("refused"))
+        cond = until(lambda: condition(isvc(apis, ns, "refused"), "Ready").get("reason") == "Rejected"
+                     and condition(isvc(apis, ns, "refused"), "Ready"), "Ready=False Rejected")
+        assert "this cluster's policy refuses these Deployments" in cond["message"] and cond["status"] == "False"
+        until(lambda: "Rejected" in event_reasons(apis, ns, "refused", "Warning"), "the Warning")
+        a_pass_ran(port, ns, "refused")  # resync ticks retry it and fail the same way: no new Event
+        assert [e.reason for e in events(apis, ns, "refused")].count("Rejected") == 1
+    finally:
+        kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", binding["metadata"]["name"],
+                check=False)
+    until(lambda: ready(apis, ns, "refused"), "refused Ready once the policy is gone")
     operator.restart()
 
 

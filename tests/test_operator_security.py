@@ -7,7 +7,6 @@ stored and against the pods it selects.)"""
 from __future__ import annotations
 
 import base64
-import time
 from pathlib import Path
 
 import kubernetes
@@ -15,7 +14,7 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from operator_support import apply, engines, smollm2, until
+from operator_support import a_pass_ran, apply, engines, free_port, passes, smollm2, until
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "guarded"
@@ -28,6 +27,8 @@ def names(apis, ns: str, selector: dict[str, str]) -> set[str]:
 
 
 def test_pods_are_admitted_as_restricted_and_engines_take_only_router_and_operator(operator, apis, ns, kubectl):
+    port = free_port()
+    operator.restart(f"--metrics-port={port}")  # its passes counted; only watch events wake them
     apis["core"].patch_namespace(ns, {"metadata": {"labels": RESTRICTED}})
     apis["core"].create_namespaced_secret(ns, {"metadata": {"name": "keys"}, "type": "Opaque",
                                                "data": {"api-keys": base64.b64encode(b"k1\nk2\n").decode()}})
@@ -55,9 +56,15 @@ def test_pods_are_admitted_as_restricted_and_engines_take_only_router_and_operat
     # which the API server drops, once made it do that).
     networking = kubernetes.client.NetworkingV1Api(apis["core"].api_client)
     version = networking.read_namespaced_network_policy(f"{NAME}-engines", ns).metadata.resource_version
-    apis["custom"].patch_namespaced_custom_object("kiln.dev", "v1alpha1", ns, "inferenceservices", NAME,
-                                                  {"metadata": {"annotations": {"test/poke": "1"}}})
-    time.sleep(3)  # a window for a pass to run: nothing may change in it
+    base = passes(port, ns, NAME)
+
+    def poke(value: str) -> None:  # a change to the InferenceService wakes a pass that reads it all afresh
+        apis["custom"].patch_namespaced_custom_object("kiln.dev", "v1alpha1", ns, "inferenceservices", NAME,
+                                                      {"metadata": {"annotations": {"test/poke": value}}})
+    poke("1")
+    until(lambda: passes(port, ns, NAME) > base, "a pass after the poke")
+    poke("2")  # the next pass begins once that one has ended
+    a_pass_ran(port, ns, NAME, since=base)
     assert networking.read_namespaced_network_policy(f"{NAME}-engines", ns).metadata.resource_version == version
 
     router = apis["apps"].read_namespaced_deployment(f"{NAME}-router", ns)
