@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from e2e_support import CHAT, MODEL, PROMPT, Target, local_operator
+from kiln.local.cluster import free_port
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
 
 
@@ -72,12 +73,6 @@ def operator(target: Target, namespace: str, tmp_path_factory: pytest.TempPathFa
         return
     with local_operator(target, namespace, tmp_path_factory.mktemp("operator") / "operator.log") as proc:
         yield proc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

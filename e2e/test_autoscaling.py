@@ -13,17 +13,16 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.request
 from collections.abc import Callable
 
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_support import LOAD_TIMEOUT, MODEL, PROMPT, REPO, Load, Target, Threads
 from kiln.local.cluster import free_port
 from kiln.local.testing import KubectlError, OperatorProcess, eventually
+from kiln.local.testing import reconcile_passes as passes
 
 pytestmark = pytest.mark.timeout(1800)
 WINDOWS = {"stableWindow": "10s", "panicWindow": "4s"}
@@ -100,15 +99,6 @@ def test_a_burst_scales_out_and_back_without_losing_a_request(target: Target, na
     eventually(lambda: engine_replicas(target, namespace, name) == 1, "back to 1 replica", timeout=240,
                ignore=(KubectlError,))
     assert len(scaled_events(target, namespace, name)) >= 3  # 1->2, 2->3, 3->1 at least
-
-
-def passes(port: int, namespace: str, name: str) -> dict[str, float]:
-    """The operator's reconcile passes over one InferenceService so far, by what they read."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        page = response.read().decode()
-    return {s.labels["read"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
-            if s.name == "kiln_operator_reconcile_passes_total"
-            and (s.labels["namespace"], s.labels["inferenceservice"]) == (namespace, name)}
 
 
 def ready_condition(target: Target, namespace: str, name: str) -> tuple[str, str]:

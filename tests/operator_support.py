@@ -2,16 +2,13 @@
 their fixtures (operator, apis, ns) are in conftest.py."""
 from __future__ import annotations
 
-import socket
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 from kubernetes.client.rest import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.local.testing import eventually
+from kiln.local.testing import eventually, reconcile_passes
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP, VERSION, PLURAL = "kiln.dev", "v1alpha1", "inferenceservices"
@@ -85,23 +82,13 @@ def history(apis, ns: str, name: str) -> list[str]:
     return [f"{e.message.split(':')[0]} {e.reason}" for e in events(apis, ns, name) if "=" in e.message.split(":")[0]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def passes(port: int, ns: str, name: str) -> float:
-    """Reconcile passes the operator serving /metrics on `port` (`--metrics-port`) has begun over
-    one InferenceService, fresh reads and reused ones; 0 while it does not serve them yet."""
+    """Reconcile passes the operator serving /metrics on `port` has begun over one
+    InferenceService, fresh reads and reused ones; 0 while it does not serve them yet."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-            page = response.read().decode()
+        return sum(reconcile_passes(port, ns, name).values())
     except OSError:  # (URLError too) a process just started: not listening yet
         return 0.0
-    return sum(s.value for f in text_string_to_metric_families(page) for s in f.samples
-               if s.name == "kiln_operator_reconcile_passes_total"
-               and (s.labels["namespace"], s.labels["inferenceservice"]) == (ns, name))
 
 
 def a_pass_ran(port: int, ns: str, name: str, since: float | None = None) -> None:

@@ -13,10 +13,11 @@ import signal
 import kubernetes
 import yaml
 
+from kiln.local.cluster import free_port
 from kiln.local.testing import OperatorProcess, service_account_kubeconfig
 from kiln.operator.reconcile import CHILD_KINDS
 from operator_support import (GROUP, PLURAL, REPO, VERSION, a_pass_ran, absent, apply, condition, engine_deployments,
-                              engines, event_reasons, events, free_port, history, isvc, ready, smollm2, until)
+                              engines, event_reasons, events, history, isvc, ready, smollm2, until)
 
 SA = "system:serviceaccount:kiln-system:kiln-operator"
 

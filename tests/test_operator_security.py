@@ -14,7 +14,8 @@ import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
-from operator_support import a_pass_ran, apply, engines, free_port, passes, smollm2, until
+from kiln.local.cluster import free_port
+from operator_support import a_pass_ran, apply, engines, passes, smollm2, until
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "guarded"

@@ -4,22 +4,16 @@ it (a label change: the same pod, not a new one) and the pool refills; scaling d
 (The plan itself: test_warmpool_plan.py; on real engines and a router: e2e/test_warmpool.py.)"""
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 
 import kubernetes
 import urllib3
 
+from kiln.local.cluster import free_port
 from operator_support import GROUP, PLURAL, VERSION, apply, condition, engines, events, isvc, ready, smollm2, until
 
 NAME = "pooled"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def roles(apis, ns: str) -> dict[str, str]:

@@ -6,6 +6,7 @@
   ServiceAccount's token (TokenRequest), to run something with exactly the RBAC it is granted.
 - api_client(kubeconfig): a kubernetes ApiClient for any kubeconfig (admin's or a token one).
 - OperatorProcess(kubeconfig, log, args): `kiln operator` as a process to start, stop, kill and restart.
+- reconcile_passes(port, namespace, name): the passes an operator serving /metrics on `port` began.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import kubernetes
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.local import build
 
@@ -140,3 +143,13 @@ class OperatorProcess:
 
     def tail(self, lines: int = 60) -> str:
         return "---- operator log (tail) ----\n" + "\n".join(self.text().splitlines()[-lines:])
+
+
+def reconcile_passes(port: int, namespace: str, name: str) -> dict[str, float]:
+    """The passes an operator serving /metrics on `port` (`--metrics-port`) has begun over one
+    InferenceService, by what they read (fresh, reused)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    return {s.labels["read"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
+            if s.name == "kiln_operator_reconcile_passes_total"
+            and (s.labels["namespace"], s.labels["inferenceservice"]) == (namespace, name)}
