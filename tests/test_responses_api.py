@@ -68,7 +68,8 @@ def test_stream_options_default_and_null_as_vllm_takes_them():
                                                      "messages": [{"role": "user", "content": "hi"}]}).stream_options
     assert options({}).include_usage  # asked for at all: the usage comes
     assert (options({"include_usage": None, "continuous_usage_stats": None}).continuous_usage_stats,
-            options({"include_usage": False}).include_usage) == (False, False)
+            options({"include_usage": False}).include_usage, options({"include_usage": None}).include_usage) == \
+        (False, False, False)  # an explicit null asks for no usage, as vLLM keeps it
 
 
 def test_a_call_after_the_text_of_its_turn_joins_that_turn():
@@ -84,6 +85,13 @@ def test_a_call_after_the_text_of_its_turn_joins_that_turn():
     assert [(m["role"], m.get("content"), [c["id"] for c in m.get("tool_calls", [])]) for m in messages] == [
         ("user", "weather?", []), ("assistant", "Let me check.", ["c1", "c2"]), ("tool", "sunny", []),
         ("assistant", None, ["c1"])]
+
+
+def test_empty_tools_and_include_are_taken_as_none(server):
+    """The OpenAI Agents SDK sends `"tools": [], "include": []` for every agent without tools."""
+    code, reply = post(server.url + "/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                                      "tools": [], "include": []})
+    assert code == 200 and reply["output"][0]["type"] == "message", reply
 
 
 def test_a_stream_is_assembled_into_the_same_answer(server):

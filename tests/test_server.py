@@ -121,6 +121,17 @@ def test_completion_stream_reassembles_to_greedy_text_with_usage(server, tokeniz
     assert chunks[-1].usage.total_tokens == full.usage.prompt_tokens + 24
 
 
+def test_include_usage_null_sends_no_usage_chunk_as_vllm(server):
+    """vLLM keeps an explicit null, which asks for no usage; read as the default (true), a stream
+    ended in a usage chunk without choices. stream_options without the key keeps the default."""
+    def chunks(options: dict) -> list:
+        return list(complete(server, "Hi", max_tokens=2, stream=True, stream_options=options,
+                             extra_body={"ignore_eos": True}))
+    assert all(c.choices and c.usage is None for c in chunks({"include_usage": None}))
+    usage = chunks({})[-1]
+    assert not usage.choices and usage.usage.completion_tokens == 2
+
+
 def test_usage_says_how_many_prompt_tokens_the_prefix_cache_held(server):
     """As /v1/responses did: chat and completions never said, so clients saw no cache hit."""
     prompt = "A long shared preamble about the weather in Oslo, Lima and Cairo, repeated. " * 4 + "Now: "
@@ -377,6 +388,26 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server, tokenizer):
         server, ids, max_tokens=4).choices[0].text
 
 
+def test_echo_logprobs_and_prompt_logprobs_each_keep_their_own_count(server, tokenizer):
+    """The prompt is scored once with the more alternatives of the two; each answered all of them:
+    echo's top_logprobs past OpenAI's logprobs + 1, prompt_logprobs past its own k."""
+    prompt = "The capital of France is Paris"
+    ids = tokenizer.encode(prompt)
+
+    def ask(logprobs: int, prompt_logprobs: int) -> dict:
+        code, reply = post(server.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                            "temperature": 0, "echo": True, "logprobs": logprobs,
+                                                            "prompt_logprobs": prompt_logprobs})
+        assert code == 200, reply
+        return reply["choices"][0]
+    few = ask(1, 5)
+    assert all(1 <= len(top) <= 2 for top in few["logprobs"]["top_logprobs"][1:len(ids)])
+    assert all(str(t) in p and 5 <= len(p) <= 6 for t, p in zip(ids[1:], few["prompt_logprobs"][1:]))
+    many = ask(5, 0)
+    assert [list(p) for p in many["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    assert max(len(top) for top in many["logprobs"]["top_logprobs"][1:len(ids)]) > 2
+
+
 def test_echo_with_max_tokens_zero_is_the_prompt_alone_scored(server, tokenizer):
     """OpenAI's legacy way (and vLLM's, lm-eval's older backends') to score a prompt: echo, logprobs,
     max_tokens 0. The answer is the prompt and its logprobs, no completion token."""
@@ -472,6 +503,15 @@ def test_continue_final_message_and_vllm_stop_options(server, tokenizer):
                                                  extra_body={"skip_special_tokens": False,
                                                              "include_stop_str_in_output": True})
     assert said.choices[0].finish_reason == "stop" and said.choices[0].message.content.endswith("<|im_end|>")
+
+
+def test_chat_template_kwargs_may_not_set_continue_final_message(server):
+    """The request's own field: as a template variable it was a TypeError, answered as the
+    template rejecting the messages."""
+    code, reply = post(server.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"continue_final_message": True}})
+    assert code == 400 and reply["error"]["param"] == "chat_template_kwargs", reply
+    assert "chat_template_kwargs may not set continue_final_message" in reply["error"]["message"]
 
 
 def test_logit_bias_forces_and_bans_tokens(server, tokenizer):

@@ -67,6 +67,14 @@ class StreamOptions(_Request):
     include_usage: bool = True  # vLLM's default: stream_options given at all asks for the usage
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far on every chunk
 
+    @model_validator(mode="before")  # runs before _Request's, which would make null the default (True)
+    @classmethod
+    def _null_usage_is_none(cls, data: Any) -> Any:
+        # vLLM keeps an explicit null, which asks for no usage; left out, the default above holds.
+        if isinstance(data, dict) and "include_usage" in data and data["include_usage"] is None:
+            return {**data, "include_usage": False}
+        return data
+
 
 class StructuredOutputsRequest(_Request):
     """vLLM's `structured_outputs`: exactly one constraint (kiln.engine.structured_output)."""

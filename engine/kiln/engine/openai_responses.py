@@ -89,11 +89,18 @@ def _top(text: str, logprob: float, top: list[tuple[int, float]], token_text: Ca
     return entries
 
 
-def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None]) -> list[dict[str, Any]]:
+def top_of(position: dict[int, dict[str, Any]], token_id: int, n: int) -> dict[int, dict[str, Any]]:
+    """A scored prompt position cut to its token and the top n: a completion scores its prompt
+    once, with the most alternatives that echo's logprobs or prompt_logprobs ask for."""
+    return {t: e for t, e in position.items() if t == token_id or e["rank"] <= n}
+
+
+def echoed_entries(prompt_ids: list[int], prompt_logprobs: list[dict[int, dict[str, Any]] | None],
+                   top: int) -> list[dict[str, Any]]:
     """A prompt's logprobs as completion logprob entries, for `echo`: the first token has no
-    logprob (nothing comes before it), each other its own and its position's top tokens."""
+    logprob (nothing comes before it), each other its own and its position's `top` best tokens."""
     entries = [{"token_id": prompt_ids[0], "logprob": None, "top": None}]
     for token_id, position in zip(prompt_ids[1:], prompt_logprobs[1:]):
         entries.append({"token_id": token_id, "logprob": position[token_id]["logprob"],
-                        "top": [(t, e["logprob"]) for t, e in position.items()]})
+                        "top": [(t, e["logprob"]) for t, e in top_of(position, token_id, top).items()]})
     return entries

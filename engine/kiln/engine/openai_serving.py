@@ -20,23 +20,25 @@ from kiln.engine.lora_serving import capacity_error
 from kiln.engine.openai_protocol import (
     INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
-    Cached, chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, usage)
+    Cached, chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, top_of, usage)
 from kiln.engine.output_streams import merged, new_entries
 from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SCORED_ENTRIES = 1 << 22  # prompt logprob entries a completion request may ask for, over its choices
-# What the server itself gives the chat template (kiln.engine.tokenizer): no request overrides them.
-TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"}
+# What the server itself gives the chat template or its rendering (kiln.engine.tokenizer): no request's
+# chat_template_kwargs override them.
+TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "continue_final_message", "tools", "bos_token",
+                      "eos_token"}
 
 
 class _TokenFields:
     """vLLM's additions to a choice: the prompt's ids as the engine ran them and the generated ids
-    (return_token_ids), and the prompt's logprobs (prompt_logprobs). The prompt's fields go once:
-    on the full choice, or on a stream's first chunk."""
+    (return_token_ids), and the prompt's logprobs with prompt_logprobs alternatives (None: not
+    asked for). The prompt's fields go once: on the full choice, or on a stream's first chunk."""
 
-    def __init__(self, return_token_ids: bool, prompt_logprobs: bool) -> None:
+    def __init__(self, return_token_ids: bool, prompt_logprobs: int | None) -> None:
         self.return_token_ids, self.prompt_logprobs = return_token_ids, prompt_logprobs
         self.prompt_sent = False
 
@@ -47,8 +49,9 @@ class _TokenFields:
             return {}
         self.prompt_sent = True
         fields: dict[str, Any] = {"prompt_token_ids": prompt_token_ids} if self.return_token_ids else {}
-        if self.prompt_logprobs:
-            fields["prompt_logprobs"] = out.prompt_logprobs  # int keys become JSON strings, as in vLLM
+        if self.prompt_logprobs is not None:  # int keys become JSON strings, as in vLLM
+            fields["prompt_logprobs"] = [None if p is None else top_of(p, t, self.prompt_logprobs)
+                                         for t, p in zip(prompt_token_ids, out.prompt_logprobs)]
         return fields
 
     def generated(self, token_ids: list[int]) -> dict[str, Any]:
@@ -133,8 +136,8 @@ class _Choice:
         if self.echo is None:
             return text, entries
         echo, self.echo = self.echo, None
-        if out.prompt_logprobs is not None:  # asked for with logprobs (completions() saw to it)
-            entries = echoed_entries(self.prompt_ids, out.prompt_logprobs) + entries
+        if self.params.logprobs is not None:  # the prompt was scored for them (completions() saw to it)
+            entries = echoed_entries(self.prompt_ids, out.prompt_logprobs, self.params.logprobs) + entries
         return echo + text, entries
 
 
@@ -186,7 +189,8 @@ class OpenAIServing:
         if prompt_only and not req.echo:
             raise APIError(400, "max_tokens=0 generates nothing: it is for echo (the prompt, with logprobs its "
                                 "scores)", param="max_tokens")
-        # Echoed logprobs are the prompt's: scored with as many alternatives as the output's.
+        # Echoed logprobs are the prompt's: scored once with the more alternatives of the two asked
+        # (echo's logprobs, prompt_logprobs), each cut to its own (top_of).
         scored = req.prompt_logprobs
         if req.echo and req.logprobs is not None:
             scored = max(scored or 0, req.logprobs)
@@ -198,7 +202,7 @@ class OpenAIServing:
         echo = [p if isinstance(p, str) else self.tokenizer.decode(p, skip_special_tokens=False)
                 for p in prompts] if req.echo else None
         return await self._generate(request, req, prompt_ids, params, lambda index: _CompletionShape(
-            self.token_text, req.logprobs is not None, index), req.prompt_logprobs is not None, lora, echo,
+            self.token_text, req.logprobs is not None, index), req.prompt_logprobs, lora, echo,
             prompt_only)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -206,7 +210,7 @@ class OpenAIServing:
         cache_salt.apply(req, request.headers)
         ids, params, tools, lora = self.chat_inputs(req)
         return await self._generate(request, req, [ids], [params], lambda index: ChatShape(
-            self.tokenizer, req.logprobs, index, tools), False, lora)
+            self.tokenizer, req.logprobs, index, tools), None, lora)
 
     def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls | None, str | None]:
         """A conversation's prompt ids, sampling parameters, tool calls and LoRA adapter; a 400 or
@@ -335,11 +339,11 @@ class OpenAIServing:
         return requested
 
     async def _generate(self, request: web.Request, req, prompts: list[list[int]], params: list[SamplingParams],
-                        shape: Callable[[int], Any], prompt_logprobs: bool, lora: str | None,
+                        shape: Callable[[int], Any], prompt_logprobs: int | None, lora: str | None,
                         echo: list[str] | None = None, prompt_only: bool = False) -> web.StreamResponse:
         """Choices n at a time per prompt, indexed prompt by prompt as OpenAI and vLLM do; with a
         seed, choice j of a prompt draws with seed + j, so the n differ and each is reproducible.
-        prompt_logprobs: the client asked for them; lora: the adapter they run with; echo: each
+        prompt_logprobs: the alternatives the client asked them with (None: not asked); lora: the adapter they run with; echo: each
         prompt's text, to send first; prompt_only: that alone (max_tokens 0)."""
         choices = [_Choice(i * req.n + j, ids, _nth_seed(params[i], j), shape(i * req.n + j),
                            _TokenFields(req.return_token_ids, prompt_logprobs), echo[i] if echo else None,

@@ -40,7 +40,8 @@ class ResponsesRequest(_Request):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False
-    tools: list[FunctionTool] | None = Field(default=None, min_length=1, max_length=128)
+    # [] too: the Agents SDK sends it for an agent without tools (OpenAI takes it), as no tools
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
