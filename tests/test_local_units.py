@@ -249,6 +249,17 @@ def test_runtime_readiness_ignores_the_log_of_an_earlier_launch(tmp_path, monkey
     assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
 
 
+def test_an_exit_stop_collected_on_another_thread_is_still_reported(tmp_path):
+    """A liveness kill stops the process on its own thread, which reaps it: the sync loop then
+    found nothing to collect and reported exitCode -1, not the kubelet's 143 for SIGTERM."""
+    record = processes.launch([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "p.log")
+    stopping = threading.Thread(target=processes.stop, args=(record, 5.0))
+    stopping.start()
+    stopping.join()
+    assert processes.reap(record["pid"]) is None  # collected already
+    assert processes.exit_code(record) == -signal.SIGTERM
+
+
 @pytest.fixture
 def http_server():
     class Ok(http.server.BaseHTTPRequestHandler):

@@ -61,10 +61,24 @@ def reap(pid: int) -> int | None:
     return os.waitstatus_to_exitcode(status) if done else None
 
 
+def exit_code(record: dict) -> int | None:
+    """The recorded process's exit code once it exited (reap's), also after stop() collected it."""
+    code = reap(record["pid"])
+    return record.get("exit") if code is None else code
+
+
+def _collect(record: dict) -> None:
+    """reap, keeping the code in the record: stop() runs on another thread than the one that
+    reports the exit, which then found nothing left to collect."""
+    code = reap(record["pid"])
+    if code is not None:
+        record["exit"] = code
+
+
 def stop(record: dict, grace: float = 10.0) -> None:
     """SIGTERM the recorded process, SIGKILL it after `grace` seconds; no-op if it is gone."""
     if not alive(record):
-        reap(record["pid"])
+        _collect(record)
         return
     try:  # it may exit between alive() and the signal: `down` stopped there with a traceback
         os.kill(record["pid"], signal.SIGTERM)
@@ -72,7 +86,7 @@ def stop(record: dict, grace: float = 10.0) -> None:
         return
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        reap(record["pid"])
+        _collect(record)
         if not alive(record):
             return
         time.sleep(0.1)
@@ -80,8 +94,9 @@ def stop(record: dict, grace: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(record["pid"], signal.SIGKILL)
     while alive(record):
-        reap(record["pid"])
+        _collect(record)
         time.sleep(0.05)
+    _collect(record)
 
 
 def log_tail(record: dict, lines: int = 30) -> str:

@@ -103,7 +103,7 @@ class Runtime:
                 # kwok may hand a terminating pod's address to its replacement while the old
                 # process still runs its preStop pause: two namespaces with one address would
                 # split that address's traffic between them. The new pod starts once it is free.
-                if not any(run.ip == pod.status.pod_ip for run in self.pods.values()):
+                if not any(run.ip == pod.status.pod_ip for run in list(self.pods.values())):  # stop threads pop
                     try:
                         self.start(pod)
                     except Exception:  # noqa: BLE001 - one pod's trouble (podman missing...) must not stall the rest
@@ -211,7 +211,7 @@ class Runtime:
     def check(self, run: PodRun) -> None:
         now = time.monotonic()
         if run.record is not None and not processes.alive(run.record):
-            code = processes.reap(run.record["pid"])
+            code = processes.exit_code(run.record)  # a liveness kill's stop() may have collected it
             tail = processes.log_tail(run.record, 10)
             log.warning("%s exited (%s); restarting in %.0fs\n%s", run.key, code, RESTART_BACKOFF_S, tail)
             code = 128 - code if code is not None and code < 0 else code  # a kubelet's 137 for SIGKILL
@@ -316,13 +316,15 @@ class Runtime:
 
     def stop(self, run: PodRun, grace: float, prestop: float | None = None) -> None:
         """preStop sleep (the Endpoints drop the pod meanwhile), SIGTERM, grace, SIGKILL."""
-        time.sleep(run.prestop if prestop is None else prestop)
-        self.halt(run, grace)
-        if not self.net.wait_delivered(run.netns):
-            log.warning("%s: TCP data still unacknowledged after exit; deleting its network anyway", run.key)
-        self.net.delete_namespace(run.netns)
-        self.pods.pop(run.uid, None)
-        log.info("stopped %s", run.key)
+        try:
+            time.sleep(run.prestop if prestop is None else prestop)
+            self.halt(run, grace)
+            if not self.net.wait_delivered(run.netns):
+                log.warning("%s: TCP data still unacknowledged after exit; deleting its network anyway", run.key)
+            self.net.delete_namespace(run.netns)
+            log.info("stopped %s", run.key)
+        finally:  # however it went: a pod left here would never be removed, its address never reused
+            self.pods.pop(run.uid, None)
 
     def shutdown(self) -> None:
         # Pods already stopping too: their stop threads may still sleep out a preStop hook and
