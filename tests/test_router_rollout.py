@@ -208,6 +208,10 @@ async def test_a_model_only_one_revision_serves_is_answered_there() -> None:
         assert answer.status == 404 and (await answer.json())["error"]["code"] == "model_not_found"
         assert answer.headers["X-Engine"].startswith("engine-")  # the replica's own headers come too
         assert sum(svc.hits()) == stable_hits + 20 + 2
+        # Asked again elsewhere, a model a revision lacks is no retry it is blamed for (the canary
+        # analysis counts retries as the revision's errors): a client's typo would roll one back.
+        assert metric(await svc.metrics(), "kiln_router_retries_total", revision="stable") == 0
+        assert metric(await svc.metrics(), "kiln_router_retries_total", revision="canary") == 0
         # Another 404 (no such route on the engine; another code) is passed on, not retried.
         before = sum(svc.hits())
         answer = await svc.client.post("/v1/embeddings", json={"model": "base"})

@@ -297,6 +297,7 @@ class Router:
                     return await self._relay(request, endpoint, body, exchange, fresh)
             except NotServedHere as e:
                 not_served, refused_by, elsewhere = e.answer, endpoint.revision, True
+                sent_to = None  # lacking a model (a client's typo, often) is no failure to count against it
                 failed += self.source.ready().by_revision.get(endpoint.revision, [endpoint])
             except Retryable as retry:
                 if retry.stale and not fresh:

@@ -67,9 +67,9 @@ def figures(samples: Iterable[Sample]) -> dict[str, Figures]:
             f.requests += value
             f.errors += value if labels.get("code", "").startswith("5") else 0.0
         elif name == "kiln_router_retries_total":
-            # Attempts this revision could not take (it refused, its replica refused the connection,
-            # it lacks the model), answered by another replica, often the stable revision's: counted
-            # there alone, a canary that refuses requests showed no error at all.
+            # Attempts this revision could not take (it refused, its replica refused the connection),
+            # sent again to another replica, often the stable revision's: counted there alone, a
+            # canary that refuses requests showed no error at all.
             f.requests += value
             f.errors += value
         elif name == "kiln_router_mirror_tokens_total":
