@@ -354,6 +354,12 @@ def test_a_missed_scrape_with_a_short_panic_window_decides_from_the_stable_one()
     decision = run.tick(None)
     assert (decision.replicas, decision.ok) == (2, True) and decision.reason != "MetricsUnavailable", decision
     assert run.tick(20.0).replicas > 2  # and its own sample again drives a scale-up
+    # Scrapes that stay down are blindness, whatever the stable window holds: hold, never scale on
+    # old samples (here to zero, with minReplicas 0 and the last samples idle).
+    run = Run(spec(panicWindow="1s", minReplicas=0, scaleDownDelay="10s"), replicas=3)
+    run.ready = 3
+    held = run.run([0.0, 0.0] + [None] * 25)
+    assert set(held) == {3} and run.decisions[-1].reason == "MetricsUnavailable", held
 
 
 def test_a_raised_min_replicas_applies_at_once_with_or_without_metrics():

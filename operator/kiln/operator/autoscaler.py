@@ -62,6 +62,11 @@ class Decision:
     ok: bool = True  # ScalingReady's status
 
 
+# How far back a panic window shorter than this looks when it holds no sample of its own: two of the
+# builtin autoscaler's 2 s ticks and a bit, so one missed scrape is not blindness, three are.
+RECENT_S = 5.0
+
+
 def seconds(duration: str) -> float:
     """'1h30m', '90s', '500ms' -> seconds (the CRD's Duration grammar)."""
     units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
@@ -95,14 +100,15 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     # A panic window shorter than a tick or two holds one sample at most, and a missed scrape
     # leaves it empty: the stable window's average stands in, rather than holding as if blind.
     panic_load = average(fresh, now - panic_window)
-    if panic_load is None:
-        panic_load = stable_load
+    if panic_load is None:  # a panic window shorter than a tick or two, left empty by a missed scrape
+        panic_load = average(fresh, now - max(panic_window, RECENT_S))
     if state.replicas < spec.minReplicas:  # a minReplicas raised applies at once too, metrics or not
         state = replace(state, replicas=spec.minReplicas, last_scale=now, lower_since=None, lower_asks=())
     current = state.replicas
     if panic_load is None or stable_load is None:  # nothing recent: hold, never guess zero
-        return (Decision(current, "MetricsUnavailable", f"no load sample in the last {spec.stableWindow}; "
-                         f"holding {current} replica(s)", "stable", None, ok=False), state)
+        return (Decision(current, "MetricsUnavailable", f"no load sample in the last "
+                         f"{max(panic_window, RECENT_S):g}s; holding {current} replica(s)", "stable", None, ok=False),
+                state)
     target = spec.targetQueueDepth
     want_stable = math.ceil(stable_load / target)
     want_panic = math.ceil(panic_load / target)
