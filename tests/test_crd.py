@@ -164,8 +164,6 @@ INVALID = [
      "spec.resources.tolerations[0].key in body should match"),
     ("toleration-key-name-too-long", "bad", with_spec(resources__tolerations=[{"key": "a" * 64, "operator": "Exists"}]),
      "spec.resources.tolerations[0].key in body should match"),  # every Deployment was refused instead
-    ("chat-template-past-one-argument", "bad", with_spec(engine__chatTemplate="模" * 32001),
-     "spec.engine.chatTemplate: Too long"),
     ("toleration-key-prefix-too-long", "bad", with_spec(resources__tolerations=[
         {"key": "a" * 254 + "/b", "operator": "Exists"}]), "prefix (before the /) is at most 253 characters"),
     ("quantity-exponent-too-long", "bad", with_spec(engine__kvCache={"memory": "1e999999"}),

@@ -78,6 +78,14 @@ def test_quantities_are_checked_by_the_operator_too():
     assert spec_of(resources={"cpu": 4, "memory": "2e3"}).resources.cpu == 4
 
 
+def test_a_chat_template_past_one_command_line_argument_is_refused():
+    """The engine takes it as one argument: over Linux's 128 KiB in UTF-8 the container could
+    never start (E2BIG). Characters alone (the CRD's bound) do not tell: ASCII fits four times more."""
+    assert spec_of(engine={"chatTemplate": "x" * 65536}).engine.chatTemplate
+    with pytest.raises(ValueError, match="131072 bytes in UTF-8; the engine takes it as one command-line argument"):
+        spec_of(engine={"chatTemplate": "模" * 43690 + "xx"})
+
+
 def test_sources_durations_and_replica_bounds_are_checked_by_the_operator_too():
     # The same: a source that would have been a hostPath of the node's root, its /etc, or an
     # unknown scheme read as a host path; a duration the autoscaler could not parse.
@@ -663,14 +671,17 @@ def test_an_old_revision_gives_up_its_warm_pool_while_it_serves_on():
     old = deployment("chat-0ld0ld00", replicas=4, ready=4)
     old["spec"]["template"] = {"metadata": {"labels": {"kiln.dev/serving": "false"}}}
 
-    def pod(name: str, serving: bool) -> dict:
+    def pod(name: str, serving: bool, ready: bool = True) -> dict:
         return {"kind": "Pod", "metadata": {"name": name, "labels": {
-            "kiln.dev/component": "engine", LABEL_REVISION: "chat-0ld0ld00",
-            "kiln.dev/serving": str(serving).lower()}}, "status": {"phase": "Running"}}
-    observed = Observed.of(old, *(pod(f"s{i}", True) for i in range(2)), *(pod(f"w{i}", False) for i in range(2)),
-                           deployment(revision_name("chat", spec), replicas=4, ready=1))
+            "kiln.dev/component": "engine", LABEL_REVISION: "chat-0ld0ld00", "kiln.dev/serving": str(serving).lower()}},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]}}
+    new = deployment(revision_name("chat", spec), replicas=4, ready=1)
+    observed = Observed.of(old, *(pod(f"s{i}", True) for i in range(2)), *(pod(f"w{i}", False) for i in range(2)), new)
     olds = [r for r in want(spec, observed).revisions if r.role == "old"]
     assert [(r.name, r.replicas) for r in olds] == [("chat-0ld0ld00", 2)]
+    # A serving pod not ready would go before a ready standby (the ReplicaSet's order): not yet.
+    observed = Observed.of(old, pod("s0", True), pod("s1", True, ready=False), pod("w0", False), new)
+    assert [r.replicas for r in want(spec, observed).revisions if r.role == "old"] == [None]
     # One without a pool is left at its size, as before.
     plain = Observed.of(deployment("chat-0ld0ld00", replicas=3, ready=3),
                         deployment(revision_name("chat", spec), replicas=4, ready=1))

@@ -198,6 +198,9 @@ class EnvVar(Spec):
         return value or None  # as the API server stores it (it drops an empty value), or plans never end
 
 
+MAX_ARGUMENT_BYTES = 131071  # Linux's MAX_ARG_STRLEN (32 pages of 4 KiB) less the NUL
+
+
 class Engine(Spec):
     """Engine settings; any change here (or to the model) makes a new revision."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -213,9 +216,7 @@ class Engine(Spec):
         'How the model writes a tool call, which tool_choice "auto" (the default with tools) needs: '
         "hermes (Qwen2.5, Hermes), llama3_json (Llama 3.1+), mistral or pythonic (Llama 3.2, 4). "
         "With none, requests with tools must name tool_choice."))  # kiln.engine.tool_parsers.PARSERS
-    # It goes to the engine as one argument, which Linux caps at 128 KiB (MAX_ARG_STRLEN): 32000
-    # characters of up to 4 UTF-8 bytes each fit; more, and the container could never start (E2BIG).
-    chatTemplate: str | None = Field(None, min_length=1, max_length=32000, description=(
+    chatTemplate: str | None = Field(None, min_length=1, max_length=65536, description=(
         "A Jinja chat template replacing the model's (kiln serve --chat-template), for a model that has "
         "none or a different one; an engine whose template does not compile exits at start."))
     env: Annotated[list[EnvVar], *BY_NAME] = Field(default_factory=list, max_length=64, description=(
@@ -232,6 +233,16 @@ class Engine(Spec):
         """The draft model the engines speculate with, if any."""
         spec = self.speculative
         return spec.model if spec is not None and spec.method == "draft" else None
+
+    @field_validator("chatTemplate")
+    @classmethod
+    def _one_argument(cls, template: str | None) -> str | None:
+        # It goes to the engine as one argument, which Linux caps at 128 KiB (MAX_ARG_STRLEN): one
+        # longer in UTF-8 and the container could never start (E2BIG).
+        if template is not None and len(template.encode()) > MAX_ARGUMENT_BYTES:
+            raise ValueError(f"chatTemplate is {len(template.encode())} bytes in UTF-8; the engine takes it as one "
+                             f"command-line argument, at most {MAX_ARGUMENT_BYTES}")
+        return template
 
 
 class Toleration(Spec):
