@@ -95,10 +95,14 @@ def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
 def old_replicas(deployment: dict[str, Any], observed: Observed) -> int | None:
     """An old revision is left at its size (None), but its warm pool goes: no standby of it is
     ever promoted, and their GPUs may be what the new revision's pods wait for. Scaled to its
-    serving pods, the ReplicaSet takes the standbys first (their lower pod-deletion-cost)."""
+    serving pods, the ReplicaSet takes the standbys first (their lower pod-deletion-cost), but it
+    takes pods not ready before it weighs costs: while a serving one is not ready, it waits."""
     if not template_pooled(deployment):
         return None
-    return sum(1 for p in observed.pods(deployment["metadata"]["name"]) if live(p) and serves(p))
+    pods = [p for p in observed.pods(deployment["metadata"]["name"]) if live(p)]
+    if any(serves(p) and not is_ready(p) for p in pods):
+        return None
+    return sum(1 for p in pods if serves(p))
 
 
 def routed_weight(split: Split, observed: Observed, size: int) -> int:

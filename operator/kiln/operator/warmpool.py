@@ -109,11 +109,11 @@ def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted:
         block["lastPromotion"] = iso(now) if promoted else previous["lastPromotion"]
     if ready >= size:
         cond = condition("WarmPoolReady", True, "Filled", f"{ready} standby replica(s) loaded and warm")
-    elif failure is not None:
-        cond = condition("WarmPoolReady", False, failure[0], f"{ready}/{size} standby replicas ready; {failure[1]}")
-    elif unschedulable:
+    elif unschedulable:  # what a progress deadline past Pending standbys would say less well
         cond = condition("WarmPoolReady", False, "InsufficientCapacity",
                          f"{ready}/{size} standby replicas ready; no node fits the rest: {unschedulable}")
+    elif failure is not None:
+        cond = condition("WarmPoolReady", False, failure[0], f"{ready}/{size} standby replicas ready; {failure[1]}")
     else:
         cond = condition("WarmPoolReady", False, "Filling", f"{ready}/{size} standby replicas ready")
     return block, cond
