@@ -48,6 +48,7 @@ TICK_S = 0.5
 RESTART_BACKOFF_S = 5.0
 NOT_YET_RETRY_S = 2.0  # a pod waiting for a Secret, ConfigMap or image: how often to look again
 SHUTDOWN_GRACE_S = 5.0  # when the runtime itself stops (kiln local down): within `down`'s 10 s for it
+STOP_ATTEMPTS = 3  # a pod's stop (kill, then its network namespace) that fails is tried again
 
 
 def runnable(pod: Any) -> bool:
@@ -316,15 +317,21 @@ class Runtime:
 
     def stop(self, run: PodRun, grace: float, prestop: float | None = None) -> None:
         """preStop sleep (the Endpoints drop the pod meanwhile), SIGTERM, grace, SIGKILL."""
-        try:
-            time.sleep(run.prestop if prestop is None else prestop)
-            self.halt(run, grace)
-            if not self.net.wait_delivered(run.netns):
-                log.warning("%s: TCP data still unacknowledged after exit; deleting its network anyway", run.key)
-            self.net.delete_namespace(run.netns)
-            log.info("stopped %s", run.key)
-        finally:  # however it went: a pod left here would never be removed, its address never reused
-            self.pods.pop(run.uid, None)
+        time.sleep(run.prestop if prestop is None else prestop)
+        for attempt in range(STOP_ATTEMPTS):
+            try:
+                self.halt(run, grace)
+                if not self.net.wait_delivered(run.netns):
+                    log.warning("%s: TCP data still unacknowledged after exit; deleting its network anyway", run.key)
+                self.net.delete_namespace(run.netns)
+                break
+            except Exception:  # noqa: BLE001 - tried again: a pod left here would stay Terminating
+                log.exception("stopping %s failed (attempt %d of %d)", run.key, attempt + 1, STOP_ATTEMPTS)
+                time.sleep(NOT_YET_RETRY_S)
+        else:  # kept, with its address: forgotten, its namespace could hold the one a replacement gets
+            return
+        self.pods.pop(run.uid, None)
+        log.info("stopped %s", run.key)
 
     def shutdown(self) -> None:
         # Pods already stopping too: their stop threads may still sleep out a preStop hook and
