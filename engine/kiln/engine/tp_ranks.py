@@ -83,7 +83,7 @@ def _to_host(value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     value = value.cpu()
-    return value.clone() if value.untyped_storage().nbytes() != value.nbytes else value
+    return value.clone() if value.untyped_storage().nbytes() > value.nbytes else value
 
 
 class WorkerGroup:
