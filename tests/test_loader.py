@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import prefill_context, reset_context, set_context
+from kiln.engine.dtype_choice import host_cpu_flags
 from kiln.engine.gguf_file import GGUFTensor
 from kiln.engine.gguf_loader import dequantize, open_gguf, read_model_config, unpermute_qk
 from kiln.engine.loader import load_model, resolve_model_path
@@ -509,8 +510,11 @@ def test_gguf_llama_with_llama3_rope_matches_transformers(tmp_path: Path, tiny_l
 
 def test_config_resolves_auto_choices(smollm2_fp32) -> None:
     config = Config()
-    assert config.torch_dtype == torch.bfloat16 and Config(dtype="float32").torch_dtype == torch.float32
     on_gpu = config.torch_device.type == "cuda"
+    # bf16 where it is fast: CUDA, or a CPU with AVX512_BF16 / AMX (an AVX2-only one emulates it ~50x slower).
+    fast_bf16 = on_gpu or bool({"avx512_bf16", "amx_bf16", "amx_tile"} & host_cpu_flags())
+    assert config.torch_dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert Config(dtype="float32").torch_dtype == torch.float32 and Config(dtype="bfloat16").torch_dtype == torch.bfloat16
     # On CPU, "auto" is the fused C++ op where it builds (tests/test_cpu_attention.py), else torch.
     from kiln.engine import cpu_library
     assert config.resolved_attention_backend == ("triton" if on_gpu else "cpu" if cpu_library.available() else "torch")
