@@ -62,9 +62,9 @@ def reap(pid: int) -> int | None:
 
 
 def exit_code(record: dict) -> int | None:
-    """The recorded process's exit code once it exited (reap's), also after stop() collected it."""
-    code = reap(record["pid"])
-    return record.get("exit") if code is None else code
+    """The recorded process's exit code once it exited, also after stop() collected it."""
+    _collect(record)
+    return record.get("exit")
 
 
 def _collect(record: dict) -> None:
