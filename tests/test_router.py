@@ -16,6 +16,7 @@ from kiln.cli import main as kiln_main
 from kiln.router.endpoints import Endpoint, ReadyEndpoints, StaticEndpoints, parse_endpoints
 from kiln.operator.render import ROUTER_GRACE_PERIOD_S, ROUTER_PRESTOP_SLEEP_S
 from kiln.router import main as router_main
+from kiln.router import metrics as router_metrics
 from kiln.router import retries
 from kiln.router.holding import Holding
 from kiln.router.main import serving
@@ -90,7 +91,7 @@ async def test_idle_requests_rotate_and_metrics_count_them() -> None:
 
 
 @on_event_loop
-async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series() -> None:
+async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series(monkeypatch) -> None:
     async with service(2, revisions=["blue", "green"], source=ChangingEndpoints) as svc:
         assert isinstance(svc.source, ChangingEndpoints)
         blue, green = svc.endpoints
@@ -116,6 +117,14 @@ async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series() ->
         assert not has_series(samples, "kiln_router_ready_endpoints", revision="blue")
         assert not has_series(samples, "kiln_router_in_flight_requests", revision="blue")
         assert has_series(samples, "kiln_router_in_flight_requests", revision="green")
+        # Its counts stay for RETIRED_AFTER_S (Prometheus reads the last of them), then they go too.
+        assert metric(samples, "kiln_router_requests_total", revision="blue", code="200") == 2
+        assert has_series(samples, "kiln_router_request_duration_seconds_count", revision="blue")
+        monkeypatch.setattr(router_metrics, "RETIRED_AFTER_S", 0.0)
+        samples = await svc.metrics()
+        assert not [name for name, labels in samples if ("revision", "blue") in labels]
+        assert metric(samples, "kiln_router_requests_total", revision="green", code="200") == 3
+        assert has_series(samples, "kiln_router_request_duration_seconds_count", revision="green")
 
 
 @on_event_loop

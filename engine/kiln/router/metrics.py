@@ -3,9 +3,13 @@
 
 Series are labelled by revision, never by pod alone: pods come and go with every scale
 and rollout, revisions are few. The gauges are read at scrape time from the balancer and
-the endpoint source, so a pod or revision that went away leaves no stale series behind."""
+the endpoint source, so a pod or revision that went away leaves no stale series behind. A
+retired revision's counters and histograms go RETIRED_AFTER_S after its Service did (enough
+scrapes to read their last counts), so a long-lived router's series do not grow with every
+rollout."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -24,6 +28,7 @@ INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 # An engine pod starting from zero: scheduling, maybe a node, the image, the weights.
 COLD_START_BUCKETS = (1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600)
+RETIRED_AFTER_S = 600.0  # seconds a revision's series outlive its Service and its last request
 
 
 class RouterMetrics:
@@ -83,6 +88,10 @@ class RouterMetrics:
             "where it was served last), spill (that replica was too busy), none (no replica had it)", ["outcome"],
             registry=self.registry)
         self.registry.register(_LiveGauges(source, balancer))
+        self._source, self._balancer = source, balancer
+        self._by_revision = (self.requests, self.errors, self.retries, self.duration, self.time_to_first_token,
+                             self.inter_token_latency, self.mirror_tokens, self.mirror_agreed)
+        self._last_seen: dict[str, float] = {}  # revision with series -> when it last had a Service or a request
 
     def answered(self, revision: str, code: int, seconds: float) -> None:
         self.requests.labels(revision, str(code)).inc()
@@ -94,7 +103,23 @@ class RouterMetrics:
         self.last_cold_start_time.set_to_current_time()
 
     def render(self) -> bytes:
+        self._forget_retired(time.monotonic())
         return generate_latest(self.registry)
+
+    def _forget_retired(self, now: float) -> None:
+        """Drop the series of revisions that have had neither a Service (the endpoint source
+        lists every revision whose Service exists, ready or not) nor a request in flight for
+        RETIRED_AFTER_S. NO_REVISION (answers the router made up) is never retired."""
+        live = set(self._source.ready().by_revision) | {e.revision for e in self._balancer.in_flight()}
+        with_series = {sample.labels["revision"] for metric in self._by_revision for family in metric.collect()
+                       for sample in family.samples} - {NO_REVISION}
+        for revision in with_series | self._last_seen.keys():
+            if revision in live or revision not in self._last_seen:
+                self._last_seen[revision] = now
+            elif now - self._last_seen[revision] >= RETIRED_AFTER_S:
+                del self._last_seen[revision]
+                for metric in self._by_revision:
+                    metric.remove_by_labels({"revision": revision})
 
 
 class _LiveGauges(Collector):
