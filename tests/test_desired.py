@@ -220,7 +220,7 @@ def test_engine_container_command_resources_probes_and_hardening():
     (c,) = pod["containers"]
     assert c["image"] == IMAGE
     assert c["command"] == ["kiln", "serve", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m",
-                            "--host", "0.0.0.0", "--port", "8000", "--dtype", "float32",
+                            "--port", "8000", "--dtype", "float32",
                             "--max-num-seqs", "128", "--drain-timeout", "100", "--kv-cache-memory", str(256 << 20),
                             "--max-model-len", "2048", "--no-prefix-caching",
                             "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY,

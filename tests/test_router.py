@@ -128,6 +128,17 @@ async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series(monk
 
 
 @on_event_loop
+async def test_without_a_host_one_port_answers_ipv4_and_ipv6() -> None:
+    # A pod's IP may be of either family (IPv6 and dual-stack clusters): its probes and its
+    # clients come there. asyncio's own host=None would give each family a port of its own.
+    async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), None, 0) as port, \
+            aiohttp.ClientSession() as client:
+        for host in ("127.0.0.1", "[::1]"):
+            async with client.get(f"http://{host}:{port}/health") as response:
+                assert response.status == 200, host
+
+
+@on_event_loop
 async def test_stream_chunks_reach_client_while_engine_still_generating() -> None:
     async with service(1) as svc:
         engine = svc.engines[0]

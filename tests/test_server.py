@@ -872,3 +872,8 @@ def test_a_port_out_of_range_or_taken_is_one_error_line(caplog, capsys):
         assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
         assert cli_main(["router", "--endpoints", "127.0.0.1:9", "--host", "127.0.0.1", "--port", port]) == 1
         assert f"kiln router: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+        # Without --host both listen on every address, IPv4 included: taken there too.
+        assert cli_main(["serve", "--port", port]) == 1
+        assert f"cannot listen on *:{port}" in caplog.text
+        assert cli_main(["router", "--endpoints", "127.0.0.1:9", "--port", port]) == 1
+        assert f"kiln router: cannot listen on *:{port}" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.sampling_defaults import sampling_defaults
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.tokenizer import read_chat_template
+from kiln.listening import listening_socket
 from kiln.router import auth
 
 log = logging.getLogger("kiln.serve")
@@ -353,13 +354,13 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        await web.SockSite(runner, listening_socket(args.host, args.port)).start()
     except OSError as e:  # the port is taken or the address is not this machine's: say so, no traceback
-        log.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
+        log.error("cannot listen on %s:%d: %s", args.host or "*", args.port, e.strerror or e)
         await runner.cleanup()
         return 1
     port = runner.addresses[0][1] if runner.addresses else args.port  # --port 0: the one the OS gave
-    log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host, port)
+    log.info("listening on http://%s:%d (health at /health, readiness at /ready)", args.host or "*", port)
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -386,7 +387,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model name, HF folder or .gguf path")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    parser.add_argument("--host", default="0.0.0.0")
+    # None: every address of both families, so a pod answers its probes on an IPv6 pod IP too.
+    parser.add_argument("--host", default=None, help="address to listen on (default: all, IPv4 and IPv6)")
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="auto: bfloat16 on CUDA and on CPUs with AVX512_BF16 or AMX, else float32")

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
+from kiln.listening import listening_socket
 from kiln.router import auth
 from kiln.router.endpoints import EndpointSource, StaticEndpoints, parse_endpoints
 from kiln.router.proxy import Limits, build_app
@@ -29,7 +30,8 @@ SHUTDOWN_SECONDS = 25.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    # None: every address of both families, so a pod answers its probes on an IPv6 pod IP too.
+    parser.add_argument("--host", default=None, help="address to listen on (default: all, IPv4 and IPv6)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (default: %(default)s)")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--endpoints", help="fixed replicas, host:port[,host:port...]")
@@ -161,7 +163,7 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
 
 
 @asynccontextmanager
-async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+async def serving(app: web.Application, host: str | None, port: int) -> AsyncIterator[int]:
     """Serves `app` while the block runs and gives the port it listens on. `kiln router`
     and the tests both start the router here, so they run it alike."""
     # handler_cancellation: a client that hangs up cancels its handler, which drops the
@@ -173,19 +175,19 @@ async def serving(app: web.Application, host: str, port: int) -> AsyncIterator[i
                            shutdown_timeout=SHUTDOWN_SECONDS / 2)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.SockSite(runner, listening_socket(host, port)).start()
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()
 
 
-async def _serve_until_stopped(app: web.Application, host: str, port: int) -> None:
+async def _serve_until_stopped(app: web.Application, host: str | None, port: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with serving(app, host, port) as bound:
-        log.info("listening on %s:%d", host, bound)
+        log.info("listening on %s:%d", host or "*", bound)
         await stop.wait()
     log.info("stopped")
 
@@ -207,6 +209,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_serve_until_stopped(build_app(source, limits, traffic, api_keys), args.host, args.port))
     except OSError as exc:  # the port is taken or the address is not this machine's
-        print(f"kiln router: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"kiln router: cannot listen on {args.host or '*'}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     return 0

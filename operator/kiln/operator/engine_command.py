@@ -79,7 +79,7 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
                 lora_modules: list[str] | None = None) -> list[str]:
     engine = spec.engine
     args = ["kiln", "serve", "--model", model_arg, *option("--served-model-name", spec.model.served_name),
-            "--host", "0.0.0.0", "--port", str(PORT), "--dtype", engine.dtype,
+            "--port", str(PORT), "--dtype", engine.dtype,
             "--max-num-seqs", str(engine.maxNumSeqs), "--drain-timeout", str(DRAIN_TIMEOUT_S)]
     # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
     # whose ranks cannot profile a step alone: they keep 1Gi each.
