@@ -371,7 +371,10 @@ def test_a_pending_replacement_pod_is_not_a_rollback_on_the_spot():
 
 
 def test_unready_since_is_the_latest_ready_transition_of_the_pods():
-    from kiln.operator.canary import unready_since
+    from kiln.operator.canary import last_ready_turn
+
+    def unready_since(pods: list[dict]) -> float | None:
+        return last_ready_turn(pods, "False")
 
     def pod(at: str) -> dict:
         return {"metadata": {"name": at}, "status": {"conditions": [
@@ -385,6 +388,10 @@ def test_unready_since_is_the_latest_ready_transition_of_the_pods():
     evicted = {"metadata": {"name": "old", "deletionTimestamp": "2026-01-01T05:00:30Z"}, "status": {"conditions": [
         {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:01:00Z"}]}}
     assert unready_since([evicted]) is None and unready_since([pod("2026-01-01T00:02:00Z"), evicted]) == 1767225720.0
+    # Its turn to True is a replica added (a canary scaling up), unless the pod is going.
+    assert last_ready_turn([pod("2026-01-01T00:02:00Z"), dict(evicted, metadata={"name": "up"})], "True") \
+        == epoch_of("2026-01-01T00:01:00Z")
+    assert last_ready_turn([pod("2026-01-01T00:02:00Z"), evicted], "True") is None
     rollout = Rollout.model_validate({"steps": [{"weight": 10, "pause": "1h"}], "progressDeadline": "2m"})
     d = advance(rollout, State(PROGRESSING, "a", "b", 1, since=epoch_of("2026-01-01T04:00:00Z")), "a", "b",
                 Facts(canary_ready=0, canary_full=False, unready_since=unready_since([evicted])), None,
@@ -486,6 +493,26 @@ def test_a_canary_that_never_reaches_full_size_is_rolled_back_after_the_deadline
     assert d.state.phase == PROGRESSING and "scaling canary" in d.state.message
     d = run(d.state, "canary-b", READY, None, 201)  # past progressDeadline (2m) since the step began
     assert d.state.phase == ROLLED_BACK and "did not reach the stable revision's size" in d.state.message
+
+
+def test_a_canary_still_gaining_replicas_is_not_rolled_back_while_the_stable_revision_grows():
+    """Rising load autoscales the stable revision up for the whole scale-up step, so the size
+    the canary must reach keeps moving: the deadline runs from its last new ready replica."""
+    d = run(None, "canary-b", READY, None, 0)
+    for now, check_ in ((1, None), (40, verdict(PASS)), (80, verdict(PASS))):
+        d = run(d.state, "canary-b", READY, check_, now)
+    assert d.full_size(ROLLOUT)
+    for now in (150, 250, 350):  # a canary replica became ready a minute before each pass
+        d = run(d.state, "canary-b", Facts(2, False, became_ready=now - 60), None, now)
+        assert d.state.phase == PROGRESSING, now
+    d = run(d.state, "canary-b", Facts(3, True, became_ready=340), verdict(PASS), 360)
+    assert d.state.phase == PROMOTED
+    # No new ready replica for progressDeadline (2m): rolled back, as before.
+    stuck = run(None, "canary-b", READY, None, 0)
+    for now, check_ in ((1, None), (40, verdict(PASS)), (80, verdict(PASS))):
+        stuck = run(stuck.state, "canary-b", READY, check_, now)
+    stuck = run(stuck.state, "canary-b", Facts(2, False, became_ready=150), None, 271)
+    assert stuck.state.phase == ROLLED_BACK and "no replica became ready for 2m" in stuck.state.message
 
 
 def test_a_resume_asked_for_before_a_step_begins_does_not_skip_that_step():

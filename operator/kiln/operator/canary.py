@@ -40,14 +40,15 @@ def stable_revision(previous: dict[str, Any], state: State | None, target: str) 
     return next((r["name"] for r in previous.get("revisions") or [] if r.get("role") == "stable"), target)
 
 
-def unready_since(pods: list[dict[str, Any]]) -> float | None:
-    """The latest turn of the pods' Ready condition to False: with none of them ready, since when
-    the revision has had no ready replica. A pod being deleted (evicted by a node drain) still
-    says Ready since it started, which read as the time it was lost and rolled the canary back
-    at once: it tells nothing, and the first pass that sees it gone keeps its own time."""
+def last_ready_turn(pods: list[dict[str, Any]], to: str) -> float | None:
+    """The latest turn of the pods' Ready condition to `to` ("True" or "False"). To False: with
+    none of them ready, since when the revision has had no ready replica. To True: when a replica
+    was last added, the progress of a canary scaling up. A pod being deleted (evicted by a node
+    drain) still says Ready since it started, which read as the time it was lost and rolled the
+    canary back at once: it tells nothing, and the first pass that sees it gone keeps its own time."""
     times = [epoch(c.get("lastTransitionTime")) for p in pods if not p["metadata"].get("deletionTimestamp")
              for c in (p.get("status") or {}).get("conditions") or []
-             if c.get("type") == "Ready" and c.get("status") == "False"]
+             if c.get("type") == "Ready" and c.get("status") == to]
     return max((t for t in times if t is not None), default=None)
 
 
@@ -113,7 +114,8 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
                   and replicas_of(canary_deployment) >= serving_replicas(spec, observed.engine(stable))
                   and fully_ready(canary_deployment, replicas_of(canary_deployment)),
                   retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION),
-                  unready_since=unready_since(observed.pods(canary)) if canary else None,
+                  unready_since=last_ready_turn(observed.pods(canary), "False") if canary else None,
+                  became_ready=last_ready_turn(observed.pods(canary), "True") if canary else None,
                   failing=engine_failure(observed.pods(canary), FAILED_STARTS) if canary else None)
     result = None
     if state is not None and state.active and state.step >= 1 and state.canary == target:

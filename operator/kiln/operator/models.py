@@ -386,8 +386,9 @@ class Rollout(Spec):
         "rollout.steps weights must be strictly increasing")))
     analysis: Analysis = Field(default_factory=Analysis, json_schema_extra={"default": {}})
     progressDeadline: Duration = Field("10m", description=(
-        "How long the canary may take to become ready (and stay without a ready replica, and take "
-        "to reach the stable revision's size before promotion) before it is rolled back."))
+        "How long the canary may take to become ready (and stay without a ready replica, and go "
+        "without a new ready replica while it scales to the stable revision's size before "
+        "promotion) before it is rolled back."))
 
 
 class SecretKeyRef(Spec):

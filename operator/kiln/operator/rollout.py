@@ -60,6 +60,7 @@ class Facts:
     resume_token: str | None = None  # the kiln.dev/resume-rollout annotation
     unready_since: float | None = None  # the latest change of the canary pods' Ready condition (None
     # when no pod has one: a replacement pod still Pending)
+    became_ready: float | None = None  # the latest turn of a canary pod's Ready condition to True
     failing: str | None = None  # a canary engine's failed exit, once it failed FAILED_STARTS times
 
 
@@ -157,9 +158,13 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         held = state.held and facts.resume_token == state.resume_token
         if facts.canary_full and not held:
             return promote(replace(state, resume_token=facts.resume_token))
-        if not facts.canary_full and now - state.since > deadline:  # its pods cannot all be placed, say
-            return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size "
-                                           f"within {rollout.progressDeadline} (progressDeadline)")
+        # Its pods cannot all be placed, say. The deadline runs from its last new ready replica, as
+        # a Deployment's does from its last progress: a stable revision autoscaled up by rising load
+        # moves the size the canary must reach, and a canary still gaining replicas is not stuck.
+        progressed = max(state.since, facts.became_ready or 0.0)
+        if not facts.canary_full and now - progressed > deadline:
+            return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size: "
+                                           f"no replica became ready for {rollout.progressDeadline} (progressDeadline)")
         words = f"a failed check holds promotion (annotate {RESUME_ANNOTATION} to promote anyway)" if held \
             else f"scaling canary {state.canary} to the stable revision's size before promotion"
         return Decision(replace(state, message=f"{words}; {analysis_words(state)}"), events)
