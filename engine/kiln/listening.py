@@ -8,9 +8,9 @@ import socket
 
 
 def listening_socket(host: str | None, port: int) -> socket.socket:
-    """A bound, listening TCP socket on `host` (None: every address) and `port` (0: any free);
+    """A bound, listening TCP socket on `host` (None or "": every address) and `port` (0: any free);
     an OSError when it cannot be had (the port is taken, the address is not this machine's)."""
-    if host is None:
+    if not host:  # None or "" (as asyncio takes it)
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         except OSError:  # no IPv6 in this kernel
