@@ -4,6 +4,7 @@ batches, with chunked prefill, under preemption, and with prefix-cache hits; log
 stop handling; streaming text; bad input."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import signal
@@ -14,7 +15,6 @@ import pytest
 import torch
 
 from kiln.engine import LLM, LLMEngine, SamplingParams
-from kiln.engine.loader import resolve_model_path
 from kiln.engine.sequence import Sequence
 
 NEW_TOKENS = 64
@@ -61,14 +61,11 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    path = resolve_model_path("smollm2-135m")
-    # Unpacked to dense float32 weights, the plain reference implementation.
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
-    return model.eval()
+def hf_model(hf_smollm2):
+    """transformers' SmolLM2 (dense float32 weights), the plain reference implementation: a copy
+    of the session's, as `references` changes its generation config (a copy costs a second where
+    a load from the GGUF costs over twenty)."""
+    return copy.deepcopy(hf_smollm2[0])
 
 
 @pytest.fixture(scope="module")

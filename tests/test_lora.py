@@ -3,6 +3,7 @@ adapter's update merged into its weights (W + alpha/r B A), and the engine's own
 alone, in mixed batches, through the prefix cache and under the scheduler's max_loras."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,12 @@ def adapters(tmp_path_factory, hf_smollm2) -> dict[str, tuple[Path, dict[str, to
 
 
 @pytest.fixture(scope="module")
-def merged(adapters, smollm2_path) -> dict[str, torch.nn.Module]:
-    """Per adapter, transformers' SmolLM2 with the update merged into its weights: what it means."""
-    import transformers
+def merged(adapters, hf_smollm2) -> dict[str, torch.nn.Module]:
+    """Per adapter, transformers' SmolLM2 with the update merged into its weights: what it means.
+    Copies of the session's model (a load from the GGUF costs over twenty seconds)."""
     models = {}
     for name, (_, tensors) in adapters.items():
-        models[name] = transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+        models[name] = copy.deepcopy(hf_smollm2[0])
         merged_into(models[name], tensors, SCALES[name])
     return models
 
