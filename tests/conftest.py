@@ -175,11 +175,33 @@ def smollm2_dequantized(smollm2_path: Path):
     return load_model(Config(model=str(smollm2_path), dtype="float32", device="cpu", gguf_dequantize=True))
 
 
+VARIANT_CACHE_DAYS = 2  # a test variant cache of other code unused this long goes
+
+
 @pytest.fixture(scope="session")
-def variant_cache(tmp_path_factory) -> Path:
+def variant_cache() -> Path:
     """A quantized-variant cache shared by the session, so each variant of SmolLM2 (AWQ's above
-    all) is computed once however many tests use it."""
-    return tmp_path_factory.mktemp("variants")
+    all, minutes on a slow CPU) is computed once however many tests use it. Kept between runs, as
+    built images are, under a key of everything that computes a variant (the engine's files and
+    torch's version): changed code calibrates anew. The tests that must calibrate use their own."""
+    import hashlib
+    import shutil
+    import time
+
+    import torch
+
+    digest = hashlib.sha256(torch.__version__.encode())
+    engine = Path(__file__).resolve().parents[1] / "engine" / "kiln" / "engine"
+    for path in sorted(p for p in engine.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(engine)).encode() + b"\0" + path.read_bytes())
+    root = Path.home() / ".cache" / "kiln" / "test-variants"
+    cache = root / digest.hexdigest()[:16]
+    cache.mkdir(parents=True, exist_ok=True)
+    os.utime(cache)  # in use: not stale for another session to remove
+    for other in root.iterdir():
+        if other != cache and time.time() - other.stat().st_mtime > VARIANT_CACHE_DAYS * 86400:
+            shutil.rmtree(other, ignore_errors=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
