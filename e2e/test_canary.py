@@ -34,7 +34,8 @@ def apply(target: Target, namespace: str, quantization: str, analysis: dict) -> 
     body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
     body["metadata"]["name"] = NAME
     body["spec"]["engine"]["quantization"] = quantization
-    body["spec"]["rollout"] = {"steps": [{"weight": 30, "pause": "10s"}, {"weight": 60, "pause": "10s"}],
+    # A step goes on once its pause is over and a check passed: pauses of one interval end at the first.
+    body["spec"]["rollout"] = {"steps": [{"weight": 30, "pause": "8s"}, {"weight": 60, "pause": "8s"}],
                                "progressDeadline": "10m", "analysis": analysis}
     target.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(body))
 
