@@ -418,6 +418,13 @@ def test_an_interval_is_taken_router_by_router():
     restarted = {"a": router(600), "b": router(7, 1)}
     assert (interval(restarted, two, "canary").requests, interval(restarted, two, "canary").errors) == (48, 1)
     assert interval(two, base, "canary").ttft == {0.1: 0, 0.5: 0, 1.0: 0, float("inf"): 0}
+    # An old revision retired since (its series dropped by the router) is no restart: the interval
+    # stays the increase, not the lifetime counts. The judged revision's own series gone is one.
+    with_old = {"a": {**router(560), **figures(page("old", 900, 30))}}
+    retired = {"a": router(590)}
+    assert interval(retired, with_old, "canary").requests == 30
+    assert interval(retired, with_old, "stable").requests == 120
+    assert interval({"a": figures(page("stable", 10))}, with_old, "canary").requests == 0  # restarted, none since
 
 
 def test_a_restarted_router_counts_from_zero_all_at_once():
@@ -513,6 +520,17 @@ def test_a_canary_still_gaining_replicas_is_not_rolled_back_while_the_stable_rev
         stuck = run(stuck.state, "canary-b", READY, check_, now)
     stuck = run(stuck.state, "canary-b", Facts(2, False, became_ready=150), None, 271)
     assert stuck.state.phase == ROLLED_BACK and "no replica became ready for 2m" in stuck.state.message
+
+
+def test_before_promotion_a_crash_loop_rolls_back():
+    """A replica crash-looping (ready between its crashes) kept pushing the deadline of a canary
+    short of full size back."""
+    d = run(None, "canary-b", READY, None, 0)
+    for now, check_ in ((1, None), (40, verdict(PASS)), (80, verdict(PASS))):
+        d = run(d.state, "canary-b", READY, check_, now)
+    crashing = run(d.state, "canary-b", Facts(2, False, became_ready=95, failing="pod b-2: the engine exited"),
+                   None, 100)
+    assert crashing.state.phase == ROLLED_BACK and "failed to start" in crashing.state.message
 
 
 def test_a_resume_asked_for_before_a_step_begins_does_not_skip_that_step():

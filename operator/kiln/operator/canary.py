@@ -66,11 +66,13 @@ def interval(taken: dict[str, dict[str, Figures]], base: dict[str, dict[str, Fig
     ready) must not turn the others' lifetime counts into this interval's. A router missing
     from either snapshot adds nothing. A router that restarted (any of its counters went down)
     counts from zero, every counter of it: judged counter by counter, those that had climbed
-    back past their old values mixed an increase with lifetime counts (a false error rate)."""
+    back past their old values mixed an increase with lifetime counts (a false error rate). A
+    revision whose series went is a retired one (a router drops them minutes after its Service),
+    no restart, unless it is `revision` itself: live, it loses its series only with its router."""
     empty, total = Figures(), Figures()
     for router in taken.keys() & base.keys():
         now, then = taken[router], base[router]
-        if any(now.get(r, empty).fell_below(figures) for r, figures in then.items()):
+        if any(now[r].fell_below(figures) if r in now else r == revision for r, figures in then.items()):
             then = {}
         total = total.plus(now.get(revision, empty).minus(then.get(revision, empty)))
     return total

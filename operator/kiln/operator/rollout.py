@@ -144,7 +144,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         # replacement has no Ready condition).
         lost = state.since
         if state.step > 0:
-            lost = state.unready_since or max(state.since, facts.unready_since or now)
+            lost = state.unready_since or max(state.since, min(facts.unready_since or now, now))  # skewed node clocks
             state = replace(state, unready_since=lost)
         if now - lost > deadline:
             return roll_back(state, facts, f"canary {state.canary} had no ready replica for {rollout.progressDeadline} "
@@ -161,6 +161,8 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         # Its pods cannot all be placed, say. The deadline runs from its last new ready replica, as
         # a Deployment's does from its last progress: a stable revision autoscaled up by rising load
         # moves the size the canary must reach, and a canary still gaining replicas is not stuck.
+        if not facts.canary_full and facts.failing is not None:  # a replica's readiness between crashes is no progress
+            return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
         progressed = max(state.since, facts.became_ready or 0.0)
         if not facts.canary_full and now - progressed > deadline:
             return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size: "
