@@ -160,8 +160,10 @@ def hf_smollm2(smollm2_path: Path):
     never change its weights."""
     import torch
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
-                                                              dtype=torch.float32)
+    # dequantize: dense float32 weights, never a kernel package's packed ones
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True))
     tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
     return model.eval(), tokenizer
 
@@ -194,12 +196,16 @@ def variant_cache() -> Path:
     engine = Path(__file__).resolve().parents[1] / "engine" / "kiln" / "engine"
     for path in sorted(p for p in engine.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         digest.update(str(path.relative_to(engine)).encode() + b"\0" + path.read_bytes())
-    root = Path.home() / ".cache" / "kiln" / "test-variants"
+    root = Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln") / "test-variants"
     cache = root / digest.hexdigest()[:16]
     cache.mkdir(parents=True, exist_ok=True)
     os.utime(cache)  # in use: not stale for another session to remove
     for other in root.iterdir():
-        if other != cache and time.time() - other.stat().st_mtime > VARIANT_CACHE_DAYS * 86400:
+        try:
+            stale = other != cache and time.time() - other.stat().st_mtime > VARIANT_CACHE_DAYS * 86400
+        except FileNotFoundError:  # another session removed it first
+            continue
+        if stale:
             shutil.rmtree(other, ignore_errors=True)
     return cache
 
