@@ -522,6 +522,16 @@ def test_a_canary_still_gaining_replicas_is_not_rolled_back_while_the_stable_rev
     assert stuck.state.phase == ROLLED_BACK and "no replica became ready for 2m" in stuck.state.message
 
 
+def test_an_unready_time_ahead_of_the_operators_clock_is_stored_as_now():
+    """A node clock ahead stored a future unreadySince, which put the deadline off by the skew."""
+    rollout = Rollout.model_validate({"steps": [{"weight": 10, "pause": "1h"}], "progressDeadline": "2m"})
+    d = advance(rollout, State(PROGRESSING, "a", "b", 1, since=0), "a", "b",
+                Facts(canary_ready=0, canary_full=False, unready_since=5000), None, 100)
+    assert d.state.unready_since == 100
+    d = advance(rollout, d.state, "a", "b", Facts(canary_ready=0, canary_full=False, unready_since=5000), None, 221)
+    assert d.state.phase == ROLLED_BACK
+
+
 def test_before_promotion_a_crash_loop_rolls_back():
     """A replica crash-looping (ready between its crashes) kept pushing the deadline of a canary
     short of full size back."""
