@@ -137,7 +137,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         if facts.canary_ready:
             return next_step(rollout, state, facts, now, events)
         if facts.failing is not None:
-            return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
+            return failed_to_start(state, facts)
         # From step 1 on, the deadline runs from when the canary lost its last ready replica,
         # not from the step's start: a step may last longer than the deadline. That time is kept
         # from the first pass that saw it: the pods' own may be gone with them (a Pending
@@ -162,7 +162,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         # a Deployment's does from its last progress: a stable revision autoscaled up by rising load
         # moves the size the canary must reach, and a canary still gaining replicas is not stuck.
         if not facts.canary_full and facts.failing is not None:  # a replica's readiness between crashes is no progress
-            return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
+            return failed_to_start(state, facts)
         progressed = max(state.since, facts.became_ready or 0.0)
         if not facts.canary_full and now - progressed > deadline:
             return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size: "
@@ -211,6 +211,10 @@ def promote(state: State) -> Decision:
     return Decision(State(PROMOTED, state.canary or state.stable, None, retry_token=state.retry_token,
                           resume_token=state.resume_token, analysis=state.analysis,
                           message=f"{state.canary} promoted to stable at 100%; {state.stable} drains and goes"))
+
+
+def failed_to_start(state: State, facts: Facts) -> Decision:
+    return roll_back(state, facts, f"its engine failed to start {FAILED_STARTS} times ({facts.failing})")
 
 
 def roll_back(state: State, facts: Facts, why: str) -> Decision:
