@@ -736,6 +736,8 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
         port = taken.getsockname()[1]
         assert cli.main(["operator", "--metrics-port", str(port)]) == 1
         assert f"cannot serve metrics on port {port}" in capsys.readouterr().err
+        assert cli.main(["operator", "--liveness", f"http://:{port}/healthz"]) == 1
+        assert f"cannot serve liveness on http://:{port}/healthz" in capsys.readouterr().err
     assert cli.main(["operator", "--pod-annotation", "no-equals-sign"]) == 2
     assert "--pod-annotation takes KEY=VALUE" in capsys.readouterr().err
     # Said before connecting: the API server would refuse each object carrying them, and kopf
@@ -743,8 +745,9 @@ def test_operator_cli_rejects_bad_input(tmp_path, monkeypatch, capsys):
     for argv, said in ((["--pod-annotation", "bad key=1"], "--pod-annotation: 'bad key' is not a Kubernetes key"),
                        (["--gpu-node-selector", "pool=v/x"], "--gpu-node-selector: 'v/x' is not a label value"),
                        (["--cpu-toleration=-bad:NoSchedule"], "--cpu-toleration: '-bad' is not a Kubernetes key"),
-                       (["--liveness", "foo"], "--liveness takes http://HOST:PORT/PATH"),
-                       (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://HOST:PORT/PATH"),
+                       (["--liveness", "foo"], "--liveness takes http://[HOST]:PORT/PATH"),
+                       (["--liveness", "http://0.0.0.0:99999/healthz"], "--liveness takes http://[HOST]:PORT/PATH"),
+                       (["--liveness", "https://:8080/healthz"], "--liveness takes http://[HOST]:PORT/PATH"),
                        (["--leader-elect", "--lease-name", "Kiln_Operator"], "--lease-name 'Kiln_Operator' is not"),
                        (["--leader-elect", "--lease-namespace", "kiln system"], "--lease-namespace 'kiln system' is not"),
                        (["--namespace", "Bad_NS"], "--namespace 'Bad_NS' is not a namespace name"),

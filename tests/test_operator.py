@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.error
+import urllib.request
 
 import kubernetes
+import pytest
 import yaml
 
 from kiln.local.cluster import free_port
-from kiln.local.testing import OperatorProcess, service_account_kubeconfig
+from kiln.local.testing import OperatorProcess, eventually, loopback_hosts, service_account_kubeconfig
 from kiln.operator.reconcile import CHILD_KINDS
 from operator_support import (GROUP, PLURAL, REPO, VERSION, a_pass_ran, absent, apply, condition, engine_deployments,
                               engines, event_reasons, events, history, isvc, ready, smollm2, until)
@@ -252,6 +255,29 @@ def test_each_condition_change_is_one_event(operator, apis, ns, kubectl):
     a_pass_ran(port, ns, "counted")
     assert history(apis, ns, "counted")[len(seen):] == ["CanaryReady=True Promoted"]
     operator.restart()
+
+
+def test_liveness_and_metrics_answer_on_every_address_of_both_families(operator):
+    """The kubelet probes, and Prometheus scrapes, the operator pod's IP: IPv4, IPv6 or either on a
+    dual-stack cluster. Without a host both endpoints take them all on one port."""
+    live, scrape = free_port(), free_port()
+    operator.restart(f"--liveness=http://:{live}/healthz", f"--metrics-port={scrape}")
+    try:
+        for host in loopback_hosts():
+            health = eventually(lambda: get(f"http://{host}:{live}/healthz"), f"liveness on {host}",
+                                ignore=(OSError,))
+            assert json.loads(health) == {"status": "ok"}
+            assert "# TYPE kiln_operator_reconcile_passes counter" in get(f"http://{host}:{scrape}/metrics")
+        with pytest.raises(urllib.error.HTTPError) as elsewhere:
+            get(f"http://127.0.0.1:{live}/other")
+        assert elsewhere.value.code == 404
+    finally:
+        operator.restart()
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
 
 
 def test_a_deleted_engine_deployment_comes_back_without_waiting_for_resync(operator, apis, ns, kubectl):

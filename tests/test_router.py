@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import socket
 import time
 from types import SimpleNamespace
 
@@ -14,6 +13,7 @@ import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
+from kiln.local.testing import loopback_hosts
 from kiln.router.endpoints import Endpoint, ReadyEndpoints, StaticEndpoints, parse_endpoints
 from kiln.operator.render import ROUTER_GRACE_PERIOD_S, ROUTER_PRESTOP_SLEEP_S
 from kiln.router import main as router_main
@@ -132,15 +132,9 @@ async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series(monk
 async def test_without_a_host_one_port_answers_ipv4_and_ipv6() -> None:
     # A pod's IP may be of either family (IPv6 and dual-stack clusters): its probes and its
     # clients come there. asyncio's own host=None would give each family a port of its own.
-    hosts = ["127.0.0.1", "[::1]"]
-    try:  # IPv6 may be off here (a container's sysctl): then IPv4 alone is what there is to reach
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        hosts.remove("[::1]")
     async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), None, 0) as port, \
             aiohttp.ClientSession() as client:
-        for host in hosts:
+        for host in loopback_hosts():
             async with client.get(f"http://{host}:{port}/health") as response:
                 assert response.status == 200, host
 

@@ -7,12 +7,14 @@
 - api_client(kubeconfig): a kubernetes ApiClient for any kubeconfig (admin's or a token one).
 - OperatorProcess(kubeconfig, log, args): `kiln operator` as a process to start, stop, kill and restart.
 - reconcile_passes(port, namespace, name): the passes an operator serving /metrics on `port` began.
+- loopback_hosts(): "127.0.0.1", and "[::1]" where this machine has IPv6, as URL hosts.
 """
 from __future__ import annotations
 
 import base64
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,3 +155,14 @@ def reconcile_passes(port: int, namespace: str, name: str) -> dict[str, float]:
     return {s.labels["read"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
             if s.name == "kiln_operator_reconcile_passes_total"
             and (s.labels["namespace"], s.labels["inferenceservice"]) == (namespace, name)}
+
+
+def loopback_hosts() -> list[str]:
+    """The loopback addresses to reach a server listening on every address, as URL hosts: what a pod
+    IP of each family would reach. IPv6 may be off here (a container's sysctl): then IPv4 alone."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return ["127.0.0.1"]
+    return ["127.0.0.1", "[::1]"]

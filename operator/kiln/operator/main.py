@@ -25,7 +25,9 @@ from typing import Any
 import kopf
 import kubernetes
 
-from . import leader, metrics, placement
+from kiln.listening import listening_socket
+
+from . import endpoints, leader, placement
 from .controller import Controller
 from .models import GROUP, OBJECT_NAME, PLURAL, VERSION
 from .api import Api
@@ -135,9 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus that KEDA ScaledObjects query (autoscaling.mode keda; "
                              "default %(default)s)")
     parser.add_argument("--liveness", metavar="URL",
-                        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+                        help="serve a liveness endpoint, e.g. http://:8080/healthz (no host: every address, "
+                             "IPv4 and IPv6)")
     parser.add_argument("--metrics-port", type=int, default=0,
-                        help="serve the operator's Prometheus metrics on this port (default: off)")
+                        help="serve the operator's Prometheus metrics on this port, every address (default: off)")
     for kind, which in (("gpu", "that ask for GPUs"), ("cpu", "that run on CPU (gpus: 0) and for router pods")):
         parser.add_argument(f"--{kind}-node-selector", action="append", default=[], metavar="KEY=VALUE",
                             help=f"node label for engine pods {which} (repeatable); a service's own "
@@ -163,19 +166,6 @@ def placements(args: argparse.Namespace) -> placement.Placements:
             dict(placement.parse_label(text, f"--{kind}-node-selector") for text in labels),
             tuple(placement.parse_toleration(text, f"--{kind}-toleration") for text in taints))
     return placement.Placements(gpu=one("gpu"), cpu=one("cpu"))
-
-
-def check_liveness(url: str | None) -> None:
-    """kopf serves http://HOST:PORT/PATH only, and says so in a traceback once running."""
-    if url is None:
-        return
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if parts.scheme != "http" or port == -1 or port == 0:
-        raise ValueError(f"--liveness takes http://HOST:PORT/PATH, e.g. http://0.0.0.0:8080/healthz, got {url!r}")
 
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a namespace's name
@@ -209,6 +199,15 @@ def check_targets(args: argparse.Namespace) -> None:
                          f"got {args.prometheus_url!r}")
 
 
+async def operate(listeners: endpoints.Listeners, **kopf_args: Any) -> None:
+    """kopf's operator with our endpoints on its event loop (what kopf.run does, plus those)."""
+    async with endpoints.serving(listeners):
+        try:
+            await kopf.operator(**kopf_args)
+        except asyncio.CancelledError:  # as kopf.run: a cancelled operator has stopped
+            pass
+
+
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and args.interval > 0):  # nan compares False with everything
         print("kiln operator: --interval must be positive", file=sys.stderr)
@@ -220,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before connecting: every later failure of these would be the API server's, per object
         pod_annotations = {placement.check_key(key, "--pod-annotation"): value for key, _, value in pairs}
         where = placements(args)
-        check_liveness(args.liveness)
+        liveness = endpoints.parse_liveness(args.liveness) if args.liveness else None
         check_lease(args)
         check_targets(args)
     except ValueError as err:
@@ -229,13 +228,17 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.metrics_port < 65536:
         print(f"kiln operator: --metrics-port {args.metrics_port} is not a port number", file=sys.stderr)
         return 2
-    if args.metrics_port:
-        try:
-            metrics.serve(args.metrics_port)
-        except OSError as err:  # the port is taken: one line, as `kiln serve` says it
-            print(f"kiln operator: cannot serve metrics on port {args.metrics_port}: {err.strerror or err}",
-                  file=sys.stderr)
-            return 1
+    listeners = endpoints.Listeners()
+    try:  # a port taken: one line, as `kiln serve` says it
+        what = f"liveness on {args.liveness}"
+        if liveness is not None:
+            listeners.liveness = (listening_socket(liveness.host, liveness.port), liveness.path)
+        what = f"metrics on port {args.metrics_port}"
+        if args.metrics_port:
+            listeners.metrics = listening_socket(None, args.metrics_port)
+    except OSError as err:
+        print(f"kiln operator: cannot serve {what}: {err.strerror or err}", file=sys.stderr)
+        return 1
     kopf.configure(verbose=args.verbose)
     logging.getLogger("kopf.objects").addFilter(QuietEvents())
     try:
@@ -267,9 +270,9 @@ def run(args: argparse.Namespace) -> int:
     if args.leader_elect:
         elector = leader.LeaseElector(kubernetes.client.CoordinationV1Api(api.client), args.lease_namespace,
                                       args.lease_name, f"{socket.gethostname()}-{os.getpid()}")
-    kopf.run(registry=build_registry(api, settings, elector, on_lost, stop_flag.set), stop_flag=stop_flag,
-             settings=build_settings(), standalone=True, clusterwide=not args.namespace,
-             namespaces=args.namespace, liveness_endpoint=args.liveness)
+    asyncio.run(operate(listeners, registry=build_registry(api, settings, elector, on_lost, stop_flag.set),
+                        stop_flag=stop_flag, settings=build_settings(), standalone=True,
+                        clusterwide=not args.namespace, namespaces=args.namespace))
     if lost.is_set():
         print(f"kiln operator: {why_lost[0]}", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@ its warm pools do and cost. Module-level, as the operator is one process; the ro
 request path."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram
 
 # "fresh": read the object and its children from the API server; "reused": a timer pass that reused
 # the last read (reconcile.reconcile), so its only API calls were writes.
@@ -26,7 +26,3 @@ def forget(namespace: str, name: str) -> None:
     PROMOTIONS.remove(namespace, name)
     IDLE_GPU_SECONDS.remove(namespace, name)
 
-
-def serve(port: int) -> None:
-    """/metrics on `port` in a daemon thread."""
-    start_http_server(port)
