@@ -25,11 +25,9 @@ local-bins: $(STAMP)
 images: $(STAMP)
 	$(PY) -m kiln.cli local images
 
-# Two workers (pytest-xdist): the tests that need the local cluster run as one group on one worker,
-# mostly waiting on it, while the other computes; tests/conftest.py groups them. The slowest tests
-# are listed at the end: where CI's time goes.
+# The slowest tests listed at the end: where CI's time goes.
 test: $(STAMP) local-bins images
-	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25 tests e2e
+	$(PY) -m pytest -q --durations=25 tests e2e
 
 # The whole system on the local cluster: control plane + test pod runtime, Kiln installed with
 # kubectl apply -k manifests/, the operator running, examples/smollm2.yaml Ready; prints the

@@ -9,36 +9,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 # ---------------------------------------------------------------------------
-# two workers (pytest-xdist, `make test`): one takes every test that needs the local cluster, in
-# one group, first; both share the rest a module at a time
-# ---------------------------------------------------------------------------
-CLUSTER_FIXTURES = {"local_cluster", "target"}  # tests/ and e2e/ reach the cluster through these
-
-
-def needs_the_cluster(item) -> bool:
-    return bool(CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())))
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The cluster tests are one xdist group: they share one cluster, and a cluster-wide operator
-    (tests/test_operator*.py) must not meet another module's. They run first, as they are the
-    longest unit and mostly wait on the cluster while the other worker computes. Every other test
-    is grouped with its module so a module's fixtures (models, servers) load once."""
-    import pytest
-    items.sort(key=lambda item: not needs_the_cluster(item))  # stable: otherwise collection order
-    for item in items:
-        group = "cluster" if needs_the_cluster(item) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
-if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    # Each worker's torch gets its share of the cores: two workers with all of them each would
-    # make their OpenMP threads wait on each other.
-    import torch
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-
-
-# ---------------------------------------------------------------------------
 # cluster fixtures (kiln.local): a real control plane, shared by the whole session
 # ---------------------------------------------------------------------------
 from dataclasses import dataclass  # noqa: E402
