@@ -267,7 +267,7 @@ def test_liveness_and_metrics_answer_on_every_address_of_both_families(operator)
             health = eventually(lambda: get(f"http://{host}:{live}/healthz"), f"liveness on {host}",
                                 ignore=(OSError,))
             assert json.loads(health) == {"status": "ok"}
-            assert "# TYPE kiln_operator_reconcile_passes counter" in get(f"http://{host}:{scrape}/metrics")
+            assert "# TYPE kiln_operator_reconcile_passes_total counter" in get(f"http://{host}:{scrape}/metrics")
         with pytest.raises(urllib.error.HTTPError) as elsewhere:
             get(f"http://127.0.0.1:{live}/other")
         assert elsewhere.value.code == 404
