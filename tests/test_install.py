@@ -301,10 +301,20 @@ def test_namespaces_that_yaml_reads_as_numbers_or_booleans_render_as_strings():
 
 @pytest.mark.parametrize("value", ["engine.gpu.tolerations={nvidia.com/gpu:NoScheduled}",
                                    "engine.gpu.nodeSelector.pool=yes please",
-                                   "engine.cpu.nodeSelector.bad key!=x"])
+                                   "engine.cpu.nodeSelector.bad key!=x",
+                                   "prometheusUrl=http:///api",  # no host: the operator's --prometheus-url check
+                                   "watchNamespaces={Team_A}"])  # no namespace name: --namespace's
 def test_placement_values_the_operator_would_refuse_fail_the_install(value: str) -> None:
     # They passed the schema, and the operator exited 2 at start: a crash loop after a clean install.
     done = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "--set", value, check=False)
     assert done.returncode != 0 and "does not match pattern" in done.stderr, done.stderr
     assert helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION,
-                "--set", "engine.gpu.tolerations={nvidia.com/gpu:NoSchedule,dedicated=ml:NoExecute}").returncode == 0
+                "--set", "engine.gpu.tolerations={nvidia.com/gpu:NoSchedule,dedicated=ml:NoExecute}",
+                "--set", "prometheusUrl=http://[fd00::9]:9090/prom", "--set", "watchNamespaces={team-a,b2}").returncode == 0
+
+
+def test_a_namespace_named_twice_fails_the_install() -> None:
+    # Rendered twice: two RoleBindings of one name in one namespace, which the API server refuses mid-install.
+    done = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "--set", "watchNamespaces={a,a}",
+                check=False)
+    assert done.returncode != 0 and "items at 0 and 1 are equal" in done.stderr, done.stderr
