@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 import time
 from types import SimpleNamespace
 
@@ -135,6 +136,25 @@ async def test_without_a_host_one_port_answers_ipv4_and_ipv6() -> None:
     async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), None, 0) as port, \
             aiohttp.ClientSession() as client:
         for host in loopback_hosts():
+            async with client.get(f"http://{host}:{port}/health") as response:
+                assert response.status == 200, host
+
+
+@on_event_loop
+async def test_a_host_name_is_served_on_every_address_it_names_on_one_port(monkeypatch) -> None:
+    # `localhost` is ::1 and 127.0.0.1 on most machines, and a client may try either. A stand-in for
+    # such a name (this machine's /etc/hosts may give localhost one address): resolution is mocked.
+    hosts = loopback_hosts()
+    resolve = socket.getaddrinfo
+
+    def both(host, *args, **kwargs):
+        if host != "loopbacks.test":
+            return resolve(host, *args, **kwargs)
+        return [info for h in hosts for info in resolve(h.strip("[]"), *args, **kwargs)]
+    monkeypatch.setattr(socket, "getaddrinfo", both)
+    async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), "loopbacks.test", 0) as port, \
+            aiohttp.ClientSession() as client:
+        for host in hosts:
             async with client.get(f"http://{host}:{port}/health") as response:
                 assert response.status == 200, host
 

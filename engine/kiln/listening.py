@@ -1,15 +1,19 @@
-"""The socket `kiln serve` and `kiln router` listen on. Without --host: one socket for both
-families (IPv6 "::" taking IPv4 as mapped addresses), so a pod answers on its pod IP whether the
-cluster is IPv4, IPv6 or dual-stack, and --port 0 gets one port for both (asyncio's host=None
-binds a socket per family, each on a port of its own). A kernel without IPv6 gets IPv4 alone."""
+"""The sockets `kiln serve`, `kiln router` and the operator's endpoints listen on.
+
+Without a host: one socket for both families (IPv6 "::" taking IPv4 as mapped addresses), so a
+pod answers on its pod IP whether the cluster is IPv4, IPv6 or dual-stack, and port 0 gets one
+port for both (asyncio's host=None binds a socket per family, each on a port of its own). A kernel
+without IPv6 gets IPv4 alone. With a host: a socket per address it names (`localhost` is often
+::1 and 127.0.0.1), all on one port, as asyncio binds a name."""
 from __future__ import annotations
 
 import socket
 
 
-def listening_socket(host: str | None, port: int) -> socket.socket:
-    """A bound, listening TCP socket on `host` (None or "": every address) and `port` (0: any free);
-    an OSError when it cannot be had (the port is taken, the address is not this machine's)."""
+def listening_sockets(host: str | None, port: int) -> list[socket.socket]:
+    """Bound, listening TCP sockets on `host` (None or "": every address) and `port` (0: any free,
+    the same for each); an OSError when one cannot be had (the port is taken, the address is not
+    this machine's), with none left open."""
     if not host:  # None or "" (as asyncio takes it)
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
@@ -17,10 +21,23 @@ def listening_socket(host: str | None, port: int) -> socket.socket:
             host = "0.0.0.0"
         else:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            return _bound(sock, ("::", port))
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-    return _bound(socket.socket(family, kind, proto), address)
+            return [_bound(sock, ("::", port))]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, proto, address) for family, _, proto, _, address in found))
+    sockets: list[socket.socket] = []
+    try:
+        for family, proto, address in addresses:
+            if sockets:  # port 0: the port the first one got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock = socket.socket(family, socket.SOCK_STREAM, proto)
+            if family == socket.AF_INET6:  # its IPv4 twin, if named, has a socket of its own
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sockets.append(_bound(sock, address))
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _bound(sock: socket.socket, address: tuple) -> socket.socket:

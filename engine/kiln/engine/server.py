@@ -36,7 +36,7 @@ from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.sampling_defaults import sampling_defaults
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.engine.tokenizer import read_chat_template
-from kiln.listening import listening_socket
+from kiln.listening import listening_sockets
 from kiln.router import auth
 
 log = logging.getLogger("kiln.serve")
@@ -354,7 +354,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
         loop.add_signal_handler(sig, stop.set)
     await runner.setup()
     try:
-        await web.SockSite(runner, listening_socket(args.host, args.port)).start()
+        for sock in listening_sockets(args.host, args.port):
+            await web.SockSite(runner, sock).start()
     except OSError as e:  # the port is taken or the address is not this machine's: say so, no traceback
         log.error("cannot listen on %s:%d: %s", args.host or "*", args.port, e.strerror or e)
         await runner.cleanup()

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from kiln.listening import listening_socket
+from kiln.listening import listening_sockets
 from kiln.router import auth
 from kiln.router.endpoints import EndpointSource, StaticEndpoints, parse_endpoints
 from kiln.router.proxy import Limits, build_app
@@ -175,7 +175,8 @@ async def serving(app: web.Application, host: str | None, port: int) -> AsyncIte
                            shutdown_timeout=SHUTDOWN_SECONDS / 2)
     await runner.setup()
     try:
-        await web.SockSite(runner, listening_socket(host, port)).start()
+        for sock in listening_sockets(host, port):
+            await web.SockSite(runner, sock).start()
         yield runner.addresses[0][1]
     finally:
         await runner.cleanup()

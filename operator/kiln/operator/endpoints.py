@@ -2,10 +2,10 @@
 /metrics (`--metrics-port`) for Prometheus.
 
 Both are served on the operator's event loop, so a stuck loop fails the probe, as kopf's own
-endpoint would. Their sockets come from kiln.listening (bound by main.py before it connects): with no host (`http://:8080/healthz`, and
-always for /metrics) one socket takes IPv4 and IPv6, so the kubelet and Prometheus reach the pod IP
-on an IPv4, IPv6 or dual-stack cluster. kopf binds the URL's host as given, and asyncio makes "::"
-IPv6-only, so an operator pod on a cluster of the other family was restarted forever.
+endpoint would. Their sockets come from kiln.listening, bound by main.py before it connects: with
+no host (`http://:8080/healthz`, and always for /metrics) one socket takes IPv4 and IPv6, so the
+kubelet and Prometheus reach the pod IP on an IPv4, IPv6 or dual-stack cluster. kopf bound the
+URL's host as given, and asyncio makes "::" IPv6-only: no value served both families.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import contextlib
 import socket
 import urllib.parse
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,8 +43,9 @@ def parse_liveness(url: str) -> Liveness:
 @dataclass
 class Listeners:
     """The bound sockets, made before the operator connects: a taken port is one line and exit 1."""
-    liveness: tuple[socket.socket, str] | None = None  # (socket, path)
-    metrics: socket.socket | None = None
+    liveness: list[socket.socket] = field(default_factory=list)
+    liveness_path: str = "/healthz"
+    metrics: list[socket.socket] = field(default_factory=list)
 
 
 async def _alive(_: web.Request) -> web.Response:
@@ -58,20 +59,19 @@ async def _metrics(_: web.Request) -> web.Response:
 @contextlib.asynccontextmanager
 async def serving(listeners: Listeners) -> AsyncIterator[None]:
     """Serve the endpoints that have sockets until the block ends."""
-    routes = []
-    if listeners.liveness is not None:
-        routes.append((listeners.liveness[0], listeners.liveness[1], _alive))
-    if listeners.metrics is not None:
-        routes.append((listeners.metrics, "/metrics", _metrics))
     runners: list[web.AppRunner] = []
     try:
-        for sock, path, handler in routes:
+        for sockets, path, handler in ((listeners.liveness, listeners.liveness_path, _alive),
+                                       (listeners.metrics, "/metrics", _metrics)):
+            if not sockets:
+                continue
             app = web.Application()
             app.router.add_get(path, handler)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             runners.append(runner)
-            await web.SockSite(runner, sock).start()
+            for sock in sockets:
+                await web.SockSite(runner, sock).start()
         yield
     finally:
         for runner in runners:

@@ -25,7 +25,7 @@ from typing import Any
 import kopf
 import kubernetes
 
-from kiln.listening import listening_socket
+from kiln.listening import listening_sockets
 
 from . import endpoints, leader, placement
 from .controller import Controller
@@ -232,10 +232,10 @@ def run(args: argparse.Namespace) -> int:
     try:  # a port taken: one line, as `kiln serve` says it
         what = f"liveness on {args.liveness}"
         if liveness is not None:
-            listeners.liveness = (listening_socket(liveness.host, liveness.port), liveness.path)
+            listeners.liveness, listeners.liveness_path = listening_sockets(liveness.host, liveness.port), liveness.path
         what = f"metrics on port {args.metrics_port}"
         if args.metrics_port:
-            listeners.metrics = listening_socket(None, args.metrics_port)
+            listeners.metrics = listening_sockets(None, args.metrics_port)
     except OSError as err:
         print(f"kiln operator: cannot serve {what}: {err.strerror or err}", file=sys.stderr)
         return 1
