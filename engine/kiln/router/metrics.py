@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -91,6 +92,7 @@ class RouterMetrics:
         self._source, self._balancer = source, balancer
         self._by_revision = (self.requests, self.errors, self.retries, self.duration, self.time_to_first_token,
                              self.inter_token_latency, self.mirror_tokens, self.mirror_agreed)
+        self._by_revision_names = {family.name for metric in self._by_revision for family in metric.describe()}
         self._last_seen: dict[str, float] = {}  # revision with series -> when it last had a Service or a request
 
     def answered(self, revision: str, code: int, seconds: float) -> None:
@@ -103,16 +105,19 @@ class RouterMetrics:
         self.last_cold_start_time.set_to_current_time()
 
     def render(self) -> bytes:
-        self._forget_retired(time.monotonic())
-        return generate_latest(self.registry)
+        families = list(self.registry.collect())  # once a scrape: read for retired revisions, then written
+        if self._forget_retired(families, time.monotonic()):
+            families = list(self.registry.collect())
+        return generate_latest(_Collected(families))
 
-    def _forget_retired(self, now: float) -> None:
+    def _forget_retired(self, families: list[Metric], now: float) -> bool:
         """Drop the series of revisions that have had neither a Service (the endpoint source
         lists every revision whose Service exists, ready or not) nor a request in flight for
-        RETIRED_AFTER_S. NO_REVISION (answers the router made up) is never retired."""
+        RETIRED_AFTER_S; True if any went. NO_REVISION (answers the router made up) is never retired."""
         live = set(self._source.ready().by_revision) | {e.revision for e in self._balancer.in_flight()}
-        with_series = {sample.labels["revision"] for metric in self._by_revision for family in metric.collect()
+        with_series = {sample.labels["revision"] for family in families if family.name in self._by_revision_names
                        for sample in family.samples} - {NO_REVISION}
+        forgot = False
         for revision in with_series | self._last_seen.keys():
             if revision in live or revision not in self._last_seen:
                 self._last_seen[revision] = now
@@ -120,6 +125,17 @@ class RouterMetrics:
                 del self._last_seen[revision]
                 for metric in self._by_revision:
                     metric.remove_by_labels({"revision": revision})
+                forgot = True
+        return forgot
+
+
+@dataclass
+class _Collected:
+    """Families collected already, as generate_latest reads a registry."""
+    families: list[Metric]
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
 class _LiveGauges(Collector):
