@@ -303,6 +303,7 @@ def test_namespaces_that_yaml_reads_as_numbers_or_booleans_render_as_strings():
                                    "engine.gpu.nodeSelector.pool=yes please",
                                    "engine.cpu.nodeSelector.bad key!=x",
                                    "prometheusUrl=http:///api",  # no host: the operator's --prometheus-url check
+                                   "prometheusUrl=http://[10.0.0.9]:9090",  # IPv4 in brackets: urlsplit refuses it
                                    "watchNamespaces={Team_A}"])  # no namespace name: --namespace's
 def test_placement_values_the_operator_would_refuse_fail_the_install(value: str) -> None:
     # They passed the schema, and the operator exited 2 at start: a crash loop after a clean install.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import urllib.error
 import urllib.request
 
@@ -271,6 +272,13 @@ def test_liveness_and_metrics_answer_on_every_address_of_both_families(operator)
         with pytest.raises(urllib.error.HTTPError) as elsewhere:
             get(f"http://127.0.0.1:{live}/other")
         assert elsewhere.value.code == 404
+        # No connection is kept open after its answer: kopf waits 5 s at its stop for each one.
+        with socket.create_connection(("127.0.0.1", scrape), timeout=10) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: operator\r\n\r\n")  # HTTP/1.1: kept alive unless closed
+            answer = b""
+            while chunk := conn.recv(1 << 16):  # ends when the operator closes it, or times out
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and b"kiln_operator_reconcile_passes" in answer
     finally:
         operator.restart()
 

@@ -4,6 +4,7 @@ EndpointSlice discovery is in test_router_cluster.py."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import json
 import socket
@@ -14,6 +15,7 @@ import aiohttp
 import pytest
 
 from kiln.cli import main as kiln_main
+from kiln.listening import listening_sockets
 from kiln.local.testing import loopback_hosts
 from kiln.router.endpoints import Endpoint, ReadyEndpoints, StaticEndpoints, parse_endpoints
 from kiln.operator.render import ROUTER_GRACE_PERIOD_S, ROUTER_PRESTOP_SLEEP_S
@@ -130,33 +132,44 @@ async def test_metrics_follow_revisions_and_a_gone_replica_leaves_no_series(monk
 
 
 @on_event_loop
-async def test_without_a_host_one_port_answers_ipv4_and_ipv6() -> None:
-    # A pod's IP may be of either family (IPv6 and dual-stack clusters): its probes and its
-    # clients come there. asyncio's own host=None would give each family a port of its own.
-    async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), None, 0) as port, \
-            aiohttp.ClientSession() as client:
-        for host in loopback_hosts():
-            async with client.get(f"http://{host}:{port}/health") as response:
-                assert response.status == 200, host
-
-
-@on_event_loop
-async def test_a_host_name_is_served_on_every_address_it_names_on_one_port(monkeypatch) -> None:
-    # `localhost` is ::1 and 127.0.0.1 on most machines, and a client may try either. A stand-in for
-    # such a name (this machine's /etc/hosts may give localhost one address): resolution is mocked.
+@pytest.mark.parametrize("host", [None, "::", "loopbacks.test"])
+async def test_a_host_is_served_on_every_address_it_names_on_one_port(monkeypatch, host: str | None) -> None:
+    # A pod's IP may be of either family (IPv6 and dual-stack clusters): its probes and its clients
+    # come there. No host, as `--host ::` (as uvicorn and Go take it on Linux), is every address of
+    # both families on one port (asyncio's own host=None gives each family a port of its own). A name
+    # (`localhost` is ::1 and 127.0.0.1 on most machines) is each address it names, and a client may
+    # try either. A stand-in for such a name, as this machine's /etc/hosts may give localhost one
+    # address: its resolution is mocked.
     hosts = loopback_hosts()
+    resolve_as(monkeypatch, "loopbacks.test", [h.strip("[]") for h in hosts])
+    async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), host, 0) as port, \
+            aiohttp.ClientSession() as client:
+        for address in hosts:
+            async with client.get(f"http://{address}:{port}/health") as response:
+                assert response.status == 200, address
+
+
+def test_a_name_is_bound_on_the_addresses_this_machine_has(monkeypatch) -> None:
+    # A pod's /etc/hosts names ::1 localhost also where IPv6 is off: the name still binds.
+    resolve_as(monkeypatch, "partly.test", ["192.0.2.1", "127.0.0.1"])  # TEST-NET-1: no address of this machine
+    (sock,) = listening_sockets("partly.test", 0)
+    with sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    resolve_as(monkeypatch, "nowhere.test", ["192.0.2.1"])
+    with pytest.raises(OSError) as refused:
+        listening_sockets("nowhere.test", 0)
+    assert refused.value.errno == errno.EADDRNOTAVAIL
+
+
+def resolve_as(monkeypatch, name: str, addresses: list[str]) -> None:
+    """Name resolution mocked for one name: this machine's /etc/hosts has no such names."""
     resolve = socket.getaddrinfo
 
-    def both(host, *args, **kwargs):
-        if host != "loopbacks.test":
+    def fake(host, *args, **kwargs):
+        if host != name:
             return resolve(host, *args, **kwargs)
-        return [info for h in hosts for info in resolve(h.strip("[]"), *args, **kwargs)]
-    monkeypatch.setattr(socket, "getaddrinfo", both)
-    async with serving(build_app(StaticEndpoints(parse_endpoints("127.0.0.1:9"))), "loopbacks.test", 0) as port, \
-            aiohttp.ClientSession() as client:
-        for host in hosts:
-            async with client.get(f"http://{host}:{port}/health") as response:
-                assert response.status == 200, host
+        return [info for address in addresses for info in resolve(address, *args, **kwargs)]
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
 
 
 @on_event_loop

@@ -48,12 +48,18 @@ class Listeners:
     metrics: list[socket.socket] = field(default_factory=list)
 
 
+# Each answer closes its connection: kopf waits 5 s at its stop for every task begun after its
+# start, and a connection Prometheus keeps open between scrapes is one.
 async def _alive(_: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})  # answered at all: the event loop runs
+    response = web.json_response({"status": "ok"})  # answered at all: the event loop runs
+    response.force_close()
+    return response
 
 
 async def _metrics(_: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    response = web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    response.force_close()
+    return response
 
 
 @contextlib.asynccontextmanager
