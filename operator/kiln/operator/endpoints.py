@@ -19,7 +19,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
-
 @dataclass(frozen=True)
 class Liveness:
     host: str | None  # None: every address, both families
@@ -82,4 +81,3 @@ async def serving(listeners: Listeners) -> AsyncIterator[None]:
     finally:
         for runner in runners:
             await runner.cleanup()
-
