@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kiln.engine.speculative import SpeculativeConfig
-from kiln.operator.desired import Desired, desired, desired_replicas
+from kiln.operator.desired import Desired, desired, desired_replicas, handover
 from kiln.operator.models import InferenceServiceSpec
 from kiln.operator.observed import Observed
 from kiln.operator.plan import plan
@@ -389,6 +389,25 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
         assert desired_replicas(spec_of(replicas=replicas, autoscaling={"mode": "none"})) == replicas
     # hpa at zero (left there by keda, say): the HPA, whose floor is 1, turns itself off (ScalingDisabled).
     assert desired_replicas(spec_of(replicas=0, autoscaling={"mode": "hpa", "minReplicas": 0})) == 1
+
+
+def test_leaving_builtin_for_an_hpa_or_keda_hands_its_decision_to_spec_replicas():
+    left = {"autoscaling": {"replicas": 3, "mode": "stable"}}  # status as the builtin mode left it
+    for mode in ("hpa", "keda"):
+        assert handover(spec_of(replicas=1, autoscaling={"mode": mode, "maxReplicas": 8}), left) == 3
+        # Within the new bounds: above maxReplicas, or at zero for an HPA (which stops at 0).
+        assert handover(spec_of(replicas=1, autoscaling={"mode": mode, "maxReplicas": 2}), left) == 2
+    at_zero = {"autoscaling": {"replicas": 0}}
+    assert handover(spec_of(replicas=3, autoscaling={"mode": "hpa", "minReplicas": 0}), at_zero) == 1
+    assert handover(spec_of(replicas=3, autoscaling={"mode": "keda", "minReplicas": 0}), at_zero) == 0
+    # Nothing to hand over: spec.replicas says it already, no builtin decision was left (the
+    # pass after the hand-over: status.autoscaling is gone), still builtin, or mode none (whose
+    # spec.replicas is a person's).
+    assert handover(spec_of(replicas=3, autoscaling={"mode": "hpa"}), left) is None
+    assert handover(spec_of(replicas=1, autoscaling={"mode": "hpa"}), {}) is None
+    assert handover(spec_of(replicas=1, autoscaling={"mode": "builtin"}), left) is None
+    assert handover(spec_of(replicas=1, autoscaling={"mode": "none"}), left) is None
+    assert handover(spec_of(replicas=1), left) is None
 
 
 def test_a_draft_model_reaches_the_engine_with_its_volume():

@@ -34,6 +34,7 @@ def test_install_grants_the_operator_only_what_it_uses(kiln_installed, kubectl):
         return done.stdout.strip() == "yes"
 
     assert can("patch", "deployments.apps") and can("patch", "inferenceservices.kiln.dev/status")
+    assert can("patch", "inferenceservices.kiln.dev/scale")  # the hand-over from builtin to an HPA
     assert can("watch", "pods") and can("delete", "services") and can("create", "events")
     assert can("bind", "clusterroles.rbac.authorization.k8s.io/kiln-router")
     # The plan deletes any child it owns and no longer wants, of every kind it observes.

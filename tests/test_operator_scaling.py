@@ -66,6 +66,29 @@ def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, api
     assert condition(isvc(apis, ns, "hpa"), "ScalingReady")["reason"] == "Manual"
 
 
+def test_leaving_builtin_for_hpa_hands_the_decision_over_and_nothing_drops(operator, apis, ns, kubectl):
+    body = smollm2("handover")  # spec.replicas: 1
+    body["spec"]["autoscaling"] = {"mode": "builtin", "minReplicas": 2, "maxReplicas": 3}
+    apply(kubectl, ns, body)
+    until(lambda: (ready(apis, ns, "handover") or {}).get("status", {}).get("readyReplicas") == 2, "2 ready")
+    assert isvc(apis, ns, "handover")["status"]["autoscaling"]["replicas"] == 2
+    (dep,) = engine_deployments(apis, ns, "handover")
+    body["spec"]["autoscaling"].update(mode="hpa", minReplicas=1)
+    apply(kubectl, ns, body)
+    hpas = kubernetes.client.AutoscalingV2Api(apis["core"].api_client)
+    until(lambda: hpas.read_namespaced_horizontal_pod_autoscaler("handover", ns), "the HPA")
+    obj = until(lambda: ready(apis, ns, "handover"), "the switch observed")
+    # The builtin's 2 went to spec.replicas, written by the operator, where the HPA starts from ...
+    assert obj["spec"]["replicas"] == 2 and "autoscaling" not in obj["status"], obj["status"]
+    owners = {f.get("manager") for f in obj["metadata"]["managedFields"]
+              if "f:replicas" in (f.get("fieldsV1") or {}).get("f:spec", {})}
+    assert owners == {"kiln-operator"}, owners
+    assert "ScalingHandedOver" in event_reasons(apis, ns, "handover", "Normal")
+    # ... and the Deployment was never scaled: no new generation, 2 replicas throughout.
+    now = apis["apps"].read_namespaced_deployment(dep.metadata.name, ns)
+    assert (now.metadata.generation, now.spec.replicas) == (dep.metadata.generation, 2)
+
+
 KEDA_STAND_IN = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
     "metadata": {"name": "scaledobjects.keda.sh"},

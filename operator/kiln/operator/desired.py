@@ -82,6 +82,19 @@ def replicas_writer(spec: InferenceServiceSpec) -> str:
     return "builtin" if scaling is not None and scaling.mode == "builtin" else "spec"
 
 
+def handover(spec: InferenceServiceSpec, previous: dict[str, Any]) -> int | None:
+    """The spec.replicas to write, once, when the builtin autoscaler hands the replicas to an HPA
+    or KEDA (`previous`: the status the builtin mode left, its last decision in it): that
+    decision, within the new mode's bounds. Until the new scaler first acts it follows
+    spec.replicas, and the stable revision dropped to whatever that was left at. None: no
+    hand-over, or spec.replicas already says it."""
+    decided = (previous.get("autoscaling") or {}).get("replicas")
+    if decided is None or spec.autoscaling is None or spec.autoscaling.mode not in ("hpa", "keda"):
+        return None
+    replicas = desired_replicas(spec.model_copy(update={"replicas": decided}))
+    return None if replicas == spec.replicas else replicas
+
+
 def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:
     """The Deployment has settled on its latest template with `replicas` ready and updated."""
     if deployment is None:

@@ -19,7 +19,7 @@ from . import metrics, standby
 from .api import Api
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
-from .desired import Desired, desired, desired_replicas, replicas_writer
+from .desired import Desired, desired, desired_replicas, handover, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed
 from .placement import Placements, placed
@@ -186,6 +186,20 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
     return builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start)
 
 
+def hand_over(api: Api, body: Mapping[str, Any], spec: InferenceServiceSpec, replicas: int) -> InferenceServiceSpec:
+    """Write the builtin autoscaler's last decision to spec.replicas through /scale, where the HPA
+    or KEDA that takes over reads the count it starts from; the spec as it now is."""
+    meta = body["metadata"]
+    api.fence()
+    api.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
+                                                    {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER)
+    assert spec.autoscaling is not None
+    post_event(api, body, "Normal", "ScalingHandedOver",
+               f"spec.replicas set from {spec.replicas} to {replicas}, the builtin autoscaler's last decision: "
+               f"autoscaling.mode {spec.autoscaling.mode} scales on from there")
+    return spec.model_copy(update={"replicas": replicas})
+
+
 def forget(settings: Settings, key: tuple[str, str]) -> None:
     """Drop what passes kept for an InferenceService that is gone (after its last pass: one still
     running when the deletion was seen would keep them again)."""
@@ -234,6 +248,9 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         # Never past the next resync: that one reads afresh, as a safety net should.
         read = Read(body, observe(api, owner, keda), keda, time.monotonic() + min(REREAD_S, settings.interval))
     observed, keda = read.observed, read.keda
+    handed = handover(spec, previous)
+    if handed is not None:
+        spec = hand_over(api, body, spec, handed)
     rollout = roll(owner, spec, observed, meta.get("annotations") or {}, previous, settings.baselines, time.time())
     serving = split(spec, rollout)
     stable = serving.stable if serving else revision_name(name, spec)
@@ -290,7 +307,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
     report(api, body, previous, status, settings)
     for event in rollout.events if rollout else []:
         post_event(api, body, event.type, event.reason, event.message)
-    if not actions and not relabelled:  # else what it read is out of date: the next pass reads
+    if not actions and not relabelled and handed is None:  # else what it read is out of date
         settings.reads[key] = replace(read, body={**body, "status": status})
     builtin_scaler = replicas_writer(spec) == "builtin"
     if builtin_scaler and scaling.replicas == 0:
