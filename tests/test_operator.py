@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import time
 
 import kubernetes
 import yaml
@@ -498,6 +499,13 @@ def test_uninstall_leaves_nothing_behind(operator, apis, ns, kubectl):
     """`kubectl delete -k manifests/` with a service still there (then installed again)."""
     apply(kubectl, ns, smollm2("uninstalled"))
     until(lambda: ready(apis, ns, "uninstalled"), "uninstalled Ready")
+    # The garbage collector watches a CRD's kind from its first discovery resync (every 30 s) after
+    # the CRD came; an owner it never watched, once gone with its CRD, has no REST mapping left
+    # and its children stay. A cluster's CRD is older than that; this session's may not be yet.
+    crd = kubernetes.client.ApiextensionsV1Api(apis["core"].api_client).read_custom_resource_definition(
+        f"{PLURAL}.{GROUP}")
+    age = time.time() - crd.metadata.creation_timestamp.timestamp()
+    time.sleep(max(0.0, 35 - age))
     operator.stop()
     try:
         kubectl("delete", "-k", str(REPO / "manifests"), "--wait=true", "--timeout=120s")
