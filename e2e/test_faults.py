@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from e2e_support import LOAD_TIMEOUT, MODEL, REPO, Target, Threads, live_pods, ready
-from kiln.local.testing import KubectlError, eventually
+from kiln.local.cluster import free_port
+from kiln.local.testing import KubectlError, eventually, reconcile_passes
 
 pytestmark = pytest.mark.timeout(1800)
 NAME = "faults"
@@ -159,10 +160,14 @@ def settled(target: Target, namespace: str, engines: int) -> bool:
 
 
 class OperatorKiller(Threads):
-    """SIGKILLs the operator at random moments and starts it again a second later."""
+    """SIGKILLs the operator at random moments of its work and starts it again a second later.
+    One it started is killed `low` to `high` seconds after its first reconcile pass began, not after
+    its process started: on a busy CPU an operator takes longer than that to start, and a clock
+    from the start let none reconcile for minutes at a time (a phase then waited on luck)."""
 
-    def __init__(self, operator, low: float, high: float) -> None:
-        self.operator, self.low, self.high, self.kills = operator, low, high, 0
+    def __init__(self, operator, namespace: str, low: float, high: float) -> None:
+        self.operator, self.namespace, self.low, self.high, self.kills = operator, namespace, low, high, 0
+        self.port = free_port()
         super().__init__()
 
     def _run(self, _: int) -> None:
@@ -170,7 +175,17 @@ class OperatorKiller(Threads):
             self.operator.stop(signal.SIGKILL)
             self.kills += 1
             time.sleep(1.0)
-            self.operator.start(interval=5)
+            self.operator.start("--metrics-port", str(self.port), interval=5)
+            self._until_it_reconciles()
+
+    def _until_it_reconciles(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self.stop.wait(0.2) and time.monotonic() < deadline:
+            try:
+                if sum(reconcile_passes(self.port, self.namespace, NAME).values()) > 0:
+                    return
+            except OSError:  # not serving /metrics yet
+                continue
 
 
 def check_children(target: Target, namespace: str) -> None:
@@ -196,7 +211,7 @@ def test_the_service_keeps_answering_through_control_plane_faults(target: Target
     if target.cluster is None:  # it kills the local operator and router processes
         pytest.skip("needs the local cluster: the operator runs as this test's process there")
     with Routers(target, namespace) as routers, Prober(routers) as prober:
-        with OperatorKiller(operator, 4, 10) as killer:
+        with OperatorKiller(operator, namespace, 0.5, 6) as killer:
             prober.enter("operator kills: create")  # held by the router until the first engine is ready
             apply(target, namespace, replicas=1, max_num_seqs=32)
             eventually(lambda: settled(target, namespace, 1) and prober.counts[prober.phase]["ok"] >= 20,
