@@ -392,22 +392,31 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
 
 
 def test_leaving_builtin_for_an_hpa_or_keda_hands_its_decision_to_spec_replicas():
+    def handed(left: dict, observed: Observed = Observed(), keda: bool = True, **spec) -> int | None:
+        return handover(spec_of(**spec), left, observed, "chat", keda)
+
     left = {"autoscaling": {"replicas": 3, "mode": "stable"}}  # status as the builtin mode left it
     for mode in ("hpa", "keda"):
-        assert handover(spec_of(replicas=1, autoscaling={"mode": mode, "maxReplicas": 8}), left) == 3
+        assert handed(left, replicas=1, autoscaling={"mode": mode, "maxReplicas": 8}) == 3
         # Within the new bounds: above maxReplicas, or at zero for an HPA (which stops at 0).
-        assert handover(spec_of(replicas=1, autoscaling={"mode": mode, "maxReplicas": 2}), left) == 2
+        assert handed(left, replicas=1, autoscaling={"mode": mode, "maxReplicas": 2}) == 2
     at_zero = {"autoscaling": {"replicas": 0}}
-    assert handover(spec_of(replicas=3, autoscaling={"mode": "hpa", "minReplicas": 0}), at_zero) == 1
-    assert handover(spec_of(replicas=3, autoscaling={"mode": "keda", "minReplicas": 0}), at_zero) == 0
-    # Nothing to hand over: spec.replicas says it already, no builtin decision was left (the
-    # pass after the hand-over: status.autoscaling is gone), still builtin, or mode none (whose
-    # spec.replicas is a person's).
-    assert handover(spec_of(replicas=3, autoscaling={"mode": "hpa"}), left) is None
-    assert handover(spec_of(replicas=1, autoscaling={"mode": "hpa"}), {}) is None
-    assert handover(spec_of(replicas=1, autoscaling={"mode": "builtin"}), left) is None
-    assert handover(spec_of(replicas=1, autoscaling={"mode": "none"}), left) is None
-    assert handover(spec_of(replicas=1), left) is None
+    assert handed(at_zero, replicas=3, autoscaling={"mode": "hpa", "minReplicas": 0}) == 1
+    assert handed(at_zero, replicas=3, autoscaling={"mode": "keda", "minReplicas": 0}) == 0
+    # Nothing to hand over: spec.replicas says it already; no builtin decision was left (the pass
+    # after the hand-over: status.autoscaling is gone); still builtin; mode none (whose
+    # spec.replicas is a person's); keda without KEDA (nothing would take over, nor wake a zero).
+    assert handed(left, replicas=3, autoscaling={"mode": "hpa"}) is None
+    assert handed({}, replicas=1, autoscaling={"mode": "hpa"}) is None
+    assert handed(left, replicas=1, autoscaling={"mode": "builtin"}) is None
+    assert handed(left, replicas=1, autoscaling={"mode": "none"}) is None
+    assert handed(left, replicas=1) is None
+    assert handed(at_zero, keda=False, replicas=1, autoscaling={"mode": "keda", "minReplicas": 0}) is None
+    # The scaler is there already (a pass that created it failed before its status write): the
+    # count in spec.replicas is the scaler's now, and a second hand-over would undo it.
+    for kind, mode in (("HorizontalPodAutoscaler", "hpa"), ("ScaledObject", "keda")):
+        scaler = Observed.of({"kind": kind, "metadata": {"name": "chat"}})
+        assert handed(left, scaler, replicas=1, autoscaling={"mode": mode}) is None
 
 
 def test_a_draft_model_reaches_the_engine_with_its_volume():

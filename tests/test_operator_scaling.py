@@ -40,7 +40,7 @@ def test_an_external_scaler_writes_the_scale_subresource_and_stays_the_one_write
     assert obj["spec"]["replicas"] == 3 and obj["status"]["desiredReplicas"] == 3
     owners = {f.get("manager") for f in obj["metadata"]["managedFields"]
               if "f:replicas" in (f.get("fieldsV1") or {}).get("f:spec", {})}
-    assert owners == {"test-hpa"}, owners  # the operator never writes spec
+    assert owners == {"test-hpa"}, owners  # the operator wrote no spec (it hands over only from builtin)
 
 
 def test_hpa_mode_makes_an_hpa_that_the_controller_manager_acts_on(operator, apis, ns, kubectl):
@@ -87,6 +87,11 @@ def test_leaving_builtin_for_hpa_hands_the_decision_over_and_nothing_drops(opera
     # ... and the Deployment was never scaled: no new generation, 2 replicas throughout.
     now = apis["apps"].read_namespaced_deployment(dep.metadata.name, ns)
     assert (now.metadata.generation, now.spec.replicas) == (dep.metadata.generation, 2)
+    # From then on spec.replicas is the scaler's (here a field manager of this test's): its count stands.
+    apis["custom"].patch_namespaced_custom_object_scale(GROUP, VERSION, ns, PLURAL, "handover",
+                                                        {"spec": {"replicas": 3}}, field_manager="test-hpa")
+    until(lambda: apis["apps"].read_namespaced_deployment(dep.metadata.name, ns).spec.replicas == 3, "the HPA's 3")
+    assert isvc(apis, ns, "handover")["spec"]["replicas"] == 3
 
 
 KEDA_STAND_IN = {

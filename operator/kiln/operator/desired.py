@@ -82,14 +82,20 @@ def replicas_writer(spec: InferenceServiceSpec) -> str:
     return "builtin" if scaling is not None and scaling.mode == "builtin" else "spec"
 
 
-def handover(spec: InferenceServiceSpec, previous: dict[str, Any]) -> int | None:
-    """The spec.replicas to write, once, when the builtin autoscaler hands the replicas to an HPA
-    or KEDA (`previous`: the status the builtin mode left, its last decision in it): that
-    decision, within the new mode's bounds. Until the new scaler first acts it follows
-    spec.replicas, and the stable revision dropped to whatever that was left at. None: no
-    hand-over, or spec.replicas already says it."""
+def handover(spec: InferenceServiceSpec, previous: dict[str, Any], observed: Observed, name: str,
+             keda_installed: bool) -> int | None:
+    """The spec.replicas to write when the builtin autoscaler hands the replicas to an HPA or KEDA
+    (`previous`: the status the builtin mode left, its last decision in it): that decision, within
+    the new mode's bounds. Until the new scaler first acts it follows spec.replicas, and the stable
+    revision dropped to whatever that was left at. Only while the scaler is not there yet (the
+    pass that creates it): once it is, spec.replicas is its count, which a retried hand-over would
+    undo. Not to `keda` without KEDA, where nothing takes over (at zero, nothing would wake it).
+    None: no hand-over, or spec.replicas already says it."""
     decided = (previous.get("autoscaling") or {}).get("replicas")
-    if decided is None or spec.autoscaling is None or spec.autoscaling.mode not in ("hpa", "keda"):
+    mode = spec.autoscaling.mode if spec.autoscaling is not None else "none"
+    if decided is None or mode not in ("hpa", "keda") or (mode == "keda" and not keda_installed):
+        return None
+    if observed.get("HorizontalPodAutoscaler" if mode == "hpa" else "ScaledObject", name) is not None:
         return None
     replicas = desired_replicas(spec.model_copy(update={"replicas": decided}))
     return None if replicas == spec.replicas else replicas

@@ -192,7 +192,8 @@ def hand_over(api: Api, body: Mapping[str, Any], spec: InferenceServiceSpec, rep
     meta = body["metadata"]
     api.fence()
     api.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
-                                                    {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER)
+                                                    {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER,
+                                                    _content_type="application/merge-patch+json")
     assert spec.autoscaling is not None
     post_event(api, body, "Normal", "ScalingHandedOver",
                f"spec.replicas set from {spec.replicas} to {replicas}, the builtin autoscaler's last decision: "
@@ -248,7 +249,7 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         # Never past the next resync: that one reads afresh, as a safety net should.
         read = Read(body, observe(api, owner, keda), keda, time.monotonic() + min(REREAD_S, settings.interval))
     observed, keda = read.observed, read.keda
-    handed = handover(spec, previous)
+    handed = handover(spec, previous, observed, name, keda)
     if handed is not None:
         spec = hand_over(api, body, spec, handed)
     rollout = roll(owner, spec, observed, meta.get("annotations") or {}, previous, settings.baselines, time.time())
