@@ -25,6 +25,20 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
+def refused_at_start(args: list[str], capsys, caplog) -> str:
+    """`kiln serve ARGS` in this process, which must stop with exit code 2 before it loads anything
+    (argparse's check or the server's own); what it said. In-process: a process per case paid
+    torch's import, seconds on a busy CPU, for checks made before any model is touched."""
+    from kiln.cli import main
+    try:
+        code = main(["serve", *args])
+    except SystemExit as exc:  # argparse's refusal
+        code = exc.code
+    said = capsys.readouterr().err + caplog.text
+    assert code == 2, said
+    return said
+
+
 class KilnProcess:
     """`python -m kiln.cli <command...> --host 127.0.0.1 --port <free>` until `probe` answers 200."""
 

@@ -5,7 +5,6 @@ with exit code 2 and one line naming the problem."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.sampling_defaults import sampling_defaults
-from kiln_process import REPO
+from kiln_process import REPO, refused_at_start
 from test_server import MODEL, ServerProcess, get, post
 
 # A template no model ships: each message as "<<role>> content" (an assistant's calls with their
@@ -109,10 +108,19 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     (["--speculative-config", '{"model": "no/such/draft"}'], {},
      "--speculative-config: the draft model: model 'no/such/draft' not found"),
 ])
-def test_bad_values_stop_the_server_before_loading(args, env, message):
-    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+@pytest.mark.timeout(120)  # a check that no longer refuses would start a server in this process
+def test_bad_values_stop_the_server_before_loading(args, env, message, monkeypatch, capsys, caplog):
+    monkeypatch.chdir(REPO)  # "docs": a folder of this checkout
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert message in refused_at_start(args, capsys, caplog)
+
+
+def test_a_bad_value_is_the_process_exit_code_and_its_last_line():
+    done = subprocess.run([sys.executable, "-m", "kiln.cli", "serve", "--model", "no/such/model"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "model 'no/such/model' not found" in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 def test_a_stop_while_the_model_loads_ends_the_server_cleanly():
