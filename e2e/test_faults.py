@@ -171,21 +171,23 @@ class OperatorKiller(Threads):
         super().__init__()
 
     def _run(self, _: int) -> None:
-        while not self.stop.wait(random.uniform(self.low, self.high)):
+        self.operator.restart("--metrics-port", str(self.port), interval=5)  # the fixture's serves no /metrics
+        while self._until_it_reconciles() and not self.stop.wait(random.uniform(self.low, self.high)):
             self.operator.stop(signal.SIGKILL)
             self.kills += 1
             time.sleep(1.0)
             self.operator.start("--metrics-port", str(self.port), interval=5)
-            self._until_it_reconciles()
 
-    def _until_it_reconciles(self) -> None:
+    def _until_it_reconciles(self) -> bool:
+        """Wait (120 s at most) for the operator's first pass over the InferenceService; False once stopped."""
         deadline = time.monotonic() + 120
         while not self.stop.wait(0.2) and time.monotonic() < deadline:
             try:
                 if sum(reconcile_passes(self.port, self.namespace, NAME).values()) > 0:
-                    return
+                    break
             except OSError:  # not serving /metrics yet
                 continue
+        return not self.stop.is_set()
 
 
 def check_children(target: Target, namespace: str) -> None:
