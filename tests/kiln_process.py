@@ -30,6 +30,8 @@ def refused_at_start(args: list[str], capsys, caplog) -> str:
     (argparse's check or the server's own); what it said. In-process: a process per case paid
     torch's import, seconds on a busy CPU, for checks made before any model is touched."""
     from kiln.cli import main
+    capsys.readouterr()  # only what this start says
+    caplog.clear()
     try:
         code = main(["serve", *args])
     except SystemExit as exc:  # argparse's refusal
