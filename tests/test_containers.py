@@ -87,6 +87,15 @@ def test_an_engine_pod_becomes_podman_run_with_its_command_security_and_limits()
     assert a[-3:] == ["ghcr.io/kiln/engine:0.1.0", "--port", "8000"]
 
 
+def test_an_engine_told_to_use_cuda_runs_on_the_cpu_here():
+    """The operator gives a GPU pod `--device cuda`; this runtime's GPU nodes have no GPUs."""
+    p = pod({"command": ["kiln", "serve", "--device", "cuda", "--model", "cuda"], "args": ["--device", "cuda:1"]})
+    a = argv(p)
+    assert json.loads(option(a, "--entrypoint")[0]) == ["kiln", "serve", "--device", "cpu", "--model", "cuda"]
+    assert a[-2:] == ["--device", "cpu"]
+    assert containers.without_gpus(["kiln", "serve", "--device", "cpu"]) == ["kiln", "serve", "--device", "cpu"]
+
+
 def test_the_injected_service_account_volume_becomes_the_kubeconfig_mount():
     """ServiceAccount admission adds a projected token volume to a pod that automounts its token."""
     p = pod({"volumeMounts": [{"name": "kube-api-access-x", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",

@@ -221,7 +221,8 @@ def test_engine_container_command_resources_probes_and_hardening():
     assert c["image"] == IMAGE
     assert c["command"] == ["kiln", "serve", "--model", "smollm2-135m", "--served-model-name", "smollm2-135m",
                             "--port", "8000", "--dtype", "float32",
-                            "--max-num-seqs", "128", "--drain-timeout", "100", "--kv-cache-memory", str(256 << 20),
+                            "--max-num-seqs", "128", "--drain-timeout", "100", "--device", "cuda",
+                            "--kv-cache-memory", str(256 << 20),
                             "--max-model-len", "2048", "--no-prefix-caching",
                             "--quantization", "int4", "--kv-cache-dtype", "int8", "--speculative-config", ANY,
                             "--tool-call-parser", "hermes"]
@@ -304,9 +305,13 @@ def test_a_chat_template_reaches_the_engine_whole_as_a_new_revision():
             spec_of(engine={"chatTemplate": bad})
 
 
-def test_cpu_only_service_asks_for_no_gpu():
+def test_a_gpu_service_demands_cuda_and_a_cpu_only_one_asks_for_no_gpu():
     c = pod_spec(want(spec_of()).stable.deployment)["containers"][0]
-    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert "nvidia.com/gpu" not in c["resources"]["limits"] and "--device" not in c["command"]
+    # Given GPUs, the engine must use them or refuse to start ("auto" would fall back to the CPU).
+    c = pod_spec(want(spec_of(resources={"gpus": 1})).stable.deployment)["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert c["command"][c["command"].index("--device") + 1] == "cuda"
 
 
 def test_tensor_parallel_pod_gets_its_gpus_ranks_shared_memory_and_nccl_env():
@@ -434,6 +439,10 @@ def test_a_draft_model_reaches_the_engine_with_its_volume():
     assert c["command"][c["command"].index("--model") + 1] == "/models/llama"
     assert {"name": "draft-model", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}} in pod["volumes"]
     assert {"name": "draft-model", "mountPath": "/draft-model", "readOnly": True} in c["volumeMounts"]
+    # A draft on the target's claim is read through the target's mount: the claim is mounted once.
+    pod, c = engine_of("pvc://weights/drafts/smol.gguf", source="pvc://weights/llama")
+    assert SpeculativeConfig.from_json(c["command"][-1]).model == "/models/drafts/smol.gguf"
+    assert [v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == ["model"]
     # A built-in draft needs no volume; one on the target's own host path is mounted once.
     pod, c = engine_of("builtin://smollm2-135m")
     assert '"model": "smollm2-135m"' in c["command"][-1] and "draft-model" not in str(pod["volumes"])
@@ -819,12 +828,14 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
     pod = pod_spec(want(spec).stable.deployment)
     c = pod["containers"][0]
     command = c["command"]
-    assert command[command.index("--lora-modules") + 1:] == ["sql=/adapters/0/sql", "poet=/adapters/1",
+    # poet's claim is sql's: mounted once, at sql's place (one claim in two volumes may never mount).
+    assert command[command.index("--lora-modules") + 1:] == ["sql=/adapters/0/sql", "poet=/adapters/0",
                                                              "same-dir=/srv/base"]
     assert "--enable-lora" in command
     assert command[command.index("--max-loras") + 1] == "3" and command[command.index("--max-lora-rank") + 1] == "64"
     assert {"name": "adapter-0", "persistentVolumeClaim": {"claimName": "loras", "readOnly": True}} in pod["volumes"]
-    assert {"name": "adapter-1", "mountPath": "/adapters/1", "readOnly": True} in c["volumeMounts"]
+    assert [v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]].count("loras") == 1
+    assert "adapter-1" not in [m["name"] for m in c["volumeMounts"]]
     assert [m["mountPath"] for m in c["volumeMounts"]].count("/srv/base") == 1  # mounted once for both
     assert len({v["name"] for v in pod["volumes"]}) == len(pod["volumes"])
     # The engine reads the flags as written here.
@@ -833,7 +844,7 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(command[2:])
-    assert args.enable_lora and args.lora_modules == [("sql", "/adapters/0/sql"), ("poet", "/adapters/1"),
+    assert args.enable_lora and args.lora_modules == [("sql", "/adapters/0/sql"), ("poet", "/adapters/0"),
                                                       ("same-dir", "/srv/base")]
     # With tensor parallelism the same adapters and flags, beside --tensor-parallel-size.
     tp = spec_of(model={"name": "m", "source": "hostpath:///srv/base"}, engine={**engine, "tensorParallelSize": 2},

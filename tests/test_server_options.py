@@ -12,6 +12,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.sampling_defaults import sampling_defaults
@@ -101,6 +102,9 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     (["--api-key", ""], {}, "--api-key must not be empty"),
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
     (["--model", "no/such/model"], {}, "model 'no/such/model' not found"),  # said before listening: exit 2
+    # What a pod given GPUs runs (the operator asks for cuda): no usable GPU is a refusal, not a CPU engine.
+    pytest.param(["--device", "cuda"], {}, "device 'cuda': this process sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")),
     (["--model", "docs"], {}, "docs: not a model folder: it holds no config.json"),
     (["--enable-lora", "--lora-modules", "sql=no/such/adapter"], {},
      "--lora-modules sql=no/such/adapter: not a PEFT adapter folder"),
@@ -181,9 +185,10 @@ def test_the_models_generation_config_gives_the_defaults_a_request_leaves_out(ti
         assert len({c.choices[0].message.content for c in hot}) > 1
         assert s.client.completions.create(model=MODEL, prompt="w1", extra_body={"ignore_eos": True}) \
             .usage.completion_tokens == 16  # as vLLM: max_new_tokens bounds chats; completions keep 16
-        # A response tells the settings it ran with (it said temperature 1.0, top_p 1.0, no limit).
+        # A response tells the sampling settings it ran with (it said temperature 1.0, top_p 1.0);
+        # max_output_tokens is echoed as sent (none), as OpenAI does, though the file's 5 cut it.
         told = s.client.responses.create(model=MODEL, input="w5 w6 w7")
-        assert (told.temperature, told.top_p, told.max_output_tokens) == (0.0, 0.5, 5)
+        assert (told.temperature, told.top_p, told.max_output_tokens) == (0.0, 0.5, None)
         assert told.status == "incomplete" and told.usage.output_tokens == 5
     finally:
         s.stop()

@@ -110,6 +110,10 @@ class Config:
             if device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
             # Said now, not as a driver's traceback once loading has begun.
+            if device.type == "cuda" and torch.cuda.device_count() == 0:
+                raise ValueError(f"device {self.device!r}: this process sees no CUDA device (torch {torch.__version__} "
+                                 f"is built for CUDA {torch.version.cuda}: it needs an NVIDIA driver that supports "
+                                 "that and a container runtime that exposes the GPU)")
             if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
                 raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
         if self.quantization not in QUANTIZATION_METHODS:

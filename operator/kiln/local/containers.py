@@ -119,6 +119,13 @@ def empty_dirs(pod: Any, container: Any) -> list[str]:
     return [m.name for m in container.volume_mounts or [] if m.name in disk]
 
 
+def without_gpus(argv: list[str]) -> list[str]:
+    """The command with `--device cuda[:N]` made `--device cpu`. kwok's GPU nodes have no GPUs and
+    neither do their pods here (the one part of a GPU pod this runtime fakes), but the operator
+    tells an engine given GPUs to use CUDA or refuse to start."""
+    return ["cpu" if before == "--device" and arg.startswith("cuda") else arg for before, arg in zip(["", *argv], argv)]
+
+
 def podman_argv(pod: Any, env: dict[str, str], netns: str, image_user: str, volume_dir: Path,
                 cgroup_controllers: set[str], kubeconfig: Path | None, cluster: str = "",
                 podman_env: Collection[str] = ()) -> list[str]:
@@ -139,9 +146,9 @@ def podman_argv(pod: Any, env: dict[str, str], netns: str, image_user: str, volu
         argv += ["--volume", f"{kubeconfig.parent}:{TOKEN_DIR}:ro",
                  "--env", f"KUBECONFIG={TOKEN_DIR}/{kubeconfig.name}"]
     if container.command:
-        argv += ["--entrypoint", json.dumps(container.command)]
+        argv += ["--entrypoint", json.dumps(without_gpus(container.command))]
     argv.append(container.image)
-    argv += list(container.args or [])
+    argv += without_gpus(list(container.args or []))
     return argv
 
 

@@ -10,7 +10,7 @@ kwok to leave readiness alone, see kiln.local.kwok) and a container command that
 `kiln serve ...` or `kiln router ...`. For each such pod it:
 
 - makes a network namespace holding the pod's IP (kwok assigned it from the bridge range),
-- runs the command with the pod's args and env (values, a few fieldRefs, secretKeyRefs, configMapKeyRefs) as a local process in it, through this
+- runs the command (with `--device cuda` made `--device cpu`: GPU nodes here have no GPUs) with the pod's args and env (values, a few fieldRefs, secretKeyRefs, configMapKeyRefs) as a local process in it, through this
   venv's Python (`python -m kiln.cli`), with a ServiceAccount token kubeconfig when the pod
   mounts a token (reached through a relay on the bridge gateway: the apiserver listens on
   loopback only, which a namespace cannot see),
@@ -154,7 +154,7 @@ class Runtime:
                 env["KUBECONFIG"] = str(kubeconfig)
             # `kiln` is this venv's CLI; the image named in the pod spec is not used.
             argv = [*self.net.exec_prefix(f"p{pod.metadata.uid[:8]}"), sys.executable, "-m", "kiln.cli",
-                    *container.command[1:], *(container.args or [])]
+                    *containers.without_gpus([*container.command[1:], *(container.args or [])])]
             name = None
         prestop = 0.0
         hook = container.lifecycle.pre_stop if container.lifecycle else None

@@ -16,14 +16,17 @@ DRAFT_MOUNT = "/draft-model"
 ADAPTER_MOUNT = "/adapters"  # the i-th adapter's claim at /adapters/<i>
 
 
-def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path: str = MODEL_MOUNT
-                   ) -> tuple[str, list[dict], list[dict]]:
-    """(--model argument, volumes, volume mounts) for a model source; a pvc:// claim is mounted at mount_path."""
+def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path: str = MODEL_MOUNT,
+                   claims: dict[str, str] | None = None) -> tuple[str, list[dict], list[dict]]:
+    """(--model argument, volumes, volume mounts) for a model source; a pvc:// claim is mounted at
+    mount_path, unless `claims` (claim name -> where it is mounted already) has it."""
     scheme, rest = model.source.split("://", 1)
     if scheme == "builtin":
         return rest, [], []
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
+        if claims and claim in claims:
+            return str(PurePosixPath(claims[claim], path)), [], []
         source = {"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         mount = {"name": volume, "mountPath": mount_path, "readOnly": True}
         return str(PurePosixPath(mount_path, path)), [source], [mount]
@@ -35,20 +38,29 @@ def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path
 
 def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[str], list[dict], list[dict]]:
     """(--model argument, the draft model's or None, --lora-modules entries, volumes, volume mounts)
-    of the target model, the draft model the engines speculate with and the LoRA adapters; a path
-    two of them share is mounted once."""
+    of the target model, the draft model the engines speculate with and the LoRA adapters. A path
+    two of them share is mounted once, and so is a claim: a pod whose volumes name one claim twice
+    may never start (the kubelet waits on the second mount of a volume it mounted already)."""
     model_arg, volumes, mounts = model_location(spec.model)
     draft = spec.engine.draft_model
     draft_arg = None
     if draft is not None:
-        draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT)
+        draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT,
+                                                                _claims(volumes, mounts))
         _add_volumes(volumes, mounts, draft_volumes, draft_mounts)
     lora_modules = []
     for i, adapter in enumerate(spec.engine.adapters):
-        path, adapter_volumes, adapter_mounts = model_location(adapter, f"adapter-{i}", f"{ADAPTER_MOUNT}/{i}")
+        path, adapter_volumes, adapter_mounts = model_location(adapter, f"adapter-{i}", f"{ADAPTER_MOUNT}/{i}",
+                                                               _claims(volumes, mounts))
         _add_volumes(volumes, mounts, adapter_volumes, adapter_mounts)
         lora_modules.append(f"{adapter.name}={path}")
     return model_arg, draft_arg, lora_modules, volumes, mounts
+
+
+def _claims(volumes: list[dict], mounts: list[dict]) -> dict[str, str]:
+    """Claim name -> where the pod mounts it, for the claims among `volumes`."""
+    where = {m["name"]: m["mountPath"] for m in mounts}
+    return {v["persistentVolumeClaim"]["claimName"]: where[v["name"]] for v in volumes if "persistentVolumeClaim" in v}
 
 
 def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict], new_mounts: list[dict]) -> None:
@@ -81,6 +93,10 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
     args = ["kiln", "serve", "--model", model_arg, *option("--served-model-name", spec.model.served_name),
             "--port", str(PORT), "--dtype", engine.dtype,
             "--max-num-seqs", str(engine.maxNumSeqs), "--drain-timeout", str(DRAIN_TIMEOUT_S)]
+    if spec.resources.gpus > 0:
+        # A pod given GPUs that cannot use them (an old driver, no NVIDIA runtime) must refuse to start,
+        # not fall back to the CPU: "auto" would serve there, slowly, holding the GPUs.
+        args += ["--device", "cuda"]
     # Unset, the engine sizes the pool (from GPU memory on a GPU), except under tensor parallelism,
     # whose ranks cannot profile a step alone: they keep 1Gi each.
     memory = engine.kvCache.memory or (TP_KV_CACHE_MEMORY if engine.tensorParallelSize > 1 else None)
