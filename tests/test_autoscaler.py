@@ -257,6 +257,7 @@ def pod(name: str, ready: bool, unschedulable: bool = False, serving: str | None
 
 
 def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
+    from kiln.operator.models import InferenceServiceSpec
     from kiln.operator.observed import Observed
     from kiln.operator.scaling import capacity, manual, pod_counts
     observed = Observed.of(pod("a", True), pod("b", False), pod("c", False, unschedulable=True),
@@ -265,7 +266,9 @@ def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
     evicted = pod("f", False)
     evicted["status"]["phase"] = "Failed"  # kept until garbage collected; its replacement is already made
     assert pod_counts(Observed.of(pod("a", True), evicted), "r1") == (1, 0, 0, None)
-    assert capacity(manual(), observed, "r1").condition["message"].startswith("2 replica(s) cannot be scheduled")
+    unpooled = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"}})
+    assert capacity(manual(), observed, "r1", unpooled, 4).condition["message"] \
+        .startswith("2 replica(s) cannot be scheduled")
     # After a burst ordered 3 and no node fits 2 of them, the load went: down after the delay.
     ready, loading, _, _ = pod_counts(Observed.of(pod("a", True), pod("c", False, unschedulable=True),
                                                   pod("d", False, unschedulable=True)), "r1")
@@ -273,6 +276,24 @@ def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
     decision, _ = decide(samples, spec(scaleDownDelay="60s"), ScalerState(3, lower_since=0.0), ready, loading,
                          1000.0)
     assert decision.replicas == 1
+
+
+def test_only_serving_replicas_no_node_fits_are_insufficient_capacity_not_the_pools():
+    """With a warm pool every pod is born a standby: one serving pod and a standby no node fits
+    said ScalingReady=False InsufficientCapacity (and a Warning), a shortage of the pool only."""
+    from kiln.operator.models import InferenceServiceSpec
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import capacity, manual
+    pooled = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"}, "warmPool": {"size": 1}})
+    pool_short = Observed.of(pod("a", True, serving="true"), pod("b", False, unschedulable=True, serving="false"))
+    assert capacity(manual(), pool_short, "r1", pooled, 1).condition["reason"] == "Manual"
+    # Two serving wanted, one serves: the pending pod is a serving replica short, unless a ready
+    # standby (promoted this pass) or a loading pod will serve in its place.
+    cond = capacity(manual(), pool_short, "r1", pooled, 2).condition
+    assert (cond["reason"], cond["message"][:39]) == ("InsufficientCapacity", "1 replica(s) cannot be scheduled: 0/2 n")
+    for coming in (pod("c", True, serving="false"), pod("c", False, serving="false")):
+        assert capacity(manual(), Observed.of(*pool_short.pods("r1"), coming), "r1", pooled, 2) \
+            .condition["reason"] == "Manual"
 
 
 def test_times_from_a_clock_ahead_hold_replicas_no_longer_than_this_clock_allows():

@@ -122,6 +122,8 @@ def test_keda_mode_makes_a_scaled_object_once_keda_is_there(operator, apis, ns, 
         spec = scaled["spec"]
         assert spec["scaleTargetRef"] == {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": "keda"}
         assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["cooldownPeriod"]) == (0, 3, 90)
+        # A new ScaledObject holds its replicas that long too: KEDA's cooldown counts from a first activation.
+        assert spec["initialCooldownPeriod"] == 90
         # cooldownPeriod is the step to zero only: the steps above it take the window of KEDA's HPA.
         behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
         assert behavior == {"scaleDown": {"stabilizationWindowSeconds": 90}}

@@ -15,6 +15,7 @@ from kiln.operator.observed import Observed
 from kiln.operator.plan import CREATE, DELETE, PATCH, SCALE, contains, plan, stamped
 from kiln.operator.quantity import canonical
 from kiln.operator.render import Owner
+from kiln.operator.scaling import render_hpa, render_scaled_object
 
 RECORDED = Path(__file__).parent / "data" / "observed-serving.json"
 
@@ -207,3 +208,23 @@ def test_replicas_the_create_set_are_taken_over_even_when_they_match(recording):
         named(objects, "Deployment", revision)["metadata"]["managedFields"] = taken_over
         return objects
     assert replay(recording, edit=settled)[1] == []
+
+
+def test_a_switch_of_scaler_removes_the_old_one_before_the_new_one_is_made(recording):
+    """KEDA's webhook refuses a ScaledObject for a target an HPA scales, and two scalers would fight:
+    hpa -> keda deletes the HPA first, and keda -> hpa the ScaledObject."""
+    owner = Owner(**recording["owner"])
+    kinds = {"hpa": "HorizontalPodAutoscaler", "keda": "ScaledObject"}
+
+    def spec(mode: str) -> InferenceServiceSpec:
+        return InferenceServiceSpec.model_validate(
+            {**recording["spec"], "autoscaling": {"mode": mode, "minReplicas": 1, "maxReplicas": 4}})
+
+    def scaler(mode: str) -> dict:
+        return render_hpa(owner, spec(mode)) if mode == "hpa" else render_scaled_object(owner, spec(mode), "http://p:9090")
+    for old, new in (("hpa", "keda"), ("keda", "hpa")):
+        observed = Observed.of(*copy.deepcopy(recording["objects"]), stamped(scaler(old)))
+        wanted = desired(owner, spec(new), observed, recording["image"], recording["pod_annotations"],
+                         scalers=[scaler(new)])
+        actions = [(a.verb, a.kind) for a in plan(wanted, observed) if a.kind in kinds.values()]
+        assert actions == [(DELETE, kinds[old]), (CREATE, kinds[new])]

@@ -54,6 +54,12 @@ def stamped(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), APPLIED: digest}}}
 
 
+# Objects that scale the InferenceService: one at a time. The one a mode switch leaves goes before
+# the next is created: KEDA's admission webhook refuses a ScaledObject whose target an HPA scales,
+# and two scalers on one /scale would fight.
+SCALER_KINDS = ("HorizontalPodAutoscaler", "ScaledObject")
+
+
 def plan(desired: Desired, observed: Observed) -> list[Action]:
     actions = []
     for obj in map(stamped, desired.objects()):
@@ -74,7 +80,7 @@ def plan(desired: Desired, observed: Observed) -> list[Action]:
     wanted |= {("Deployment", r.name) for r in desired.revisions}
     actions += [Action(DELETE, kind, name) for kind, name in sorted(observed.objects)
                 if kind != "Pod" and (kind, name) not in wanted]
-    return actions
+    return sorted(actions, key=lambda a: not (a.verb == DELETE and a.kind in SCALER_KINDS))  # stable: else as is
 
 
 def replicas_handed_over(stored: dict[str, Any]) -> bool:

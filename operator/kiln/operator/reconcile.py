@@ -173,7 +173,7 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
         settings.samples.pop((owner.namespace, owner.name), None)
         scaling = manual() if mode == "none" else external(owner, spec, observed, keda_installed,
                                                             settings.prometheus_url)
-        return capacity(scaling, observed, stable)
+        return capacity(scaling, observed, stable, spec, desired_replicas(spec))
     assert spec.autoscaling is not None
     at = time.time()
     engines, routers = metrics_urls(observed)

@@ -120,7 +120,7 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
         last_cold = saved.get("lastColdStartSeconds")
     if last_cold is not None:
         status["lastColdStartSeconds"] = round(last_cold, 2)
-    cond = unschedulable(observed, stable) or condition("ScalingReady", decision.ok, decision.reason, decision.message)
+    cond = unschedulable(observed, stable, spec, new.replicas) or condition("ScalingReady", decision.ok, decision.reason, decision.message)
     changed = state.replicas if new.replicas != state.replicas else None
     # The load, and the message that quotes it, move on every pass: while the decision holds they
     # are rewritten only every LOAD_EVERY_S, or status was PATCHed (and every router watching it
@@ -145,18 +145,23 @@ def manual() -> Scaling:
                                    "(kubectl scale isvc/<name> --replicas=N)"))
 
 
-def unschedulable(observed: Observed, stable: str) -> dict[str, Any] | None:
+def unschedulable(observed: Observed, stable: str, spec: InferenceServiceSpec, wanted: int) -> dict[str, Any] | None:
     """ScalingReady for pods the scheduler cannot place, if any: it overrides any other report,
-    being what a cluster autoscaler acts on."""
-    _, _, count, why = pod_counts(observed, stable)
-    if why is None:
+    being what a cluster autoscaler acts on. With a warm pool every pod is born a standby, so only
+    those short of the `wanted` serving replicas count (ready standbys and loading pods will serve):
+    the pool's own wait for a node is WarmPoolReady's to report."""
+    ready, loading, count, why = pod_counts(observed, stable)
+    if why is not None and spec.warmPool is not None:
+        standbys = sum(1 for p in observed.pods(stable) if live(p) and is_ready(p) and not serves(p))
+        count = min(count, wanted - ready - standbys - loading)
+    if why is None or count <= 0:
         return None
     return condition("ScalingReady", False, "InsufficientCapacity", f"{count} replica(s) cannot be scheduled: {why}")
 
 
-def capacity(scaling: Scaling, observed: Observed, stable: str) -> Scaling:
-    """`scaling`, its condition InsufficientCapacity while pods cannot be scheduled."""
-    cond = unschedulable(observed, stable)
+def capacity(scaling: Scaling, observed: Observed, stable: str, spec: InferenceServiceSpec, wanted: int) -> Scaling:
+    """`scaling`, its condition InsufficientCapacity while serving replicas cannot be scheduled."""
+    cond = unschedulable(observed, stable, spec, wanted)
     return scaling if cond is None else replace(scaling, condition=cond)
 
 
@@ -218,6 +223,9 @@ def render_scaled_object(owner: Owner, spec: InferenceServiceSpec, prometheus_ur
             # cooldownPeriod is only the last step, to zero; the steps above it are the HPA's that
             # KEDA makes, whose window is an hour at most (an object stored before the CRD said so).
             "cooldownPeriod": int(seconds(scaling.scaleDownDelay)),
+            # KEDA skips cooldownPeriod until its first activation: a new ScaledObject (a new service,
+            # or one handed over from builtin during a lull) would drop to minReplicas at once.
+            "initialCooldownPeriod": int(seconds(scaling.scaleDownDelay)),
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleDown": {
                 "stabilizationWindowSeconds": min(int(seconds(scaling.scaleDownDelay)), 3600)}}}},
             "triggers": [{"type": "prometheus", "metadata": {
