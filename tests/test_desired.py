@@ -398,7 +398,8 @@ def test_replicas_follow_spec_within_autoscaling_bounds():
 
 def test_leaving_builtin_for_an_hpa_or_keda_hands_its_decision_to_spec_replicas():
     def handed(left: dict, observed: Observed = Observed(), keda: bool = True, **spec) -> int | None:
-        return handover(spec_of(**spec), left, observed, "chat", keda)
+        given = handover(spec_of(**spec), left, observed, "chat", keda)
+        return None if given is None else given.replicas
 
     left = {"autoscaling": {"replicas": 3, "mode": "stable"}}  # status as the builtin mode left it
     for mode in ("hpa", "keda"):
@@ -422,6 +423,24 @@ def test_leaving_builtin_for_an_hpa_or_keda_hands_its_decision_to_spec_replicas(
     for kind, mode in (("HorizontalPodAutoscaler", "hpa"), ("ScaledObject", "keda")):
         scaler = Observed.of({"kind": kind, "metadata": {"name": "chat"}})
         assert handed(left, scaler, replicas=1, autoscaling={"mode": mode}) is None
+
+
+def test_an_hpa_never_starts_from_zero():
+    """An HPA does not act on a target at 0 replicas (ScalingDisabled) and never sets 0 itself: a
+    spec.replicas of 0 (KEDA's, at zero, before a switch; mode none's; a manifest's) is raised
+    to the HPA's floor, whatever the mode before and whether the HPA exists or not."""
+    hpa = Observed.of({"kind": "HorizontalPodAutoscaler", "metadata": {"name": "chat"}})
+    for observed in (Observed(), hpa):
+        for left in ({}, {"autoscaling": {"replicas": 0}}):
+            given = handover(spec_of(replicas=0, autoscaling={"mode": "hpa", "minReplicas": 0}), left, observed,
+                             "chat", True)
+            assert given is not None and given.replicas == 1 and "floor" in given.why
+        assert handover(spec_of(replicas=0, autoscaling={"mode": "hpa", "minReplicas": 2}), {}, observed, "chat",
+                        True).replicas == 2
+    # KEDA and none take 0 as meant.
+    for mode in ("keda", "none"):
+        assert handover(spec_of(replicas=0, autoscaling={"mode": mode, "minReplicas": 0}), {}, Observed(), "chat",
+                        True) is None
 
 
 def test_a_draft_model_reaches_the_engine_with_its_volume():

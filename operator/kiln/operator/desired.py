@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .models import InferenceServiceSpec
 from .observed import Observed, deployment_counts, is_ready, live, replicas_of, serves
@@ -82,23 +82,32 @@ def replicas_writer(spec: InferenceServiceSpec) -> str:
     return "builtin" if scaling is not None and scaling.mode == "builtin" else "spec"
 
 
+class Handover(NamedTuple):
+    replicas: int  # what spec.replicas becomes
+    why: str  # for the Event
+
+
 def handover(spec: InferenceServiceSpec, previous: dict[str, Any], observed: Observed, name: str,
-             keda_installed: bool) -> int | None:
+             keda_installed: bool) -> Handover | None:
     """The spec.replicas to write when the builtin autoscaler hands the replicas to an HPA or KEDA
     (`previous`: the status the builtin mode left, its last decision in it): that decision, within
     the new mode's bounds. Until the new scaler first acts it follows spec.replicas, and the stable
     revision dropped to whatever that was left at. Only while the scaler is not there yet (the
     pass that creates it): once it is, spec.replicas is its count, which a retried hand-over would
     undo. Not to `keda` without KEDA, where nothing takes over (at zero, nothing would wake it).
+    And under an HPA, at any time, its floor in place of a spec.replicas of 0 (left by KEDA at zero,
+    `none`, or a manifest): an HPA never acts on a target at zero (ScalingDisabled), nor sets 0 itself.
     None: no hand-over, or spec.replicas already says it."""
     decided = (previous.get("autoscaling") or {}).get("replicas")
     mode = spec.autoscaling.mode if spec.autoscaling is not None else "none"
+    if mode == "hpa" and spec.replicas == 0:
+        return Handover(desired_replicas(spec), "the HPA's floor (an HPA does not scale a target at zero)")
     if decided is None or mode not in ("hpa", "keda") or (mode == "keda" and not keda_installed):
         return None
     if observed.get("HorizontalPodAutoscaler" if mode == "hpa" else "ScaledObject", name) is not None:
         return None
     replicas = desired_replicas(spec.model_copy(update={"replicas": decided}))
-    return None if replicas == spec.replicas else replicas
+    return None if replicas == spec.replicas else Handover(replicas, "the builtin autoscaler's last decision")
 
 
 def fully_ready(deployment: dict[str, Any] | None, replicas: int) -> bool:

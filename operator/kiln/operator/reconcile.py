@@ -19,7 +19,7 @@ from . import metrics, standby
 from .api import Api
 from .autoscaler import Sample, seconds
 from .canary import Baseline, roll, split
-from .desired import Desired, desired, desired_replicas, handover, replicas_writer
+from .desired import Desired, Handover, desired, desired_replicas, handover, replicas_writer
 from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
 from .observed import Observed
 from .placement import Placements, placed
@@ -186,19 +186,20 @@ def autoscale(spec: InferenceServiceSpec, observed: Observed, owner: Owner, prev
     return builtin(spec, observed, stable, previous, list(window), at, initial, taken.cold_start)
 
 
-def hand_over(api: Api, body: Mapping[str, Any], spec: InferenceServiceSpec, replicas: int) -> InferenceServiceSpec:
-    """Write the builtin autoscaler's last decision to spec.replicas through /scale, where the HPA
-    or KEDA that takes over reads the count it starts from; the spec as it now is."""
+def hand_over(api: Api, body: Mapping[str, Any], spec: InferenceServiceSpec, handed: Handover) -> InferenceServiceSpec:
+    """Write the count an HPA or KEDA starts from (desired.handover) to spec.replicas through
+    /scale, where it reads it; the spec as it now is."""
     meta = body["metadata"]
     api.fence()
     api.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, meta["namespace"], PLURAL, meta["name"],
-                                                    {"spec": {"replicas": replicas}}, field_manager=FIELD_MANAGER,
+                                                    {"spec": {"replicas": handed.replicas}},
+                                                    field_manager=FIELD_MANAGER,
                                                     _content_type="application/merge-patch+json")
     assert spec.autoscaling is not None
     post_event(api, body, "Normal", "ScalingHandedOver",
-               f"spec.replicas set from {spec.replicas} to {replicas}, the builtin autoscaler's last decision: "
+               f"spec.replicas set from {spec.replicas} to {handed.replicas}, {handed.why}: "
                f"autoscaling.mode {spec.autoscaling.mode} scales on from there")
-    return spec.model_copy(update={"replicas": replicas})
+    return spec.model_copy(update={"replicas": handed.replicas})
 
 
 def forget(settings: Settings, key: tuple[str, str]) -> None:
