@@ -278,6 +278,25 @@ def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
     assert decision.replicas == 1
 
 
+def test_a_spike_during_an_update_scales_on_the_old_revisions_serving_replicas():
+    """A plain update: the old revision serves it all while the new one's pods load. Counting the
+    new revision's ready pods (0) alone, the rate limit held the decision at 4 for a 16-replica spike."""
+    from kiln.operator.models import InferenceServiceSpec
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import builtin
+
+    def old(name: str) -> dict:
+        p = pod(name, True)
+        p["metadata"]["labels"]["kiln.dev/revision"] = "r0"
+        return p
+    isvc = InferenceServiceSpec.model_validate({"model": {"source": "builtin://smollm2-135m"},
+                                                "autoscaling": spec(maxReplicas=32).model_dump()})
+    observed = Observed.of(*(old(f"o{i}") for i in range(4)), *(pod(f"n{i}", False) for i in range(4)))
+    samples = [Sample(1000.0 - i, 64.0) for i in range(10)]
+    scaling = builtin(isvc, observed, "r1", {"autoscaling": {"replicas": 4}}, samples, 1000.0, 4)
+    assert scaling.replicas == 8 and scaling.status["mode"] == "panic"  # twice the 4 that serve, as the rate allows
+
+
 def test_only_serving_replicas_no_node_fits_are_insufficient_capacity_not_the_pools():
     """With a warm pool every pod is born a standby: one serving pod and a standby no node fits
     said ScalingReady=False InsufficientCapacity (and a Warning), a shortage of the pool only."""

@@ -79,8 +79,10 @@ def average(samples: list[Sample], since: float) -> float | None:
 
 
 def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: int, starting: int,
-           now: float) -> tuple[Decision, ScalerState]:
-    """`ready`: replicas serving; `starting`: replicas created but not ready yet (loading)."""
+           now: float, elsewhere: int = 0) -> tuple[Decision, ScalerState]:
+    """`ready`: replicas serving; `starting`: replicas created but not ready yet (loading);
+    `elsewhere`: other revisions' replicas serving the same load (an update's old revision, which
+    serves it all while the new one loads): capacity the panic threshold and the rate limit count."""
     stable_window, panic_window = seconds(spec.stableWindow), seconds(spec.panicWindow)
     # Times a clock ahead of this one wrote (a skewed former leader's, or ours before it stepped
     # back) are held to what this clock could have written, or they would hold replicas up for
@@ -113,14 +115,15 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     want_stable = math.ceil(stable_load / target)
     want_panic = math.ceil(panic_load / target)
     panicking = state.panic_until is not None and now < state.panic_until
-    if want_panic > 0 and want_panic >= PANIC_THRESHOLD * max(ready, 1) and want_panic > current:
+    serving = ready + elsewhere
+    if want_panic > 0 and want_panic >= PANIC_THRESHOLD * max(serving, 1) and want_panic > current:
         panicking, state = True, replace(state, panic_until=now + stable_window)
     if panicking:
         want = max(current, want_panic)  # up fast, never down while panicking
     else:
         want = want_stable
         state = replace(state, panic_until=None)
-    limit = max(current, math.ceil(MAX_SCALE_UP_RATE * max(ready, 1)))
+    limit = max(current, math.ceil(MAX_SCALE_UP_RATE * max(serving, 1)))
     capped = min(want, limit, spec.maxReplicas)
     capped = max(capped, spec.minReplicas)
     if capped < current:

@@ -109,7 +109,8 @@ def builtin(spec: InferenceServiceSpec, observed: Observed, stable: str, previou
     state = scaler_state(previous, initial)
     saved = previous.get("autoscaling") or {}  # the last pass's status.autoscaling
     ready, loading, _, _ = pod_counts(observed, stable, now)
-    decision, new = decide(samples, spec.autoscaling, state, ready, loading, now)
+    elsewhere = sum(1 for p in observed.pods() if is_ready(p) and serves(p)) - ready
+    decision, new = decide(samples, spec.autoscaling, state, ready, loading, now, elsewhere)
     status = {"replicas": new.replicas, "mode": decision.mode,
               "load": None if decision.load is None else round(decision.load, 1),
               "panicUntil": iso(new.panic_until), "scaleDownSince": iso(new.lower_since),
