@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from kiln.engine.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kiln.router.mirror import Credit, agreement, greedy_request
 from kiln.router.traffic import Mirror, StaticTraffic, Traffic, WeightedChoice, traffic_of
 from kiln.router.endpoints import ReadyEndpoints
@@ -353,3 +354,26 @@ def test_greedy_request_and_agreement_follow_the_eval_definition() -> None:
         assert request["prompt"] == first and "n" not in request
     scored = {"choices": [{"prompt_logprobs": [None, {"6": {"rank": 3}}, {"11": {"rank": 1}}, {"12": {"rank": 2}}]}]}
     assert agreement(scored, [5, 6], [11, 12]) == 1
+
+
+def test_the_greedy_request_keeps_what_shapes_the_prompt_and_the_output() -> None:
+    """Only the model and the prompt or messages were kept: the stable revision answered a chat
+    without its tools (the template writes them into the prompt) and unconstrained, so a canary
+    breaking tool calls passed the gate."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    shape = {"messages": [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Let"}],
+             "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+             "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
+             "continue_final_message": True}
+    sampling = {"temperature": 0.7, "presence_penalty": 1.0, "logit_bias": {"5": 10}, "min_tokens": 4, "n": 2,
+                "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
+    request = greedy_request(json.dumps({"model": "m", **shape, **sampling}).encode())
+    assert request == {"model": "m", **shape, "max_tokens": 32, "temperature": 0, "stream": False,
+                       "return_token_ids": True}
+    ChatCompletionRequest.model_validate(request)  # a shadow the engine takes (no stream_options without stream)
+    completion = {"prompt": "{", "response_format": {"type": "json_object"}, "echo": True, "logprobs": 1}
+    request = greedy_request(json.dumps(completion).encode())
+    assert request == {"prompt": "{", "response_format": {"type": "json_object"}, "max_tokens": 32, "temperature": 0,
+                       "stream": False, "return_token_ids": True}
+    CompletionRequest.model_validate(request)

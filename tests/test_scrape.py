@@ -1,5 +1,6 @@
 """The builtin autoscaler's scraper against real HTTP servers standing in for engine and router
-pods: well-formed pages, a page that hangs past the timeout, garbage, and a refused port."""
+pods: well-formed pages, a page that hangs past the timeout, garbage, and a refused port. Also the
+canary analysis on a page the router's own metrics wrote."""
 from __future__ import annotations
 
 import http.server
@@ -9,7 +10,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kiln.operator.scrape import TIMEOUT_S, scrape
+from kiln.operator.analysis import FAIL, PASS, Check, check, figures
+from kiln.operator.models import Analysis
+from kiln.operator.scrape import TIMEOUT_S, read_samples, scrape
+from kiln.router.balancer import LeastInFlight
+from kiln.router.endpoints import StaticEndpoints
+from kiln.router.metrics import RouterMetrics
 
 ENGINE = "kiln:num_requests_waiting{{model_name=\"m\"}} {waiting}\nkiln:num_requests_running{{model_name=\"m\"}} {running}\n"
 ROUTER = "kiln_router_held_requests {held}\nkiln_router_last_cold_start_seconds {cold}\n"
@@ -97,3 +103,29 @@ def test_nan_infinite_or_negative_counts_are_garbage_never_load():
     with serving(ROUTER.format(held=0, cold="NaN")) as nan_cold, serving(ROUTER.format(held=0, cold=3)) as router:
         assert scrape([], [nan_cold], now=1.0).cold_start is None
         assert scrape([], [nan_cold, router], now=1.0).cold_start == 3
+
+
+def judged(stable: tuple[float, float], canary: tuple[float, float]) -> Check:
+    """The analysis (default thresholds: 1.25) of a router page where each revision streamed 20
+    answers, each with this (time to first token, inter-token gap) in seconds."""
+    source = StaticEndpoints([])
+    metrics = RouterMetrics(source, LeastInFlight(source), held=lambda: 0)
+    for revision, (ttft, itl) in (("stable", stable), ("canary", canary)):
+        for _ in range(20):
+            metrics.answered(revision, 200, ttft + 1.0)
+            metrics.time_to_first_token.labels(revision).observe(ttft)
+            metrics.inter_token_latency.labels(revision).observe(itl)
+    with serving(metrics.render().decode()) as url:
+        found = figures(read_samples(url))
+    return check(found["canary"], found["stable"], Analysis())
+
+
+def test_the_routers_latency_buckets_are_fine_enough_for_the_p95_ratios():
+    """TTFT 1.05 s against 2.4 s, and ITL 11 ms against 19.5 ms, each fell in one bucket (1 -> 2.5 s,
+    0.01 -> 0.02 s), read as a p95 ratio of 1.0: a canary 1.8 to 2.3 times as slow passed 1.25."""
+    slow = judged(stable=(1.05, 0.011), canary=(2.4, 0.0195))
+    assert slow.verdict == FAIL and [f.split(" p95")[0] for f in slow.failed] == ["TTFT", "ITL"]
+    assert slow.figures["ttftP95Ratio"] > 1.8 and slow.figures["itlP95Ratio"] > 1.5
+    # Close latencies still pass, in one bucket or across a bound.
+    assert judged(stable=(1.05, 0.011), canary=(1.1, 0.0115)).verdict == PASS
+    assert judged(stable=(1.05, 0.011), canary=(1.15, 0.0125)).verdict == PASS

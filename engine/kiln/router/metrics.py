@@ -9,6 +9,7 @@ scrapes to read their last counts), so a long-lived router's series do not grow 
 rollout."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,10 +23,22 @@ from kiln.router.endpoints import EndpointSource
 
 NO_REVISION = "none"  # revision label of answers the router made up itself (503, 413, 429)
 
+
+def geometric(low: float, high: float, factor: float) -> tuple[float, ...]:
+    """Bucket bounds from `low` to about `high`, each `factor` times the last (three significant
+    digits, so the `le` labels stay readable)."""
+    count = round(math.log(high / low, factor)) + 1
+    return tuple(float(f"{low * factor ** i:.3g}") for i in range(count))
+
+
 # Seconds. A first token waits for queueing and the whole prompt's prefill; later tokens
 # come every few tens of milliseconds; a whole generation can take minutes.
-FIRST_TOKEN_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 30, 60, 120)
-INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+# The canary analysis judges p95 ratios of the two latency histograms against thresholds such as
+# 1.25, interpolated inside a bucket, so where latencies usually fall adjacent bounds are 1.2x
+# apart (a 1 -> 2.5 s bucket read 1.05 s against 2.4 s as a ratio of 1.0). Coarser at the rare
+# ends, to keep each histogram near 40 series per revision.
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.035) + geometric(0.05, 12, 1.2) + (15, 20, 30, 45, 60)
+INTER_TOKEN_BUCKETS = (0.001,) + geometric(0.002, 0.6, 1.2) + (0.75, 1, 1.5, 2)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 # An engine pod starting from zero: scheduling, maybe a node, the image, the weights.
 COLD_START_BUCKETS = (1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 240, 300, 450, 600)

@@ -30,6 +30,17 @@ log = logging.getLogger("kiln.router")
 MIRRORED_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_TOKENS = 32  # greedy tokens the stable revision generates for one comparison
 TIMEOUT_S = 120.0  # one whole comparison
+# Kept from the client's request: what makes the prompt the model sees (the chat template writes
+# the tools and its kwargs in) and what constrains its output (a required or named tool call,
+# response_format, structured_outputs), so the stable revision answers what the client ran: a
+# canary that breaks tool-call formatting must disagree. Everything else goes: greedy is forced
+# (the canary's argmax is the measure; penalties, logit_bias, min_tokens would bend the stable
+# tokens away from its own argmax); the answer is read as one JSON body of one choice (stream,
+# stream_options, n); logprobs and echo change neither prompt nor output tokens, only cost.
+# The canary scores without the constraint; where it overrides the argmax, the noise floor (stable
+# scored the same way) disagrees too.
+KEPT = ("model", "prompt", "messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+        "add_generation_prompt", "continue_final_message", "response_format", "structured_outputs")
 
 
 class Credit:
@@ -47,8 +58,8 @@ class Credit:
 
 
 def greedy_request(body: bytes) -> dict[str, Any] | None:
-    """The client's prompt as a greedy request that returns token ids; None when the body is
-    no JSON object with a prompt or messages."""
+    """The client's prompt, with its output constraint (KEPT), as a greedy request that returns
+    token ids; None when the body is no JSON object with a prompt or messages."""
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
@@ -56,7 +67,7 @@ def greedy_request(body: bytes) -> dict[str, Any] | None:
     if not isinstance(payload, dict) or not ({"prompt", "messages"} & payload.keys()):
         return None
     asked = payload.get("max_completion_tokens") or payload.get("max_tokens") or MAX_TOKENS
-    request = {k: payload[k] for k in ("model", "prompt", "messages") if k in payload}
+    request = {k: payload[k] for k in KEPT if k in payload}
     prompt = request.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         request["prompt"] = prompt[0]  # a batch: its first prompt stands for it (one choice is scored)
