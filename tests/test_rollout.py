@@ -576,3 +576,76 @@ def test_each_step_takes_its_own_baseline():
     baselines = {key: Baseline(35, canary, {"router-uid": {canary: Figures(requests=20)}})}
     d = roll(owner, spec_of("int8"), observed, {}, previous, baselines, 40)  # the pause is over
     assert d.state.step == 2 and key not in baselines
+
+
+def test_removing_the_resume_annotation_skips_no_gate():
+    """`kubectl annotate isvc x kiln.dev/resume-rollout-` read as a new token (None): it moved a
+    timed step on without a passing check, an untimed one past its pause, and promoted a held
+    canary. Nor does an emptied one (`resume-rollout=`) ask for anything."""
+    d = run(None, "canary-b", Facts(0, False, resume_token="go"), None, 0)
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 1)
+    for token in (None, ""):  # removed, emptied
+        d = run(d.state, "canary-b", Facts(1, False, resume_token=token), None, 5)
+        assert (d.state.step, d.state.resume_token) == (1, None)
+    d = run(d.state, "canary-b", Facts(1, False, resume_token="go"), None, 6)  # set again, to its old value
+    assert (d.state.step, d.state.resume_token) == (2, "go")
+    untimed = ROLLOUT.model_copy(update={"steps": [ROLLOUT.steps[0].model_copy(update={"pause": None})]})
+    paused = State(PAUSED, "a", "b", 1, since=0, resume_token="go")
+    held = State(PROGRESSING, "a", "b", 2, since=0, held=True, resume_token="go")
+    for token in (None, ""):
+        still = advance(untimed, paused, "a", "b", Facts(1, False, resume_token=token), None, 10)
+        assert (still.state.phase, still.state.step) == (PAUSED, 1)
+        promoted = advance(untimed, held, "a", "b", Facts(2, True, resume_token=token), None, 10)
+        assert promoted.state.phase == PROGRESSING
+
+
+def test_removing_the_retry_annotation_does_not_retry_a_rollback():
+    annotated = Facts(canary_ready=1, canary_full=False, retry_token="1")
+    d = run(run(None, "canary-b", annotated, None, 0).state, "canary-b", annotated, None, 1)
+    d = run(run(d.state, "canary-b", annotated, verdict(FAIL), 20).state, "canary-b", annotated, verdict(FAIL), 30)
+    assert (d.state.phase, d.state.retry_token) == (ROLLED_BACK, "1")
+    removed = run(d.state, "canary-b", READY, None, 40)
+    assert (removed.state.phase, removed.canary, removed.state.retry_token) == (ROLLED_BACK, None, None)
+    assert run(d.state, "canary-b", Facts(1, False, retry_token=""), None, 40).state == removed.state  # emptied
+    assert run(removed.state, "canary-b", annotated, None, 50).canary == "canary-b"  # set again: a retry
+
+
+def test_a_retry_is_not_rolled_back_for_the_old_canarys_terminating_pod():
+    """Right after a crash-loop rollback the old canary pod is still terminating: its restarts
+    and OOMKilled exit rolled the retried canary back at once."""
+    old = {"metadata": {"name": "canary-b-old", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+           "status": {"containerStatuses": [{"ready": False, "restartCount": FAILED_STARTS, "lastState": {
+               "terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]}}
+    new = {"metadata": {"name": "canary-b-new"}, "status": {"containerStatuses": [{"ready": False, "restartCount": 0}]}}
+    failing = engine_failure([old, new], FAILED_STARTS)
+    assert failing is None
+    d = run(State(ROLLED_BACK, "stable-a", rolled_back="canary-b"), "canary-b",
+            Facts(0, False, retry_token="1"), None, 0)
+    d = run(d.state, "canary-b", Facts(0, False, retry_token="1", failing=failing), None, 5)
+    assert (d.state.phase, d.canary) == (PROGRESSING, "canary-b")
+
+
+def test_a_spec_back_to_a_rolled_back_revision_mid_rollout_leaves_it_rolled_back():
+    """B rolled back, the spec to C, then back to B while C ran: B started again, unasked."""
+    from kiln.operator.status import canary_condition
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(run(d.state, "canary-b", READY, verdict(FAIL), 20).state, "canary-b", READY, verdict(FAIL), 30)
+    assert (d.state.phase, d.state.rolled_back) == (ROLLED_BACK, "canary-b")
+    c = run(d.state, "canary-c", READY, None, 40)
+    assert c.canary == "canary-c"
+    c = run(load(dump(c.state, ROLLOUT)), "canary-c", READY, None, 41)  # an operator restart in between
+    back = run(c.state, "canary-b", READY, None, 50)
+    assert (back.state.phase, back.canary, back.state.rolled_back, back.weight(ROLLOUT)) == \
+        (ROLLED_BACK, None, "canary-b", 0)
+    assert back.state.message.startswith("rolled back canary-b: ") and "canary canary-c dropped" in back.state.message
+    assert [(e.type, e.reason) for e in back.events] == [("Normal", "RolloutAborted")]
+    assert canary_condition(dump(back.state, ROLLOUT))["reason"] == "RolledBack"
+    assert run(back.state, "canary-b", READY, None, 60).state == back.state  # as if the spec never left it
+    assert run(back.state, "canary-b", Facts(0, False, retry_token="1"), None, 70).canary == "canary-b"
+    # A retry asked for while C ran counts; the spec back to stable still forgets B and aborts C.
+    retried = run(run(c.state, "canary-c", Facts(1, False, retry_token="1"), None, 45).state, "canary-b",
+                  Facts(1, False, retry_token="1"), None, 50)
+    assert (retried.state.phase, retried.canary, retried.state.rolled_back) == (PROGRESSING, "canary-b", None)
+    aborted = run(c.state, "stable-a", READY, None, 50)
+    assert canary_condition(dump(aborted.state, ROLLOUT))["reason"] == "Aborted"
+    assert run(aborted.state, "canary-b", READY, None, 60).canary == "canary-b"

@@ -91,8 +91,11 @@ def engine_failure(pods: list[dict[str, Any]], min_restarts: int = 0) -> str | N
     times), as its pod's status tells it: the code, the kubelet's reason (Error, OOMKilled) and the
     last line of its termination message (the engine's log, FallbackToLogsOnError) without its
     time. No restart count either: a Warning Event is posted per distinct message, so a crash loop
-    posts one, not one per restart."""
+    posts one, not one per restart. A pod being deleted tells nothing: an old crash-looping one
+    still terminating would fail a retried canary's new pods at once."""
     for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
         for container in (pod.get("status") or {}).get("containerStatuses") or []:
             state, last = container.get("state") or {}, container.get("lastState") or {}
             exit_ = state.get("terminated") or last.get("terminated")

@@ -7,9 +7,10 @@ to become ready (step 0, within progressDeadline); then each step sends its weig
 requests to it for its pause, with analysis every interval. After the last step the canary is
 scaled to the stable revision's size (step len(steps)+1) and then promoted: it becomes the
 stable revision and the old one drains and goes. `failureLimit` failed checks roll it back:
-weight 0, Deployment removed, and not retried while the spec still asks for it, unless the
-kiln.dev/retry-rollout annotation changes. A spec changed again mid-rollout makes the newest
-revision the canary; a spec changed back to the stable revision drops the canary."""
+weight 0, Deployment removed, and not retried while the spec still asks for it (or asks for it
+again, before going back to the stable revision), unless the kiln.dev/retry-rollout annotation
+changes. A spec changed again mid-rollout makes the newest revision the canary; a spec changed
+back to the stable revision drops the canary."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -96,25 +97,49 @@ def advance(rollout: Rollout, previous: State | None, stable: str, target: str, 
     """One step of the machine. `stable`: the stable revision (status), `target`: the
     revision the spec asks for now, `check`: an analysis interval that ended in this pass."""
     state = previous or State(PROMOTED, stable, message=f"{stable} serves 100%")
+    # A removed annotation's token is forgotten: set again later, even to its old value, it acts,
+    # as a person who set it expects (kept, the same value would do nothing, with no word why).
+    state = replace(state, retry_token=state.retry_token if facts.retry_token else None,
+                    resume_token=state.resume_token if facts.resume_token else None)
+    retry = asked(facts.retry_token, state.retry_token)
     if state.active:
         if target == state.canary:
             return progress(rollout, state, facts, check, now)
         if target == state.stable:
-            return Decision(replace(state, phase=ROLLED_BACK, canary=None, message=(
+            return Decision(replace(state, phase=ROLLED_BACK, canary=None, rolled_back=None, message=(
                 f"the spec asks for the stable revision {state.stable} again: canary {state.canary} dropped")),
                 [Event("Normal", "RolloutAborted", f"spec returned to {state.stable}; canary {state.canary} dropped")])
+        if target == state.rolled_back and not retry:
+            # As if the spec had never left it: rolled back, and this canary's checks are not its.
+            return Decision(State(ROLLED_BACK, state.stable, rolled_back=target, retry_token=state.retry_token,
+                                  resume_token=state.resume_token, message=(
+                f"rolled back {target}: the spec asks for it again, which is no retry (annotate "
+                f"{RETRY_ANNOTATION}); canary {state.canary} dropped; {state.stable} serves 100%")),
+                [Event("Normal", "RolloutAborted", f"spec returned to rolled-back {target}; canary "
+                                                   f"{state.canary} dropped")])
         return start(state, target, facts, now, f"the spec changed mid-rollout: {target} replaces canary "
                                                 f"{state.canary}")
     if target == state.stable:
         # The spec no longer asks for a rolled-back revision: asked for again later, it is a new rollout.
         return Decision(replace(state, rolled_back=None))
-    if state.rolled_back == target and facts.retry_token == state.retry_token:
+    if state.rolled_back == target and not retry:
         return Decision(state)
     return start(state, target, facts, now, f"canary {target} starts beside stable {state.stable}")
 
 
+def asked(token: str | None, seen: str | None) -> bool:
+    """Whether an annotation asks for something: a value, and not the one already acted on. Its
+    removal reads as None and asks for nothing (it skipped a step's gate, retried a rollback)."""
+    return bool(token) and token != seen
+
+
 def start(state: State, target: str, facts: Facts, now: float, why: str) -> Decision:
-    new = State(PROGRESSING, state.stable, target, 0, now, retry_token=facts.retry_token,
+    # A rolled-back revision, not retried, is remembered through another revision's rollout: the
+    # spec changed back to it mid-rollout leaves it rolled back (advance). Its retry token stays
+    # the rollback's, so a retry asked for meanwhile still counts.
+    kept = state.rolled_back if state.rolled_back != target else None
+    new = State(PROGRESSING, state.stable, target, 0, now, rolled_back=kept,
+                retry_token=state.retry_token if kept else facts.retry_token,
                 resume_token=facts.resume_token, message=f"{why}; waiting for it to become ready")
     return Decision(new, [Event("Normal", "RolloutStarted", why)])
 
@@ -155,7 +180,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     if state.step > len(steps):
         # A Fail holds promotion until a later check passes (an inconclusive one, too little data,
         # does not clear it), or a person resumes (no check comes while the routers cannot be scraped).
-        held = state.held and facts.resume_token == state.resume_token
+        held = state.held and not asked(facts.resume_token, state.resume_token)
         if facts.canary_full and not held:
             return promote(replace(state, resume_token=facts.resume_token))
         # Its pods cannot all be placed, say. The deadline runs from its last new ready replica, as
@@ -172,7 +197,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return Decision(replace(state, message=f"{words}; {analysis_words(state)}"), events)
     pause = steps[state.step - 1].pause
     if pause is None:
-        if facts.resume_token != state.resume_token:
+        if asked(facts.resume_token, state.resume_token):
             return next_step(rollout, state, facts, now, events)
         return Decision(replace(state, phase=PAUSED, message=(
             f"step {state.step}/{len(steps)} paused at {steps[state.step - 1].weight}% to {state.canary}: "
@@ -181,7 +206,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return next_step(rollout, state, facts, now, events)
     # A person may go on without a passing check: too little traffic for the quality gate's
     # minTokens, say, leaves every interval inconclusive.
-    if facts.resume_token != state.resume_token:
+    if asked(facts.resume_token, state.resume_token):
         return next_step(rollout, state, facts, now, events)
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
     if now - state.since >= seconds(pause):
