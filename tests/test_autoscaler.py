@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from kiln.operator.autoscaler import MAX_SCALE_UP_RATE, PANIC_THRESHOLD, Decision, Sample, ScalerState, decide, seconds
-from kiln.operator.models import Autoscaling
+from kiln.operator.autoscaler import MAX_SCALE_UP_RATE, PANIC_THRESHOLD, Decision, Sample, ScalerState, decide
+from kiln.operator.models import Autoscaling, seconds
 from kiln.operator.scaling import iso, scaler_state
 from kiln.operator.scrape import scrape
 

@@ -144,6 +144,8 @@ INVALID = [
      "autoscaling.panicWindow must be at least 1s and not longer than autoscaling.stableWindow"),
     ("panic-window-sub-second", "bad", with_spec(autoscaling={"panicWindow": "500ms"}),
      "autoscaling.panicWindow must be at least 1s"),
+    ("activation-timeout-sub-second", "bad", with_spec(autoscaling={"activationTimeout": "500ms"}),
+     "autoscaling.activationTimeout must be at least 1s"),  # the router refused to start on it
     ("bad-source-scheme", "bad", with_spec(model__source="s3://bucket/model"),
      "must be builtin://<name>, pvc://<claim>/<path> or hostpath:///<absolute path>"),
     ("host-root-as-source", "bad", with_spec(model__source="hostpath:////"),  # would mount the node's / over the pod's

@@ -839,6 +839,26 @@ def test_router_replicas_come_from_the_spec_with_a_budget_and_a_graceful_stop():
         spec_of(router={"replicas": 0})
 
 
+def test_a_router_holds_requests_as_long_as_the_service_says():
+    """A model that loads for longer than the router's 5 minutes answered every held request 503
+    before a replica from zero served it: autoscaling.activationTimeout sets the hold."""
+    from kiln.router.main import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def held(**autoscaling) -> float:
+        command = pod_spec(child(want(spec_of(autoscaling=autoscaling)), "Deployment", "chat-router"))["containers"][0][
+            "command"]
+        return parser.parse_args(command[2:]).activation_timeout
+    assert held() == 300.0  # the router's default
+    assert held(minReplicas=0, activationTimeout="20m") == 1200.0 and held(activationTimeout="1m30s") == 90.0
+    for bad in ("0s", "500ms"):
+        with pytest.raises(ValueError, match="activationTimeout must be at least 1s"):
+            spec_of(autoscaling={"activationTimeout": bad})
+    with pytest.raises(ValueError, match="must be a duration"):
+        spec_of(autoscaling={"activationTimeout": "10"})
+
+
 def test_lora_adapters_reach_the_engine_with_their_volumes():
     engine = {"maxLoras": 3, "maxLoraRank": 64,
               "adapters": [{"name": "sql", "source": "pvc://loras/sql"}, {"name": "poet", "source": "pvc://loras"},

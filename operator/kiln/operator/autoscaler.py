@@ -19,10 +19,9 @@ after a restart the windows refill, and the persisted state holds replicas meanw
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
-from .models import Autoscaling
+from .models import Autoscaling, seconds
 
 # Knative's defaults (panic-threshold-percentage 200): panic when the short window asks for
 # twice the replicas that are ready.
@@ -65,12 +64,6 @@ class Decision:
 # How far back a panic window shorter than this looks when it holds no sample of its own: two of the
 # builtin autoscaler's 2 s ticks and a bit, so one missed scrape is not blindness, three are.
 RECENT_S = 5.0
-
-
-def seconds(duration: str) -> float:
-    """'1h30m', '90s', '500ms' -> seconds (the CRD's Duration grammar)."""
-    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
-    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration))
 
 
 def average(samples: list[Sample], since: float) -> float | None:

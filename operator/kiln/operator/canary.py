@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .analysis import Check, Figures, check, figures
-from .autoscaler import seconds
 from .desired import Split, fully_ready
-from .models import InferenceServiceSpec
+from .models import InferenceServiceSpec, seconds
 from .observed import Observed, engine_failure, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name
 from .rollout import (FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, ROLLED_BACK, Decision, Facts, State,

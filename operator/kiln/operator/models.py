@@ -62,6 +62,12 @@ def matching(pattern: str, message: str, max_length: int, refused: str | None = 
     return Annotated[str, AfterValidator(check), Field(max_length=max_length, json_schema_extra=rules(cel(rule, message)))]
 
 
+def seconds(duration: str) -> float:
+    """'1h30m', '90s', '500ms' -> seconds (the Duration grammar below)."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(int(n) * units[u] for n, u in re.findall(r"(\d+)(ms|s|m|h)", duration))
+
+
 # Go-style durations limited to what a person writes: 500ms, 30s, 5m, 1h, 1h30m.
 Duration = matching("^([0-9]+(ms|s|m|h))+$", "must be a duration such as 30s, 5m or 1h (units: ms, s, m, h)", 32)
 # No `..` segment: Kubernetes refuses such a hostPath, and a claim's path must stay in the claim.
@@ -292,6 +298,9 @@ class Resources(Spec):
         return selector
 
 
+ACTIVATION_MESSAGE = "autoscaling.activationTimeout must be at least 1s"
+
+
 class Autoscaling(Spec):
     """Scaling on queue depth: `builtin` (the operator's own autoscaler), `hpa`, `keda`, or `none`."""
     model_config = ConfigDict(json_schema_extra=rules(cel(
@@ -307,7 +316,8 @@ class Autoscaling(Spec):
         "duration(self.stableWindow) >= duration('6s')",
         "autoscaling.stableWindow must be at least 6s"), cel(
         "duration(self.panicWindow) >= duration('1s') && duration(self.panicWindow) <= duration(self.stableWindow)",
-        "autoscaling.panicWindow must be at least 1s and not longer than autoscaling.stableWindow")))
+        "autoscaling.panicWindow must be at least 1s and not longer than autoscaling.stableWindow"), cel(
+        "!has(self.activationTimeout) || duration(self.activationTimeout) >= duration('1s')", ACTIVATION_MESSAGE)))
     mode: Literal["builtin", "hpa", "keda", "none"] = "builtin"
     minReplicas: int = Field(1, ge=0, le=1000)
     maxReplicas: int = Field(4, ge=1, le=1000)
@@ -316,6 +326,9 @@ class Autoscaling(Spec):
     stableWindow: Duration = "60s"
     panicWindow: Duration = "6s"
     scaleDownDelay: Duration = "5m"
+    activationTimeout: Duration | None = Field(None, description=(
+        "How long the router holds a request while no replica is ready (at zero, or all still loading), "
+        "then answers 503; longer than a replica takes to start and load its model (default 5m)."))
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> Autoscaling:
@@ -323,6 +336,8 @@ class Autoscaling(Spec):
         # the builtin autoscaler ran minReplicas, above maxReplicas, where an HPA runs the max.
         if self.minReplicas > self.maxReplicas:
             raise ValueError("autoscaling.minReplicas must not be greater than autoscaling.maxReplicas")
+        if self.activationTimeout is not None and seconds(self.activationTimeout) < 1:
+            raise ValueError(ACTIVATION_MESSAGE)  # the router refuses to start on it: a crash loop
         return self
 
     @property

@@ -17,10 +17,10 @@ from kubernetes.client.rest import ApiException
 
 from . import metrics, standby
 from .api import Api
-from .autoscaler import Sample, seconds
+from .autoscaler import Sample
 from .canary import Baseline, roll, split
 from .desired import Desired, Handover, desired, desired_replicas, handover, replicas_writer
-from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec
+from .models import GROUP, KIND, PLURAL, VERSION, InferenceServiceSpec, seconds
 from .observed import Observed
 from .placement import Placements, placed
 from .plan import CREATE, DELETE, PATCH, REPLICAS_MANAGER, SCALE, Action, plan

@@ -11,7 +11,7 @@ from typing import Any
 
 from . import images
 from .engine_command import GRACE_PERIOD_S, PORT, PRESTOP_SLEEP_S, engine_args, model_volumes
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec, Toleration
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec, Toleration, seconds
 from .placement import Placement
 from .quantity import canonical
 
@@ -276,11 +276,14 @@ def render_router(owner: Owner, spec: InferenceServiceSpec, image: str,
     if spec.auth is not None:
         ref = spec.auth.apiKeySecretRef
         env.append({"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    command = ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT),
+               "--inference-service", owner.name]
+    if spec.autoscaling is not None and spec.autoscaling.activationTimeout is not None:
+        command += ["--activation-timeout", f"{seconds(spec.autoscaling.activationTimeout):g}"]
     container = {
         "name": "router",
         "image": image,  # the engine image carries the whole `kiln` CLI
-        "command": ["kiln", "router", "--selector", selector_string(owner.name), "--port", str(ROUTER_PORT),
-                    "--inference-service", owner.name],
+        "command": command,
         "env": env,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .analysis import FAIL, PASS, Check
-from .autoscaler import seconds
-from .models import Rollout
+from .models import Rollout, seconds
 from .scaling import epoch, iso
 
 PROGRESSING, PAUSED, PROMOTED, ROLLED_BACK = "Progressing", "Paused", "Promoted", "RolledBack"

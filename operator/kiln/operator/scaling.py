@@ -8,8 +8,8 @@ import datetime
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .autoscaler import Sample, ScalerState, decide, seconds
-from .models import GROUP, KIND, VERSION, InferenceServiceSpec
+from .autoscaler import Sample, ScalerState, decide
+from .models import GROUP, KIND, VERSION, InferenceServiceSpec, seconds
 from .observed import FAILING, Observed, engine_failure, is_ready, live, replicas_of, serves
 from .quantity import canonical
 from .render import LABEL_ISVC, LOAD_DEADLINE_S, PORT, ROUTER_PORT, Owner, metadata, template_pooled
