@@ -649,3 +649,25 @@ def test_a_spec_back_to_a_rolled_back_revision_mid_rollout_leaves_it_rolled_back
     aborted = run(c.state, "stable-a", READY, None, 50)
     assert canary_condition(dump(aborted.state, ROLLOUT))["reason"] == "Aborted"
     assert run(aborted.state, "canary-b", READY, None, 60).canary == "canary-b"
+
+
+def test_a_stable_revision_that_never_served_is_replaced_at_once():
+    """A first revision whose engine crash-loops (a typo), then a fixed spec: the fix ran as a
+    canary through every step and pause, while the router held the stable share for nobody."""
+    from kiln.operator.canary import roll
+    owner = Owner("chat", "ns", "uid")
+    stable, fixed = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    previous = {"rollout": dump(State(PROMOTED, stable, message=f"{stable} serves 100%"), ROLLOUT)}
+
+    def with_pod(restarts: int, ready: bool = False) -> Observed:
+        pod = ready_pod(stable, "stable-0")
+        pod["status"] = {"conditions": [{"type": "Ready", "status": str(ready)}], "containerStatuses": [
+            {"ready": ready, "restartCount": restarts, "lastState": {"terminated": {"exitCode": 2, "reason": "Error"}}}]}
+        return Observed.of(desired(owner, spec_of("none"), Observed(), "img").stable.deployment, pod)
+    d = roll(owner, spec_of("int8"), with_pod(FAILED_STARTS), {}, previous, {}, 10)
+    assert (d.state.phase, d.state.stable, d.canary) == (PROMOTED, fixed, None)
+    assert f"stable revision {stable} serves nobody: its engine failed to start 3 times" in d.state.message
+    # Still loading (or failed fewer times), or one replica ready: a baseline, so a canary as ever.
+    for observed in (with_pod(0), with_pod(FAILED_STARTS - 1), with_pod(FAILED_STARTS, ready=True)):
+        d = roll(owner, spec_of("int8"), observed, {}, previous, {}, 10)
+        assert (d.state.phase, d.state.stable, d.canary) == (PROGRESSING, stable, fixed)

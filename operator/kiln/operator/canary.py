@@ -95,6 +95,17 @@ def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baseli
                  spec.rollout.analysis)
 
 
+def unserviceable(observed: Observed, revision: str) -> str | None:
+    """Why a stable revision can serve nobody, or None: its Deployment is gone (deleted by hand),
+    or no pod of it is ready and its engine fails to start (a first revision that never served,
+    a typo fixed in the next spec). A revision at zero, or still loading, is not."""
+    if observed.engine(revision) is None:
+        return "was gone"
+    pods = observed.pods(revision)
+    failing = None if any(is_ready(p) for p in pods) else engine_failure(pods, FAILED_STARTS)
+    return None if failing is None else f"serves nobody: its engine failed to start {FAILED_STARTS} times ({failing})"
+
+
 def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotations: Mapping[str, str],
          previous: dict[str, Any], baselines: dict[Any, Baseline], now: float) -> Decision | None:
     """The rollout's next state; None when the spec has no rollout (revisions replace each other)."""
@@ -104,10 +115,11 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     target = revision_name(owner.name, spec)
     state = load(previous.get("rollout"))
     stable = stable_revision(previous, state, target)
-    if stable != target and observed.engine(stable) is None:
-        # The stable revision's Deployment is gone (deleted by hand): nothing to compare with,
-        # so the spec's revision serves, as without a rollout.
-        state, stable = State("Promoted", target, message=f"stable revision {stable} was gone; {target} serves"), target
+    gone = unserviceable(observed, stable) if stable != target else None
+    if gone is not None:
+        # Nothing to compare with, and nobody served by a canary's steps (the router holds the
+        # stable share, for no one): the spec's revision replaces it at once, as without a rollout.
+        state, stable = State("Promoted", target, message=f"stable revision {stable} {gone}; {target} serves"), target
     canary = state.canary if state is not None and state.active else None
     canary_deployment = observed.engine(canary) if canary else None
     facts = Facts(canary_ready=sum(1 for p in observed.pods(canary) if is_ready(p)) if canary else 0,
