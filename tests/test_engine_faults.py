@@ -89,11 +89,12 @@ def test_engine_death_fails_every_request_frees_the_cache_and_turns_health_to_50
 
     streams, wholes, responses = asyncio.run(run())
     cause = f"InjectedFault: fault injected in engine step {FAULT_STEP}"
-    # Tokens, then one error event naming the cause, then a broken end: ended cleanly, a router
-    # counted the failed stream a 200.
+    # Tokens, then one error event naming the cause and [DONE] (as vLLM), then a broken end: ended
+    # cleanly, a router counted the failed stream a 200.
     for events in streams:
-        *tokens, last, end = events
-        assert end == "broken" and tokens and all("choices" in e for e in tokens), events[:3] + events[-2:]
+        *tokens, last, done, end = events
+        assert (done, end) == ("[DONE]", "broken"), events[-3:]
+        assert tokens and all("choices" in e for e in tokens), events[:3] + events[-2:]
         assert is_openai_error(last) and last["error"]["code"] == "engine_dead", last
         assert cause in last["error"]["message"], last
     # The responses stream ends as OpenAI's does: an error event, then response.failed saying why.

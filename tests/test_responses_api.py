@@ -125,6 +125,19 @@ def test_max_output_tokens_makes_it_incomplete(server):
     assert cut.status == "incomplete" and [(o.type, o.status) for o in cut.output] == [("function_call", "incomplete")]
 
 
+def test_max_output_tokens_is_echoed_as_sent(server):
+    # As OpenAI's: null when unset. It said the budget computed from the context (1024 less the prompt).
+    short = {"format": {"type": "json_schema", "name": "pick", "schema": {"enum": ["yes", "no"]}}}
+    unset = server.client.responses.create(model=MODEL, input="Yes or no?", temperature=0, text=short)
+    assert unset.status == "completed" and unset.max_output_tokens is None, unset
+    with server.client.responses.stream(model=MODEL, input="Yes or no?", temperature=0, text=short) as stream:
+        told = [e.response.max_output_tokens for e in stream if hasattr(e, "response")]
+    assert told and told == [None] * len(told)
+    sent = server.client.responses.create(model=MODEL, input="Yes or no?", temperature=0, text=short,
+                                          max_output_tokens=7)
+    assert sent.max_output_tokens == 7
+
+
 def test_tools_give_function_calls_whose_outputs_go_back_as_input(server):
     called = server.client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
                                             tool_choice="required", max_output_tokens=40, temperature=0)

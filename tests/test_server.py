@@ -596,19 +596,36 @@ def test_response_format_and_structured_outputs_through_the_openai_client(server
         assert bare.choices[0].message.content.lstrip().startswith("{")
 
 
+# It compiles, then outgrows llguidance's lexer after a token.
+FAILS_WHILE_GENERATING = {"model": MODEL, "max_tokens": 20, "temperature": 0,
+                          "structured_outputs": {"regex": "(a{1000}){1000}"}}
+
+
 def test_a_constraint_that_fails_while_generating_is_a_400_not_a_stop(server):
-    # It compiles, then outgrows llguidance's lexer after a token: the client hears why, streamed
-    # or not, instead of a "stop" with text that does not follow the regex.
-    body = {"model": MODEL, "prompt": "Write the letter a many times:", "max_tokens": 20, "temperature": 0,
-            "structured_outputs": {"regex": "(a{1000}){1000}"}}
+    # The client hears why instead of a "stop" with text that does not follow the regex.
+    body = {**FAILS_WHILE_GENERATING, "prompt": "Write the letter a many times:"}
     status, answer = post(server.url + "/v1/completions", body)
     assert status == 400 and "constraint failed while generating" in answer["error"]["message"], answer
-    req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+
+
+def sse_payloads(url: str, body: dict) -> list:
+    """A stream's `data:` payloads: parsed JSON, or the string "[DONE]"."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
-        events = [json.loads(line[len(b"data: "):]) for line in r if line.startswith(b"data: {")]
-    assert "constraint failed while generating" in events[-1]["error"]["message"], events
-    assert not any(c.get("choices", [{}])[0].get("finish_reason") for c in events[:-1])
+        data = [line[len(b"data: "):].strip() for line in r if line.startswith(b"data: ")]
+    return [d.decode() if d == b"[DONE]" else json.loads(d) for d in data]
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"prompt": "Write the letter a many times:"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write the letter a many times."}]}),
+])
+def test_a_stream_that_fails_part_way_ends_with_its_error_then_done(server, path, fields):
+    # The error event, never a finish_reason, then [DONE] as vLLM sends it (clients read to it).
+    *chunks, error, done = sse_payloads(server.url + path, {**FAILS_WHILE_GENERATING, **fields})
+    assert done == "[DONE]" and "constraint failed while generating" in error["error"]["message"], error
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks), chunks
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",

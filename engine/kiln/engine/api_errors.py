@@ -3,6 +3,7 @@ every failure a 400 that names the field the client sent."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -34,10 +35,15 @@ def unreadable_body(exc: Exception) -> str:
     return f"the request body could not be read: {getattr(exc.__cause__, 'message', None) or exc}"
 
 
+def strict_json(text: str | bytes) -> Any:
+    """json.loads, with a ValueError for a number no double holds: NaN, Infinity, 1e400."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
 def parse_request(model: type[BaseModel], raw: bytes) -> Any:
     """Parse a JSON body into `model`, turning every failure into a 400 naming the field."""
     try:
-        data = json.loads(raw, parse_constant=_not_json)
+        data = strict_json(raw)
     except ValueError as e:  # UnicodeDecodeError is one
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -83,3 +89,13 @@ def _json_path(data: Any, loc: tuple[str | int, ...]) -> list[str | int]:
 
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON number")
+
+
+def _finite(number: str) -> float:
+    """A JSON number as a float, refusing one past a double's range (1e400), which float() reads
+    as infinity: pydantic refuses that only in float fields, and in a free-form one (a JSON
+    schema) llguidance read it as null and /v1/responses echoed it as Infinity, which is no JSON."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {number} is out of a double's range")
+    return value

@@ -452,6 +452,8 @@ class OpenAIServing:
             await resp.write(sse("[DONE]"))
         except APIError as e:  # headers are gone: report in-band, as OpenAI does
             await resp.write(sse(e.body()))
+            # [DONE] after the error too, as vLLM: clients read to it. A 5xx still breaks the stream.
+            await resp.write(sse("[DONE]"))
             if e.status >= 500:
                 return broken_stream(request, resp)
         except ConnectionResetError:

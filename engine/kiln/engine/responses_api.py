@@ -219,7 +219,8 @@ class Answer:
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
             "error": self.error,
             "incomplete_details": self.incomplete, "instructions": req.instructions, "model": self.model,
-            "output": self.output, "max_output_tokens": self.params.max_tokens,
+            # As sent (null when unset), as OpenAI echoes it: not the budget it ran with.
+            "output": self.output, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None, "store": False,
             # The settings it ran with: a server's --generation-config defaults too, as told.
             "temperature": self.params.temperature, "top_p": self.params.top_p, "truncation": "disabled",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import torch
 
+from kiln.engine.api_errors import strict_json
 from kiln.engine.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def to_grammar(spec: StructuredOutputs) -> str:
 def _schema(schema: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = strict_json(schema)  # 1e400 read as infinity became null in llguidance
         except (ValueError, RecursionError) as e:
             raise ValueError(f"structured outputs: json is not a JSON schema: {e}") from None
     if not isinstance(schema, dict):
