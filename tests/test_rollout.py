@@ -671,3 +671,38 @@ def test_a_stable_revision_that_never_served_is_replaced_at_once():
     for observed in (with_pod(0), with_pod(FAILED_STARTS - 1), with_pod(FAILED_STARTS, ready=True)):
         d = roll(owner, spec_of("int8"), observed, {}, previous, {}, 10)
         assert (d.state.phase, d.state.stable, d.canary) == (PROGRESSING, stable, fixed)
+
+
+def test_a_steps_pause_runs_once_the_canary_has_the_replicas_the_step_sized_it_for():
+    """10 stable replicas, a 50% step sizes the canary for 5: with 1 ready the router gave it a
+    tenth of the step's share, and the pause (from the step's start) moved on, so the 50% weight
+    was never what the checks judged."""
+    d = run(None, "canary-b", READY, None, 0)
+    d = run(d.state, "canary-b", Facts(1, False, step_size=2), None, 1)  # step 1: 20% of 10
+    assert d.state.step == 1
+    d = run(d.state, "canary-b", Facts(1, False, step_size=2), verdict(PASS), 40)  # the pause is over: not for it
+    assert d.state.step == 1 and "1/2 of its replicas ready: the pause runs once they are" in d.state.message
+    # Ready at 50: the pause runs from then, 30 s, with a passing check.
+    sized = Facts(2, False, step_size=2, became_ready=50)
+    assert run(d.state, "canary-b", sized, verdict(PASS), 70).state.step == 1
+    d = run(d.state, "canary-b", sized, verdict(PASS), 81)
+    assert d.state.step == 2
+    # A person may still go on while it is short.
+    short = run(d.state, "canary-b", Facts(2, False, step_size=5, resume_token="go"), None, 90)
+    assert short.state.step == 3
+
+
+def test_the_step_size_the_machine_waits_for_is_the_one_the_canary_is_given():
+    from kiln.operator.canary import roll
+    owner = Owner("chat", "ns", "uid")
+    stable, canary = revision_name("chat", spec_of("none")), revision_name("chat", spec_of("int8"))
+    deployment = desired(owner, spec_of("none"), Observed(), "img").stable.deployment
+    deployment["spec"]["replicas"] = 4  # as scaled to spec.replicas
+    observed = Observed.of(deployment, ready_pod(canary, "canary-0"))
+    previous = {"rollout": dump(State(PROGRESSING, stable, canary, step=2, since=0, passed=1), ROLLOUT)}
+    d = roll(owner, spec_of("int8"), observed, {}, previous, {}, 100)  # step 2 is 50%: 2 of 4
+    assert d.state.step == 2 and "1/2 of its replicas ready" in d.state.message
+    split = split_of(spec_of("int8"), d)
+    canary_revision = next(r for r in desired(owner, spec_of("int8"), observed, "img", split=split).revisions
+                           if r.name == canary)
+    assert canary_revision.replicas == 2

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .analysis import Check, Figures, check, figures
-from .desired import Split, fully_ready
+from .desired import Split, canary_size, fully_ready
 from .models import InferenceServiceSpec, seconds
 from .observed import Observed, engine_failure, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name
@@ -122,14 +122,18 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
         state, stable = State("Promoted", target, message=f"stable revision {stable} {gone}; {target} serves"), target
     canary = state.canary if state is not None and state.active else None
     canary_deployment = observed.engine(canary) if canary else None
+    serving = serving_replicas(spec, observed.engine(stable))
+    step = state.step if state is not None and canary else 0
+    weight = spec.rollout.steps[step - 1].weight if 1 <= step <= len(spec.rollout.steps) else 0
     facts = Facts(canary_ready=sum(1 for p in observed.pods(canary) if is_ready(p)) if canary else 0,
                   canary_full=canary_deployment is not None
-                  and replicas_of(canary_deployment) >= serving_replicas(spec, observed.engine(stable))
+                  and replicas_of(canary_deployment) >= serving
                   and fully_ready(canary_deployment, replicas_of(canary_deployment)),
                   retry_token=annotations.get(RETRY_ANNOTATION), resume_token=annotations.get(RESUME_ANNOTATION),
                   unready_since=last_ready_turn(observed.pods(canary), "False") if canary else None,
                   became_ready=last_ready_turn(observed.pods(canary), "True") if canary else None,
-                  failing=engine_failure(observed.pods(canary), FAILED_STARTS) if canary else None)
+                  failing=engine_failure(observed.pods(canary), FAILED_STARTS) if canary else None,
+                  step_size=canary_size(serving, weight))
     result = None
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)

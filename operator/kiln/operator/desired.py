@@ -133,6 +133,12 @@ def old_replicas(deployment: dict[str, Any], observed: Observed) -> int | None:
     return sum(1 for p in pods if serves(p))
 
 
+def canary_size(stable_replicas: int, weight: int) -> int:
+    """The replicas a step of `weight` percent sizes the canary for, beside the stable revision's:
+    at least one."""
+    return max(1, math.ceil(stable_replicas * weight / 100))
+
+
 def routed_weight(split: Split, observed: Observed, size: int) -> int:
     """The canary's share of requests: its step's weight in proportion to how many of the `size`
     replicas the step sized it for are ready. New ones load for minutes, and the few ready ones
@@ -169,8 +175,8 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     weighted = split is not None
     canary_weight = size = 0
     if split and split.canary:
-        # At least one even when the stable revision is at zero: promotion waits on a ready canary.
-        size = max(1, replicas if split.full_size else math.ceil(replicas * split.weight / 100))
+        size = replicas if split.full_size else canary_size(replicas, split.weight)
+        size = max(size, 1)  # even when the stable revision is at zero: promotion waits on a ready canary
         canary_weight = routed_weight(split, observed, size)
     deployment = render_deployment(owner, spec, image, pod_annotations) if name == target else None
     revisions = [Revision(name, STABLE, deployment, render_revision_service(owner, name, stable_pooled),

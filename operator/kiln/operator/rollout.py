@@ -62,6 +62,7 @@ class Facts:
     # when no pod has one: a replacement pod still Pending)
     became_ready: float | None = None  # the latest turn of a canary pod's Ready condition to True
     failing: str | None = None  # a canary engine's failed exit, once it failed FAILED_STARTS times
+    step_size: int = 1  # the replicas the current step sizes the canary for (desired.canary_size)
 
 
 @dataclass(frozen=True)
@@ -201,14 +202,22 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return Decision(replace(state, phase=PAUSED, message=(
             f"step {state.step}/{len(steps)} paused at {steps[state.step - 1].weight}% to {state.canary}: "
             f"annotate {RESUME_ANNOTATION} to go on; {analysis_words(state)}")), events)
-    if state.passed > 0 and now - state.since >= seconds(pause):
-        return next_step(rollout, state, facts, now, events)
     # A person may go on without a passing check: too little traffic for the quality gate's
     # minTokens, say, leaves every interval inconclusive.
     if asked(facts.resume_token, state.resume_token):
         return next_step(rollout, state, facts, now, events)
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
-    if now - state.since >= seconds(pause):
+    if facts.canary_ready < facts.step_size:
+        # The router gives it a share in proportion to its ready replicas: until it has the step's,
+        # the step's weight is not what is being judged, so its pause does not run yet.
+        return Decision(replace(state, phase=PROGRESSING, message=(
+            f"{words}, {facts.canary_ready}/{facts.step_size} of its replicas ready: the pause runs once they "
+            f"are; {analysis_words(state)}")), events)
+    # From when it had them: its last replica's turn to ready, if that came after the step began.
+    started = max(state.since, facts.became_ready or 0.0)
+    if state.passed > 0 and now - started >= seconds(pause):
+        return next_step(rollout, state, facts, now, events)
+    if now - started >= seconds(pause):
         words += (f"; the pause is over but no analysis interval has passed (annotate {RESUME_ANNOTATION} "
                   "to go on without one)")
     return Decision(replace(state, phase=PROGRESSING, message=f"{words}; {analysis_words(state)}"), events)
