@@ -117,3 +117,28 @@ def test_pool_cost_is_brought_up_to_date_every_30_s_or_when_the_pool_changes():
     assert (later["idleReplicaSeconds"], later["idleGPUSeconds"]) == (30.0, 30.0)  # none of it lost
     grown, _ = pool_status(2, pods("w+", "w+"), None, 0, later, gpus=1, now=1031.0)  # a second standby
     assert (grown["ready"], grown["idleReplicaSeconds"]) == (2, 31.0)
+
+
+def test_a_rolling_template_is_served_by_its_new_pods_before_the_old_ones_go():
+    """An in-place roll (an operator upgrade, new resources): new pods are born standbys and count
+    as available, so the old ReplicaSet removed its serving pod next, and only then was a new
+    standby promoted: nothing served meanwhile."""
+    def rolled(*specs: str) -> list[Pod]:  # 'old:s+' and 'new:w+': a template, then as pods()
+        return [Pod(f"p{i}", s[-1] == "+", s[-2] == "s", f"2026-01-01T00:00:0{i}Z", template=s.split(":")[0])
+                for i, s in enumerate(specs)]
+    # 1 serving + 1 standby of the old template, a new standby ready: it takes the serving place.
+    assert names(plan_pool(1, rolled("old:s+", "old:w+", "new:w+"))) == {"promote": ["p2"], "demote": ["p0"]}
+    # The new one still loads: the old pod serves on.
+    assert names(plan_pool(1, rolled("old:s+", "new:w-"))) == {}
+    # Two serving: each new ready pod replaces an old one (the oldest first).
+    assert names(plan_pool(2, rolled("old:s+", "old:s+", "new:w+"))) == {"promote": ["p2"], "demote": ["p0"]}
+    assert names(plan_pool(2, rolled("old:s+", "new:s+", "new:w+"))) == {"promote": ["p2"], "demote": ["p0"]}
+    # Done rolling: one template again, and the usual plan.
+    assert names(plan_pool(2, rolled("new:s+", "new:s+", "new:w+"), sleep=True)) == {"sleep": ["p2"]}
+    # The promoted pod is patched first: the Service never has fewer serving pods.
+    plan = plan_pool(1, rolled("old:s+", "new:w+"))
+    assert list(plan.patches()) == ["p1", "p0"]
+    # A serving pod not ready keeps its place while no ready pod can take it.
+    assert names(plan_pool(2, rolled("old:s-", "old:s+", "new:w-"))) == {}
+    assert [p.template for p in pods_of([{"metadata": {"name": "p", "labels": {"pod-template-hash": "abc"}},
+                                          "status": {}}])] == ["abc"]

@@ -41,6 +41,7 @@ class Pod:
     ip: str = ""
     asleep: bool = False  # its engine was put to sleep and has not restarted since
     restarts: int = 0
+    template: str = ""  # its pod-template-hash: pods of two mean the Deployment is rolling
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ def plan_pool(serving_wanted: int, pods: list[Pod], sleep: bool = False) -> Pool
     standbys or removes standbys. With `sleep`, the ready standbys that stay standbys and are
     awake are put to sleep (one demoted this pass waits for the next: it may still finish
     requests)."""
+    if len({p.template for p in pods}) > 1:
+        return plan_roll(serving_wanted, pods, sleep)
     serving = [p for p in pods if p.serving]
     standby = sorted((p for p in pods if not p.serving and p.ready), key=lambda p: p.since)
     # A serving pod that stopped being ready (crashed, failing its probe) serves nobody: a ready
@@ -78,14 +81,31 @@ def plan_pool(serving_wanted: int, pods: list[Pod], sleep: bool = False) -> Pool
     return PoolPlan(promote, demote, [p for p in standby[len(promote):] if sleep and not p.asleep])
 
 
+def plan_roll(serving_wanted: int, pods: list[Pod], sleep: bool) -> PoolPlan:
+    """plan_pool while the Deployment rolls to a new template (an operator upgrade, new resources):
+    the newest template's ready pods serve first. Its new pods are born standbys and count as
+    available, so the old ReplicaSet removes its serving pods next; each is replaced by a ready new
+    standby in the pass that sees one (promoted, then the old pod demoted: patched in that order,
+    the Service never has fewer), not once it is gone, which left nothing serving meanwhile."""
+    newest = max(pods, key=lambda p: p.since).template
+    ready = sorted((p for p in pods if p.ready), key=lambda p: (p.template == newest, p.since), reverse=True)
+    keep = ready[:serving_wanted]
+    # One not ready keeps its place while too few are ready to replace it: it may recover.
+    demote = [p for p in pods if p.serving and p not in keep and (p.ready or len(keep) >= serving_wanted)]
+    return PoolPlan([p for p in keep if not p.serving], demote,
+                    [p for p in ready if sleep and not p.serving and p not in keep and not p.asleep])
+
+
 def pods_of(observed_pods: list[dict[str, Any]]) -> list[Pod]:
     """The live pods of a revision (observed.live) as the pool sees them."""
     def pod(p: dict[str, Any]) -> Pod:
         meta, status = p["metadata"], p.get("status") or {}
         restarts = sum(c.get("restartCount", 0) for c in status.get("containerStatuses") or [])
-        return Pod(meta["name"], is_ready(p), (meta.get("labels") or {}).get(LABEL_SERVING) == "true",
+        labels = meta.get("labels") or {}
+        return Pod(meta["name"], is_ready(p), labels.get(LABEL_SERVING) == "true",
                    meta.get("creationTimestamp") or "", status.get("podIP") or "",
-                   (meta.get("annotations") or {}).get(ASLEEP) == str(restarts), restarts)
+                   (meta.get("annotations") or {}).get(ASLEEP) == str(restarts), restarts,
+                   labels.get("pod-template-hash", ""))
     return [pod(p) for p in observed_pods if live(p)]
 
 
