@@ -85,6 +85,18 @@ def applied(recording: dict, spec: dict):
     return edit
 
 
+def test_an_env_entry_someone_added_is_no_reason_to_apply_every_pass(recording):
+    """`kubectl set env deploy/<revision> FOO=1`: server-side apply keeps another manager's entry,
+    so a plan that counted it applied the Deployment again on every pass, for ever."""
+    wanted, _ = replay(recording)
+
+    def set_env(objects):
+        container = named(objects, "Deployment", wanted.stable.name)["spec"]["template"]["spec"]["containers"][0]
+        container["env"] = [*container.get("env", []), {"name": "FOO", "value": "1"}]
+        return objects
+    assert replay(recording, edit=set_env)[1] == []
+
+
 def test_a_field_the_spec_no_longer_asks_for_is_applied_away(recording):
     """A key dropped from a map of ours (a node selector's label, a pod label, a Service's selector)
     or a pod field dropped whole: the stored objects still carry it, which `contains` (stored maps
@@ -185,6 +197,11 @@ def test_contains_compares_what_we_set_only():
     assert not contains({"a": [1, 2]}, {"a": [1]})  # lists are ours whole: no item is extra
     assert not contains({"a": "1"}, {"a": 1})
     assert not contains({}, {"a": None})
+    # Entries of a list keyed by name that another manager added are theirs (an apply keeps them).
+    env = [{"name": "A", "value": "1"}]
+    assert contains({"env": [{"name": "B", "value": "2"}, {"name": "A", "value": "1"}]}, {"env": env})
+    assert not contains({"env": [{"name": "A", "value": "2"}]}, {"env": env})
+    assert not contains({"env": [{"name": "B", "value": "1"}]}, {"env": env}) and not contains({}, {"env": env})
 
 
 def test_replicas_the_create_set_are_taken_over_even_when_they_match(recording):

@@ -32,9 +32,16 @@ class Action:
 
 
 def contains(stored: Any, wanted: Any) -> bool:
-    """Every field of `wanted` is in `stored` with the same value (maps may have more keys)."""
+    """Every field of `wanted` is in `stored` with the same value (maps may have more keys, and so
+    may lists of named entries)."""
     if isinstance(wanted, dict):
         return isinstance(stored, dict) and all(k in stored and contains(stored[k], v) for k, v in wanted.items())
+    if isinstance(wanted, list) and wanted and all(isinstance(w, dict) and "name" in w for w in wanted):
+        # Keyed by name (containers, env, volumes, ports): server-side apply merges such a list by
+        # key and keeps an entry another manager added (`kubectl set env`). Counted as a difference,
+        # it was applied again on every pass, and stayed.
+        named = {s.get("name"): s for s in stored if isinstance(s, dict)} if isinstance(stored, list) else {}
+        return all(w["name"] in named and contains(named[w["name"]], w) for w in wanted)
     if isinstance(wanted, list):
         return isinstance(stored, list) and len(stored) == len(wanted) \
             and all(contains(s, w) for s, w in zip(stored, wanted))
