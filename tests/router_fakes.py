@@ -44,7 +44,7 @@ class FakeEngine:
     one per item put in `steps`); endless (SSE events until the client goes away); break
     (one SSE event, then drop the connection); hang_up (drop the connection unanswered);
     cut_error (a JSON 503 whose body breaks off); stall_error (a JSON 503 whose body never
-    comes).
+    comes); redirect (the "status" its body names, with Location its "to").
     It keeps the last request's body and headers, and has the engine's POST /sleep, a route
     no client of the router may reach. With `serves`, a request naming another model gets the
     engine's 404 (code model_not_found)."""
@@ -160,6 +160,10 @@ class FakeEngine:
         request.transport.close()
         return response
 
+    async def _redirect(self, request: web.Request) -> web.StreamResponse:
+        payload = json.loads(self.body)
+        return web.Response(status=payload["status"], headers={"Location": payload["to"]})
+
     async def _hang_up(self, request: web.Request) -> web.StreamResponse:
         request.transport.close()
         return web.Response()
@@ -267,6 +271,11 @@ class ChangingEndpoints:
 
     async def stop(self) -> None:
         pass
+
+
+def none_ready(endpoints: list[Endpoint]) -> ChangingEndpoints:
+    """Scaled to zero: the engines are there, none ready yet; the test makes them ready."""
+    return ChangingEndpoints([])
 
 
 def refusing(count: int) -> list[Endpoint]:

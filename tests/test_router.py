@@ -33,6 +33,7 @@ from router_fakes import (
     FirstRefuses,
     has_series,
     metric,
+    none_ready,
     on_event_loop,
     raw_replica,
     raw_post,
@@ -621,11 +622,6 @@ async def test_a_path_or_method_the_router_lacks_gets_an_openai_error() -> None:
         wrong = await svc.client.post("/health")
         assert wrong.status == 405 and wrong.headers["Allow"] == "GET,HEAD"
         assert (await wrong.json())["error"]["code"] == "method_not_allowed"
-
-
-def none_ready(endpoints: list[Endpoint]) -> ChangingEndpoints:
-    """Scaled to zero: the engines are there, none ready yet; the test makes them ready."""
-    return ChangingEndpoints([])
 
 
 @on_event_loop

@@ -64,8 +64,8 @@ class RouterMetrics:
             "the response, all requests", ["revision"], buckets=DURATION_BUCKETS,
             registry=self.registry)
         self.time_to_first_token = Histogram(
-            "kiln_router_time_to_first_token_seconds", "From request received to the first "
-            "body chunk of a streamed (SSE) response", ["revision"],
+            "kiln_router_time_to_first_token_seconds", "From the request's sending to the "
+            "replica that answered to the first body chunk of a streamed (SSE) response", ["revision"],
             buckets=FIRST_TOKEN_BUCKETS, registry=self.registry)
         self.inter_token_latency = Histogram(
             "kiln_router_inter_token_latency_seconds", "Gaps between the later body chunks "

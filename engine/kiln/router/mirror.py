@@ -160,7 +160,8 @@ class Mirroring:
                     authorization: str | None) -> dict[str, Any]:
         headers = {"Authorization": authorization} if authorization else None
         with self._balancer.busy(endpoint):
-            async with self._session().post(endpoint.url + path, json=payload, headers=headers) as response:
+            async with self._session().post(endpoint.url + path, json=payload, headers=headers,
+                                          allow_redirects=False) as response:
                 if response.status != 200:
                     raise RuntimeError(f"{endpoint} answered {response.status}: {(await response.text())[:200]}")
                 return await response.json()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -46,6 +47,10 @@ from kiln.router.traffic import StaticTraffic, TrafficSource, WeightedChoice, sp
 log = logging.getLogger("kiln.router")
 
 CLIENT_GONE = 499  # nginx's code for "client closed the request"
+# What aiohttp would add that the client never sent: Accept-Encoding would get a compressed
+# answer (passed through undecoded) a client never asked for, and a vLLM engine reads a body
+# without Content-Type as JSON but refuses application/octet-stream.
+NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,9 @@ class ShuttingDown(Exception):
 class _Exchange:
     """One /v1 request, as its metrics see it."""
     received: float = field(default_factory=time.monotonic)
+    # When it went to the replica that answered: its time to first token counts from there, as
+    # the router's own waits (line, upload, hold, failed tries) would blur canary against stable.
+    sent: float = 0.0
     revision: str = NO_REVISION  # of the replica that answered
     code: int | None = None  # set where it differs from the response's status
     held: float | None = None  # when it began waiting for a replica, if it had to
@@ -363,12 +371,13 @@ class Router:
         assert self._session is not None and self._fresh is not None, "router used outside its lifecycle"
         exchange.revision = endpoint.revision
         attempt = SimpleNamespace(reused=False)  # mark_reused sets it
-        sent = time.monotonic()
+        sent = exchange.sent = time.monotonic()
         try:
             async with asyncio.timeout(self.limits.first_byte_timeout or None):
                 upstream = await (self._fresh if fresh else self._session).request(
                     request.method, endpoint.url + request.rel_url.raw_path_qs,
                     headers=request_headers(request.headers, request.get(auth.SALT)), data=body,
+                    skip_auto_headers=NOT_ADDED, allow_redirects=False,  # a 3xx is the client's to follow
                     trace_request_ctx=attempt)
                 if upstream.status in (404, 503) and upstream.content_type == "application/json":
                     async with upstream:  # an error body: small, and needed whole to tell which 404 or 503
@@ -385,6 +394,10 @@ class Router:
                                       "upstream_timeout")
             return error_response(502, f"replica {endpoint} failed before answering",
                                   "bad_gateway", "upstream_error")
+        except asyncio.CancelledError:  # the client gave up before a status line came
+            if _asks_to_stream(body):  # its wait is its first token's: a replica stalling until
+                self._time_chunk(exchange)  # clients leave must show in the canary analysis
+            raise
         answer = None
         if upstream.status in (404, 503) and upstream.content_type == "application/json":
             answer = web.Response(status=upstream.status, body=error_body, headers=response_headers(upstream.headers))
@@ -455,7 +468,7 @@ class Router:
         now = time.monotonic()
         if exchange.last_chunk is None:
             self.metrics.time_to_first_token.labels(exchange.revision).observe(
-                now - exchange.received)
+                now - exchange.sent)
         else:
             self.metrics.inter_token_latency.labels(exchange.revision).observe(
                 now - exchange.last_chunk)
@@ -475,6 +488,15 @@ class Router:
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _asks_to_stream(body: bytes) -> bool:
+    """Whether a request body is JSON asking for "stream": true; any other body is not."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(payload, dict) and payload.get("stream") is True
 
 
 async def adapters_are_in_the_spec(request: web.Request) -> web.Response:
