@@ -56,6 +56,23 @@ def test_unknown_field_is_an_error():
         spec_of(engine={"quantisation": "int4"})
 
 
+def test_a_stored_spec_with_fields_this_operator_does_not_know_is_read_without_them():
+    """A CRD newer than the operator defaults fields into every stored object: refused, every
+    service was InvalidSpec and nothing reconciled until the operator caught up."""
+    from kiln.operator.stored import parse_spec
+    newer = {"model": {"source": "builtin://smollm2-135m"}, "engine": {"maxNumSeqs": 8, "newKnob": "auto"},
+             "autoscaling": {"mode": "builtin", "coldStartBudget": "30s"}, "futureBlock": {"a": 1}}
+    spec, unknown = parse_spec({"spec": newer})
+    assert (spec.engine.maxNumSeqs, spec.autoscaling.mode) == (8, "builtin")
+    assert sorted(unknown) == ["autoscaling.coldStartBudget", "engine.newKnob", "futureBlock"]
+    assert "newKnob" in newer["engine"]  # the stored body is not changed
+    assert parse_spec({"spec": {"model": {"source": "builtin://smollm2-135m"}}})[1] == []
+    # Anything else wrong is still refused, unknown fields or not.
+    for bad in ({**newer, "replicas": -1}, {"model": {"source": "s3://x"}, "newKnob": 1}):
+        with pytest.raises(ValueError, match="spec does not match this operator's models"):
+            parse_spec({"spec": bad})
+
+
 def test_quantities_are_checked_by_the_operator_too():
     # A spec stored under an older CRD reaches the operator unchecked: a negative count or a
     # non-quantity is an invalid spec naming the field, never a pod the API server refuses or

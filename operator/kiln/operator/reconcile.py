@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-import pydantic
 from kubernetes.client.rest import ApiException
 
 from . import metrics, standby
@@ -29,6 +28,7 @@ from .rollout import dump
 from .scaling import (KEDA_CRD, Scaling, builtin, capacity, current_replicas, external, manual, metrics_urls,
                       pod_counts)
 from .scrape import scrape
+from .stored import parse_spec
 from .status import deployment_failure, event_type, invalid, summarize, transitions
 from .warmpool import ASLEEP, plan_pool, pods_of, pool_status
 
@@ -67,6 +67,8 @@ class Settings:
     reads: dict[tuple[str, str], Read] = field(default_factory=dict)
     # The uid last seen under each name: a deletion of an earlier namesake is not this one's.
     uids: dict[tuple[str, str], str | None] = field(default_factory=dict)
+    # The spec fields this operator does not know, as last said in an Event (stored.parse_spec).
+    unknown: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -137,15 +139,6 @@ def refuse_foreign(api: Api, owner: Owner, action: Action) -> None:
                       "own it: delete or rename it (it is left untouched)")
 
 
-def parse_spec(body: Mapping[str, Any]) -> InferenceServiceSpec:
-    """Raises ValueError with pydantic's message when the stored spec does not fit our models
-    (the CRD schema should stop that; a CRD older or newer than the operator may not)."""
-    try:
-        return InferenceServiceSpec.model_validate(dict(body.get("spec") or {}))
-    except pydantic.ValidationError as err:
-        raise ValueError(f"spec does not match this operator's models: {err}") from None
-
-
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -205,7 +198,8 @@ def hand_over(api: Api, body: Mapping[str, Any], spec: InferenceServiceSpec, han
 def forget(settings: Settings, key: tuple[str, str]) -> None:
     """Drop what passes kept for an InferenceService that is gone (after its last pass: one still
     running when the deletion was seen would keep them again)."""
-    for kept in (settings.own_writes, settings.samples, settings.reads, settings.baselines, settings.uids):
+    for kept in (settings.own_writes, settings.samples, settings.reads, settings.baselines, settings.uids,
+                 settings.unknown):
         kept.pop(key, None)
     metrics.forget(*key)
 
@@ -241,10 +235,15 @@ def reconcile(api: Api, namespace: str, name: str, settings: Settings, woken: bo
         return settings.interval
     owner = Owner(name, namespace, meta["uid"])
     try:
-        spec = placed(parse_spec(body), settings.placements)
+        parsed, unknown = parse_spec(body)
     except ValueError as err:
         report(api, body, previous, invalid(previous, generation, "InvalidSpec", str(err), now()), settings)
         return settings.interval
+    spec = placed(parsed, settings.placements)
+    if unknown and settings.unknown.get((namespace, name)) != unknown:  # said once, not every pass
+        settings.unknown[(namespace, name)] = unknown
+        post_event(api, body, "Warning", "UnknownFields", f"ignored: {', '.join(unknown)}, which this operator "
+                   "does not know (a CRD newer than the operator?): upgrade the operator to use them")
     if read is None:
         keda = api.installed(KEDA_CRD)
         # Never past the next resync: that one reads afresh, as a safety net should.
