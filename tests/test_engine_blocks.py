@@ -332,6 +332,24 @@ def test_the_newest_running_sequence_gives_way_even_one_scheduled_before_an_olde
     assert ran["newer"] > 3 + 28 - 1 and scheduler.num_preemptions >= 1  # the newest gave way
 
 
+def test_the_newest_decode_without_room_frees_its_blocks_for_an_older_prefill_that_same_step() -> None:
+    """The newest running sequence, a decode, had no room and preempted itself, and the step ended
+    there: the older prefill behind it (prefills go after decodes) waited a step for nothing."""
+    bm = BlockManager(3, 4)
+    scheduler = Scheduler(bm, 8, 64)
+    older, newer = Sequence("older", list(range(16)), SamplingParams(), 0), Sequence("newer", [1, 2, 3, 4],
+                                                                                    SamplingParams(), 1)
+    for seq, computed in ((older, 8), (newer, 4)):  # every block held: the decode needs a fourth
+        bm.allocate(seq, [])
+        bm.append_slots(seq, computed)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    newer.append_token(9)
+    batch = scheduler.schedule()
+    assert list(scheduler.waiting) == [newer] and scheduler.running == [older]
+    assert [s.request_id for s in batch.seqs] == ["older"] and batch.num_new_tokens == [4]  # the freed block
+
+
 def test_drafts_take_only_what_the_real_tokens_behind_them_leave() -> None:
     """Decodes go first, and their speculative drafts took the whole token budget: a prompt being
     prefilled behind them got one token a step for as long as the decodes ran. And a draft that

@@ -86,9 +86,11 @@ class Scheduler:
                 preempted = True
                 num_tokens = self._fit(seq, min(needed, budget))
             if num_tokens == 0:
-                self._preempt(seq)  # the newest without room: step aside for the older ones
+                # The newest without room steps aside; the older ones behind it (prefills, as decodes
+                # go first) run on the blocks it frees this very step.
+                self._preempt(seq)
                 preempted = True
-                break
+                continue
             if seq.num_draft_tokens:
                 # Guesses take only the budget that the real tokens of the running sequences behind
                 # (decodes, prompt chunks) and one of the queue's head leave, and keep a block for
