@@ -137,6 +137,13 @@ def test_tiny_llama_mixed_types_load_packed(tmp_path: Path, tiny_llama_dir: Path
     ids = torch.randint(3, 96, (40,), generator=torch.Generator().manual_seed(0))
     # float32 packed modules dequantize to the very weights the plain load holds
     torch.testing.assert_close(tiny_logits(packed.model, ids), tiny_logits(plain.model, ids), rtol=1e-6, atol=1e-6)
+    # By default on a bf16 CPU only the int4 types stay packed: Q8_0's per-block scales have no
+    # packed CPU matmul, and dequantizing them at every matmul made a decode row 5-10x slower.
+    default = load_model(Config(model=str(path), dtype="bfloat16", device="cpu")).model.model.layers
+    assert not isinstance(default[0].mlp.gate_up_proj, QuantLinear) and default[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert isinstance(default[0].mlp.down_proj, Int4Linear) and isinstance(default[1].self_attn.qkv_proj, Int4Linear)
+    torch.testing.assert_close(default[0].mlp.gate_up_proj.weight, plain.model.model.layers[0].mlp.gate_up_proj.weight
+                               .bfloat16(), rtol=0, atol=0)
     asked = load_model(Config(model=str(path), dtype="float32", device="cpu", quantization="int8"))
     requantized = [m for m in asked.model.modules() if isinstance(m, Int8Linear)]
     assert requantized and all(m.group_size is None for m in requantized)  # per-channel, not Q8_0's groups
@@ -207,3 +214,6 @@ def test_gguf_packed_by_default_where_a_packed_matmul_exists() -> None:
     assert Config(dtype="float32", device="cpu", gguf_dequantize=False).keeps_gguf_packed
     assert not Config(dtype="bfloat16", device="cpu", gguf_dequantize=True).keeps_gguf_packed
     assert not Config(dtype="bfloat16", device="cpu", quantization="int8").keeps_gguf_packed
+    assert Config(dtype="bfloat16", device="cpu").gguf_packed_types == ("Q4_0", "Q4_1")
+    assert Config(dtype="float32", device="cpu", gguf_dequantize=False).gguf_packed_types == ("Q8_0", "Q4_0", "Q4_1")
+    assert Config(dtype="float32", device="cpu").gguf_packed_types == ()

@@ -39,7 +39,8 @@ def read_back(path: Path) -> dict[str, torch.Tensor]:
 
 
 # Worst-case absolute error of each format for values of magnitude <= 1 (one quantization step).
-ROUND_TRIP = {"F32": 0.0, "F16": 1e-3, "Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 2 / 15}
+ROUND_TRIP = {"F32": 0.0, "F16": 1e-3, "Q8_0": 1 / 127, "Q4_0": 1 / 7, "Q4_1": 2 / 15, "Q5_0": 1 / 15,
+              "Q5_1": 2 / 31}
 
 
 @pytest.mark.parametrize("kind", list(ROUND_TRIP))
@@ -84,6 +85,27 @@ def ref_dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
     return np.array(out, dtype=np.float32).reshape(-1)
 
 
+def ref_dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K per ggml's dequantize_row_q5_K: Q4_K's scales and mins, a fifth bit from qh."""
+    out = []
+    for b in blocks:
+        d, dmin = _f16(b[0:2].view(np.float16))[0], _f16(b[2:4].view(np.float16))[0]
+        sc, qh, ql = b[4:16].astype(np.int32), b[16:48].astype(np.int32), b[48:176].astype(np.int32)
+
+        def scale_min(j: int) -> tuple[int, int]:
+            if j < 4:
+                return sc[j] & 63, sc[j + 4] & 63
+            return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+        y = []
+        for chunk in range(4):
+            q = ql[chunk * 32:(chunk + 1) * 32]
+            for j, low, bit in ((2 * chunk, q & 0xF, 2 * chunk), (2 * chunk + 1, q >> 4, 2 * chunk + 1)):
+                s, m = scale_min(j)
+                y.extend(d * s * (low + 16 * ((qh >> bit) & 1)) - dmin * m)
+        out.append(y)
+    return np.array(out, dtype=np.float32).reshape(-1)
+
+
 def ref_dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
     """Q6_K per ggml's dequantize_row_q6_K: 4+2 bit quants, 16 int8 scales, one f16 d."""
     out = []
@@ -105,6 +127,7 @@ def ref_dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("kind,block_bytes,scale_at,ref", [
     ("Q4_K", 144, (0, 2), ref_dequant_q4_k),
+    ("Q5_K", 176, (0, 2), ref_dequant_q5_k),
     ("Q6_K", 210, (208,), ref_dequant_q6_k),
 ])
 def test_k_quants_match_reference_decoder(tmp_path: Path, kind: str, block_bytes: int, scale_at: tuple, ref) -> None:
@@ -193,6 +216,40 @@ def test_unsupported_hf_architecture(tmp_path: Path) -> None:
 def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "gpt2.gguf", {"w": (np.zeros((2, 2), np.float32), None)}, arch="gpt2")
     with pytest.raises(ModelLoadError, match=r"gpt2\.gguf.*architecture 'gpt2' is not supported"):
+        load_model(Config(model=str(path), dtype="float32"))
+
+
+def test_a_shard_of_a_split_gguf_is_named_as_one(tmp_path: Path) -> None:
+    """llama-gguf-split's shards: the first said a metadata size disagreed with its tensors, a later
+    one that architecture None is not supported."""
+    for number, arch in ((0, "llama"), (1, None)):
+        writer = gguf.GGUFWriter(tmp_path / f"m-0000{number + 1}-of-00002.gguf", arch)
+        writer.add_uint16("split.no", number)
+        writer.add_uint16("split.count", 2)
+        writer.add_tensor("w", np.ones((4, 32), np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with pytest.raises(ModelLoadError, match=rf"of-00002\.gguf: shard {number + 1} of 2 of a split GGUF; "
+                                                 r"merge them into one file first \(llama-gguf-split --merge"):
+            load_model(Config(model=str(tmp_path / f"m-0000{number + 1}-of-00002.gguf"), dtype="float32"))
+
+
+def test_tensor_types_are_checked_before_a_model_is_built(tmp_path: Path, tiny_llama_dir: Path, monkeypatch) -> None:
+    """A type this loader does not decode (IQ4_NL here) was found only as its tensor came up in
+    load_weights, after the model was allocated and the tensors before it decoded."""
+    path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "iq.gguf", {"blk.1.ffn_down.weight": Q.Q8_0})
+    raw = path.read_bytes()
+    info = raw.index(b"blk.1.ffn_down.weight") + len("blk.1.ffn_down.weight") + 4 + 2 * 8  # n_dims, 2 dims
+    assert int.from_bytes(raw[info:info + 4], "little") == Q.Q8_0  # its type, given as IQ4_NL (fewer bytes)
+    path.write_bytes(raw[:info] + int(Q.IQ4_NL).to_bytes(4, "little") + raw[info + 4:])
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built")
+    monkeypatch.setattr("kiln.engine.loader.LlamaForCausalLM", built)
+    with pytest.raises(ModelLoadError, match=r"iq\.gguf: 1 tensors have types this loader does not decode \(IQ4_NL; "
+                                             r"the first 'blk\.1\.ffn_down\.weight'\); supported: F32, "):
         load_model(Config(model=str(path), dtype="float32"))
 
 

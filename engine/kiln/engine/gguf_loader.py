@@ -22,7 +22,9 @@ from kiln.engine.gguf_quant import PACKED_TYPES, PackedWeight, dequantize_blocks
 from kiln.engine.tokenizer import Tokenizer, build_gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Q4_K_M and Q5_K_M files mix Q4_K/Q5_K with Q6_K, and fall back to Q5_0/Q5_1/Q8_0 for rows
+# whose length 256 does not divide.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -118,6 +120,10 @@ def _rope_scaling(meta: dict[str, Any], arch: str, tensors: list[GGUFTensor], so
 
 
 def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: str) -> ModelConfig:
+    shards = meta.get("split.count", 1)  # llama-gguf-split's keys: later shards hold tensors only
+    if isinstance(shards, int) and shards > 1:
+        raise ModelLoadError(f"{source}: shard {int(meta.get('split.no', 0)) + 1} of {shards} of a split GGUF; "
+                             f"merge them into one file first (llama-gguf-split --merge FIRST-SHARD OUT.gguf)")
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{source}: architecture {arch!r} is not supported "
@@ -155,7 +161,18 @@ def read_model_config(meta: dict[str, Any], tensors: list[GGUFTensor], source: s
     except (ValueError, TypeError, ArithmeticError) as e:  # ModelConfig's checks name the field; int(inf)
         raise ModelLoadError(f"{source}: GGUF metadata: {e}") from None
     _check_sizes(config, tensors, arch, source)
+    _check_types(tensors, source)
     return config
+
+
+def _check_types(tensors: list[GGUFTensor], source: str) -> None:
+    """Every tensor's type, before a model is allocated and half its tensors decoded for nothing."""
+    unsupported = [t for t in tensors if t.tensor_type.name not in SUPPORTED_TYPES]
+    if unsupported:
+        kinds = sorted({t.tensor_type.name for t in unsupported})
+        raise ModelLoadError(f"{source}: {len(unsupported)} tensors have types this loader does not decode "
+                             f"({', '.join(kinds)}; the first {unsupported[0].name!r}); "
+                             f"supported: {', '.join(SUPPORTED_TYPES)}")
 
 
 def _check_sizes(config: ModelConfig, tensors: list[GGUFTensor], arch: str, source: str) -> None:
@@ -179,9 +196,10 @@ def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
     return {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if arch == "llama" else {}
 
 
-def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str) -> dict[str, PackedPlan]:
-    """The decoder projections whose GGUF weights all share one of PACKED_TYPES. A fused module
-    whose parts differ in type (q Q4_1, v Q8_0, say) is left to dequantize."""
+def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str,
+                kinds: tuple[str, ...] = PACKED_TYPES) -> dict[str, PackedPlan]:
+    """The decoder projections whose GGUF weights all share one of `kinds` (of PACKED_TYPES). A
+    fused module whose parts differ in type (q Q4_1, v Q8_0, say) is left to dequantize."""
     by_name = {t.name: t for t in tensors}
     heads = _qk_heads(cfg, arch)
     plans = {}
@@ -190,8 +208,8 @@ def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str) -> dict[
             tensors = [by_name.get(f"blk.{layer}.{part}.weight") for part in parts]
             if None in tensors:
                 continue  # load_weights names what is missing
-            kinds = {t.tensor_type.name for t in tensors}
-            if len(kinds) == 1 and kinds.pop() in PACKED_TYPES:
+            types = {t.tensor_type.name for t in tensors}
+            if len(types) == 1 and types.pop() in kinds:
                 plans[f"model.layers.{layer}.{module}"] = [(t, heads.get(p)) for t, p in zip(tensors, parts)]
     return plans
 
@@ -238,8 +256,9 @@ def iter_weights(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str, source:
         yield name, weight
 
 
-def load_gguf(path: Path, keep_quantized: bool = False) -> GGUFModel:
-    """Config, tokenizer, a lazy weight iterator and (keep_quantized) the projections to serve packed."""
+def load_gguf(path: Path, keep_quantized: tuple[str, ...] = ()) -> GGUFModel:
+    """Config, tokenizer, a lazy weight iterator and the projections to serve packed: those stored
+    as one of the types in `keep_quantized` (of PACKED_TYPES)."""
     source = str(path)
     file = open_gguf(path)
     meta = file.metadata
@@ -247,6 +266,6 @@ def load_gguf(path: Path, keep_quantized: bool = False) -> GGUFModel:
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
                           meta.get("tokenizer.chat_template"), source, meta.get("tokenizer.chat_template.tool_use"))
     arch = meta["general.architecture"]
-    plans = plan_packed(file.tensors, cfg, arch) if keep_quantized else {}
+    plans = plan_packed(file.tensors, cfg, arch, keep_quantized) if keep_quantized else {}
     skip = frozenset(tensor.name for plan in plans.values() for tensor, _ in plan)
     return GGUFModel(cfg, tokenizer, iter_weights(file.tensors, cfg, arch, source, skip), plans)

@@ -233,7 +233,7 @@ def load_model(config: Config) -> LoadedModel:
             model_config.eos_token_ids = tokenizer.eos_token_ids
         weights, source = iter_safetensors(path), str(path)
     else:
-        model_config, tokenizer, weights, packed = load_gguf(path, keep_quantized=config.keeps_gguf_packed)
+        model_config, tokenizer, weights, packed = load_gguf(path, keep_quantized=config.gguf_packed_types)
         source = str(path)
     max_len = resolve_max_model_len(config, model_config)
     # Parameters are created in the target dtype/device directly, never as a float32 copy first.
