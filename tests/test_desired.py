@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import socket
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from unittest.mock import ANY
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from kiln.engine.speculative import SpeculativeConfig
 from kiln.operator.desired import Desired, desired, desired_replicas, handover
-from kiln.operator.models import InferenceServiceSpec
+from kiln.operator.models import Engine, InferenceServiceSpec, ModelSpec
 from kiln.operator.observed import Observed
 from kiln.operator.plan import plan
 from kiln.operator.render import ANNOTATION_QUANTIZATION, LABEL_REVISION, Owner, revision_name
@@ -922,3 +923,77 @@ def test_lora_adapters_reach_the_engine_with_their_volumes():
 def test_bad_adapters_are_refused_before_any_pod(engine, model, error):
     with pytest.raises(ValueError, match=error):
         spec_of(model={"source": "builtin://smollm2-135m", **model}, engine=engine)
+
+
+def read_through(pod: dict) -> dict[str, dict]:
+    """Each path the engine command names (model, draft, adapters) -> the volume it is read
+    through: the one mounted deepest above it."""
+    c = pod["containers"][0]
+    command = c["command"]
+    paths = [command[command.index("--model") + 1]]
+    if "--speculative-config" in command:
+        paths.append(SpeculativeConfig.from_json(command[command.index("--speculative-config") + 1]).model)
+    if "--lora-modules" in command:
+        paths += [entry.split("=", 1)[1] for entry in command[command.index("--lora-modules") + 1:]]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    reads = {}
+    for path in paths:
+        above = [m for m in c["volumeMounts"] if PurePosixPath(path).is_relative_to(m["mountPath"])]
+        reads[path] = volumes[max(above, key=lambda m: len(PurePosixPath(m["mountPath"]).parts))["name"]]
+    return reads
+
+
+@pytest.mark.parametrize("model, engine, field, at", [  # at: where the other volume is mounted
+    # A host folder where the model's claim is mounted: its volume was dropped, and the engine read
+    # the claim's root as the adapter or the draft, silently.
+    ("pvc://weights/llama", {"adapters": [{"name": "a", "source": "hostpath:///models"}]},
+     "engine.adapters[0].source", "/models"),
+    ("pvc://weights/llama",
+     {"speculative": {"method": "draft", "model": {"name": "d", "source": "hostpath:///models"}}},
+     "engine.speculative.model.source", "/models"),
+    # ... or below it, over the folder the model is read from; and a claim where a host folder is.
+    ("pvc://weights/llama", {"adapters": [{"name": "a", "source": "hostpath:///models/llama"}]},
+     "model.source", "/models/llama"),
+    ("hostpath:///adapters/0", {"adapters": [{"name": "a", "source": "pvc://loras/sql"}]},
+     "engine.adapters[0].source", "/adapters/0"),
+    # The engine's own /tmp (and /dev/shm): mounted twice, a Deployment the API server refuses.
+    ("hostpath:///tmp", {}, "model.source", "/tmp"),
+    ("hostpath:///dev/shm/", {}, "model.source", "/dev/shm"),
+])
+def test_sources_mounted_over_one_another_are_refused(model, engine, field, at):
+    from kiln.operator.stored import parse_spec
+    body = {"spec": {"model": {"name": "m", "source": model}, "engine": engine}}
+    with pytest.raises(ValueError, match=rf"{re.escape(field)} .* is read at \S+, where .* is mounted \({at}\)"):
+        parse_spec(body)  # InvalidSpec in the status, not a Deployment
+    # Nor does a spec that skipped validation render one.
+    unchecked = spec_of(model={"name": "m", "source": "builtin://smollm2-135m"})
+    unchecked = unchecked.model_copy(update={"model": ModelSpec(name="m", source=model),
+                                             "engine": Engine.model_validate(engine)})
+    with pytest.raises(ValueError, match="is read at"):
+        want(unchecked)
+
+
+def test_every_source_is_read_through_its_own_volume():
+    draft = {"method": "draft", "model": {"name": "d", "source": "hostpath:///srv/draft"}}
+    adapters = [{"name": "host", "source": "hostpath:///srv/lora"},
+                {"name": "same-claim", "source": "pvc://weights/loras/sql"},  # through the model's mount
+                {"name": "scratch", "source": "hostpath:///tmp/kiln/lora"}]  # under /tmp, as e2e's folders are
+    spec = spec_of(model={"name": "m", "source": "pvc://weights/llama"}, resources={"gpus": 2},
+                   engine={"tensorParallelSize": 2, "speculative": draft, "adapters": adapters})
+    pod = pod_spec(want(spec).stable.deployment)
+    paths = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+    assert len(set(paths)) == len(paths) and {"/tmp", "/dev/shm"} <= set(paths)
+    weights = {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    assert {path: {k: v for k, v in volume.items() if k != "name"} for path, volume in read_through(pod).items()} == {
+        "/models/llama": weights, "/models/loras/sql": weights, "/srv/draft": {"hostPath": {"path": "/srv/draft"}},
+        "/srv/lora": {"hostPath": {"path": "/srv/lora"}},
+        "/tmp/kiln/lora": {"hostPath": {"path": "/tmp/kiln/lora"}}}
+    # One host folder named twice is mounted once; a host folder inside another is the node's same files.
+    spec = spec_of(model={"name": "m", "source": "hostpath:///srv/base"},
+                   engine={"adapters": [{"name": "same", "source": "hostpath:///srv/base"},
+                                        {"name": "inner", "source": "hostpath:///srv/base/lora"}]})
+    pod = pod_spec(want(spec).stable.deployment)
+    paths = [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+    assert len(set(paths)) == len(paths)
+    assert {path: volume["hostPath"]["path"] for path, volume in read_through(pod).items()} == {
+        "/srv/base": "/srv/base", "/srv/base/lora": "/srv/base/lora"}

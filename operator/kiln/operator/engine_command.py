@@ -14,6 +14,11 @@ PORT = 8000
 MODEL_MOUNT = "/models"
 DRAFT_MOUNT = "/draft-model"
 ADAPTER_MOUNT = "/adapters"  # the i-th adapter's claim at /adapters/<i>
+# The engine's own writable space, which render.py mounts beside the sources (/dev/shm only in a
+# tensor-parallel pod, reserved in every one so that a spec's validity never hangs on it).
+TMP_MOUNT = "/tmp"
+SHM_MOUNT = "/dev/shm"
+SCRATCH = {TMP_MOUNT: "the engine's own /tmp", SHM_MOUNT: "the engine's own /dev/shm"}
 
 
 def model_location(model: ModelSpec | Adapter, volume: str = "model", mount_path: str = MODEL_MOUNT,
@@ -40,20 +45,28 @@ def model_volumes(spec: InferenceServiceSpec) -> tuple[str, str | None, list[str
     """(--model argument, the draft model's or None, --lora-modules entries, volumes, volume mounts)
     of the target model, the draft model the engines speculate with and the LoRA adapters. A path
     two of them share is mounted once, and so is a claim: a pod whose volumes name one claim twice
-    may never start (the kubelet waits on the second mount of a volume it mounted already)."""
+    may never start (the kubelet waits on the second mount of a volume it mounted already).
+    Raises ValueError when a source would be read through another volume (see _check_reads)."""
     model_arg, volumes, mounts = model_location(spec.model)
+    reads = [("model.source", spec.model.source, model_arg)]
+    owners = {"model": "model.source"}
     draft = spec.engine.draft_model
     draft_arg = None
     if draft is not None:
         draft_arg, draft_volumes, draft_mounts = model_location(draft, "draft-model", DRAFT_MOUNT,
                                                                 _claims(volumes, mounts))
         _add_volumes(volumes, mounts, draft_volumes, draft_mounts)
+        reads.append(("engine.speculative.model.source", draft.source, draft_arg))
+        owners["draft-model"] = reads[-1][0]
     lora_modules = []
     for i, adapter in enumerate(spec.engine.adapters):
         path, adapter_volumes, adapter_mounts = model_location(adapter, f"adapter-{i}", f"{ADAPTER_MOUNT}/{i}",
                                                                _claims(volumes, mounts))
         _add_volumes(volumes, mounts, adapter_volumes, adapter_mounts)
         lora_modules.append(f"{adapter.name}={path}")
+        reads.append((f"engine.adapters[{i}].source", adapter.source, path))
+        owners[f"adapter-{i}"] = reads[-1][0]
+    _check_reads(reads, volumes, mounts, owners)
     return model_arg, draft_arg, lora_modules, volumes, mounts
 
 
@@ -64,12 +77,48 @@ def _claims(volumes: list[dict], mounts: list[dict]) -> dict[str, str]:
 
 
 def _add_volumes(volumes: list[dict], mounts: list[dict], new_volumes: list[dict], new_mounts: list[dict]) -> None:
-    """Add a source's volumes and mounts, but none at a path already mounted."""
+    """Add a source's volumes and mounts, but none at a path already mounted: there it is the same
+    host folder (mounted once), or a clash that _check_reads refuses."""
     taken = {m["mountPath"] for m in mounts}
     kept = [m for m in new_mounts if m["mountPath"] not in taken]
     names = {m["name"] for m in kept}
     volumes += [v for v in new_volumes if v["name"] in names]
     mounts += kept
+
+
+def _backing(source: str) -> tuple[str, str] | None:
+    """What a source is read from: ("pvc", claim) or ("hostpath", node path); None for builtin://."""
+    scheme, rest = source.split("://", 1)
+    if scheme == "pvc":
+        return "pvc", rest.partition("/")[0]
+    return ("hostpath", str(PurePosixPath("/", rest))) if scheme == "hostpath" else None
+
+
+def _check_reads(reads: list[tuple[str, str, str]], volumes: list[dict], mounts: list[dict],
+                 owners: dict[str, str]) -> None:
+    """Refuse a layout in which the engine would read a source (field, source, argument) through
+    another volume: one mounted at the same path (Kubernetes refuses a path mounted twice, and
+    _add_volumes keeps only the first) or below it (which hides that part of it). The wrong
+    weights, or a Deployment the API server refuses, become a spec error the user sees instead."""
+    backing = {v["name"]: ("pvc", v["persistentVolumeClaim"]["claimName"]) if "persistentVolumeClaim" in v
+               else ("hostpath", str(PurePosixPath(v["hostPath"]["path"]))) for v in volumes}
+    layout = [(m["mountPath"], backing[m["name"]], owners[m["name"]]) for m in mounts]
+    layout += [(path, ("scratch", path), what) for path, what in SCRATCH.items()]
+    for field, source, arg in reads:
+        want = _backing(source)
+        if want is None:
+            continue
+        # The mounts at the deepest path above the argument are the ones it is read through
+        # (compared as paths: /tmp/ is /tmp).
+        covering = [entry for entry in layout if PurePosixPath(arg).is_relative_to(entry[0])]
+        deepest = max(len(PurePosixPath(path).parts) for path, _, _ in covering)
+        for path, backed, what in covering:
+            if backed != want and len(PurePosixPath(path).parts) == deepest:
+                raise ValueError(
+                    f"{field} {source} is read at {arg}, where {what} is mounted ({path}): the engine would "
+                    f"not read {source}. A pvc:// claim is mounted at {MODEL_MOUNT}, {DRAFT_MOUNT} or "
+                    f"{ADAPTER_MOUNT}/<i> and a hostpath:// folder at its own path; name a host folder "
+                    f"apart from those and from {TMP_MOUNT} and {SHM_MOUNT}")
 
 
 TP_KV_CACHE_MEMORY = "1Gi"

@@ -466,3 +466,12 @@ class InferenceServiceSpec(Spec):
         if any(adapter.name == self.model.served_name for adapter in self.engine.adapters):
             raise ValueError(ADAPTER_IS_MODEL)
         return self
+
+    @model_validator(mode="after")
+    def _sources_mounted_apart(self) -> InferenceServiceSpec:
+        """Refuses sources the engine pod would read through one another's volume (a host folder
+        at a claim's or the engine's own mount path): InvalidSpec, not a Deployment the API server
+        refuses or an engine serving the wrong weights."""
+        from .engine_command import model_volumes  # where sources mount is its to say; it imports this module
+        model_volumes(self)
+        return self

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import images
-from .engine_command import GRACE_PERIOD_S, PORT, PRESTOP_SLEEP_S, engine_args, model_volumes
+from .engine_command import (GRACE_PERIOD_S, PORT, PRESTOP_SLEEP_S, SHM_MOUNT, TMP_MOUNT, engine_args,
+                             model_volumes)
 from .models import GROUP, KIND, VERSION, InferenceServiceSpec, Toleration, seconds
 from .placement import Placement
 from .quantity import canonical
@@ -141,11 +142,11 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
                   **({LABEL_SERVING: "false"} if pooled(spec) else {})}
     model_arg, draft_arg, lora_modules, volumes, mounts = model_volumes(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}, *volumes]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}, *mounts]
-    env = [{"name": "HOME", "value": "/tmp"}]
+    mounts = [{"name": "tmp", "mountPath": TMP_MOUNT}, *mounts]
+    env = [{"name": "HOME", "value": TMP_MOUNT}]
     if spec.engine.tensorParallelSize > 1:  # GPU ranks (the CRD's rule) exchange tensors through shared memory
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
-        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        mounts.append({"name": "dshm", "mountPath": SHM_MOUNT})
         env += NCCL_ENV
     mine = {e.name for e in spec.engine.env}
     env = [e for e in env if e["name"] not in mine] + [e.model_dump(exclude_none=True) for e in spec.engine.env]
