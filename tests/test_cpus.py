@@ -68,3 +68,20 @@ def test_configure_sets_torch_and_logs(monkeypatch: pytest.MonkeyPatch, caplog: 
         assert "torch threads: 1" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("value, threads", [("3", 3), ("2,1", 2), (" 2", 2), ("0", 1), ("many", 1)])
+def test_omp_num_threads_is_read_as_openmp_reads_it(value: str, threads: int, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """0 passed for a count (and libgomp ran a thread per host core, whatever the cgroup allowed);
+    "2,1" or " 2" were not digits and the user's count was replaced by the CPU budget."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", value)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})  # a budget of 1
+    try:
+        with caplog.at_level(logging.INFO, logger="kiln.cpus"):
+            assert configure_torch_threads() == threads
+        assert torch.get_num_threads() == threads
+        assert ("no positive thread count" in caplog.text) == (threads == 1)
+    finally:
+        torch.set_num_threads(before)

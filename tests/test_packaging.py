@@ -24,7 +24,7 @@ import importlib.abc, sys
 class _Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in {ENGINE_ONLY!r}:
-            raise ImportError(f"{{name}} is blocked: the operator image has no engine libraries")
+            raise ModuleNotFoundError(f"{{name}} is blocked: the operator image has no engine libraries", name=name)
 sys.meta_path.insert(0, _Blocked())
 """
 
@@ -89,6 +89,15 @@ print("ok")
     done = run_blocked(code)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("usage: kiln") == 3 and done.stdout.endswith("ok\n")
+
+
+def test_an_engine_command_without_the_engine_extra_says_so() -> None:
+    """The operator image (no torch): `kiln serve` was a traceback ending in "import torch"."""
+    for argv in (["serve", "--model", "smollm2-135m"], ["generate", "--prompt", "hi"], ["eval", "--help"]):
+        done = run_blocked(f"from kiln.cli import main; sys.exit(main({argv!r}))")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert done.stderr.strip() == (f"kiln {argv[0]}: needs the engine extra (pip install 'kiln[engine]'): "
+                                       f"no module named 'torch'")
 
 
 def test_crds_generate_without_torch(tmp_path: Path) -> None:

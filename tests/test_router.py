@@ -748,7 +748,11 @@ async def test_requests_held_when_the_router_shuts_down_get_a_503_to_retry_not_a
     (["--selector", "app=chat", "--kubeconfig", "/nonexistent/kubeconfig"],
      "--kubeconfig /nonexistent/kubeconfig: no such file"),
     (["--endpoints", "a:1", "--kubeconfig", "/tmp"], "--kubeconfig needs --selector"),
+    (["--endpoints", "a:1", "--namespace", "x"], "--namespace needs --selector"),  # ignored, and the router ran
+    (["--endpoints", "a:1", "--port-name", "grpc"], "--port-name needs --selector"),
     (["--selector", "app=chat", "--kubeconfig", "/dev/null"], "cannot load Kubernetes config"),
+    # It said "cannot load Kubernetes config: 'str' object does not support item assignment".
+    (["--selector", "app=chat", "--kubeconfig", "/etc/hostname"], "/etc/hostname is not a kubeconfig (TypeError: "),
 ])
 def test_cli_rejects_bad_input(argv: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:

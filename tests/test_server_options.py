@@ -100,6 +100,7 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
     (["--seed", str(2**64)], {}, "seed must be in [0, 2**63 - 1]"),
     (["--drain-timeout", "nan"], {}, "--drain-timeout: must be > 0"),
     (["--api-key", ""], {}, "--api-key must not be empty"),
+    (["--served-model-name", " "], {}, "--served-model-name must not be empty"),  # served as the model's name
     ([], {"KILN_API_KEYS": "# nobody"}, "$KILN_API_KEYS is set but holds no API key"),
     (["--model", "no/such/model"], {}, "model 'no/such/model' not found"),  # said before listening: exit 2
     # What a pod given GPUs runs (the operator asks for cuda): no usable GPU is a refusal, not a CPU engine.

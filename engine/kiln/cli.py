@@ -8,6 +8,10 @@ import os
 import signal
 import sys
 
+# The pip extra each command's imports come from (`pip install 'kiln[engine]'`).
+EXTRAS = {"generate": "engine", "serve": "engine", "quantize": "engine", "eval": "engine", "router": "engine",
+          "operator": "operator", "crds": "operator", "local": "operator"}
+
 # subcommand -> module defining `add_arguments(parser)` and `run(args) -> int`
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kiln.engine.cli", "generate text offline with the engine"),
@@ -28,12 +32,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: kiln COMMAND [options]\n\ncommands:\n{usage}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(COMMANDS[name][0])
-    parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
-    module.add_arguments(parser)
-    args = parser.parse_args(rest)
     try:
+        module = importlib.import_module(COMMANDS[name][0])
+        parser = argparse.ArgumentParser(prog=f"kiln {name}", description=COMMANDS[name][1])
+        module.add_arguments(parser)
+        args = parser.parse_args(rest)
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as e:
+        if not e.name or e.name.partition(".")[0] == "kiln":  # our own bug: its traceback is the report
+            raise
+        # An install without the command's extra (the operator image has no torch).
+        print(f"kiln {name}: needs the {EXTRAS[name]} extra (pip install 'kiln[{EXTRAS[name]}]'): "
+              f"no module named {e.name!r}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C is the user's choice, not a crash: no traceback
         print(f"\nkiln {name}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT  # the shell's code for a process ended by SIGINT

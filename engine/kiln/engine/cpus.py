@@ -67,10 +67,19 @@ def configure_torch_threads() -> int:
     log the choice, and return it."""
     import torch
 
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        threads = torch.get_num_threads()
-        log.info("torch threads: %d (OMP_NUM_THREADS)", threads)
-        return threads
+    given = os.environ.get("OMP_NUM_THREADS")
+    if given is not None:
+        # OpenMP's own reading: a positive count, the first of a comma list. libgomp ignores
+        # anything else (0 too) and runs a thread per host core, however few the cgroup allows.
+        try:
+            threads = int(given.split(",")[0])
+        except ValueError:
+            threads = 0
+        if threads >= 1:
+            torch.set_num_threads(threads)
+            log.info("torch threads: %d (OMP_NUM_THREADS)", threads)
+            return threads
+        log.warning("OMP_NUM_THREADS=%r is no positive thread count: ignored", given)
     try:
         self_cgroup = Path("/proc/self/cgroup").read_text()
     except OSError:

@@ -297,6 +297,8 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
             raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(tool_parsers.PARSERS)})")
         model_path = resolve_model_path(args.model)  # a typo is exit 2 now, not a failed load once listening
         defaults = sampling_defaults(args.generation_config, model_path)
+        if args.served_model_name is not None and not args.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty: clients name the model with it")
         name = args.served_model_name or served_name(args.model)
         api_keys = auth.api_keys(args.api_key)
         config = Config(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,

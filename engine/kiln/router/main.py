@@ -38,14 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--selector", help="label selector of the engine revisions' "
                                           "EndpointSlices, e.g. kiln.dev/inferenceservice=chat,"
                                           "kiln.dev/component=engine")
-    parser.add_argument("--namespace", default=os.environ.get("POD_NAMESPACE", "default"),
-                        help="namespace of the EndpointSlices (default: $POD_NAMESPACE or "
-                             "'default')")
+    parser.add_argument("--namespace", help="with --selector: namespace of the EndpointSlices "
+                                            "(default: $POD_NAMESPACE or 'default')")
     parser.add_argument("--inference-service", metavar="NAME",
                         help="with --selector: follow this InferenceService's status for the "
                              "rollout's revision weights and quality-gate mirroring")
-    parser.add_argument("--port-name", default="http",
-                        help="name of the Service port the engines listen on ('' if unnamed)")
+    parser.add_argument("--port-name", help="with --selector: name of the Service port the engines "
+                                            "listen on ('' if unnamed; default: http)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster config, "
                                              "else ~/.kube/config)")
     parser.add_argument("--connect-timeout", type=float, default=DEFAULTS.connect_timeout,
@@ -131,8 +130,9 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
     if args.endpoints is not None:
         if args.inference_service is not None:
             raise ValueError("--inference-service needs --selector (a cluster), not --endpoints")
-        if args.kubeconfig is not None:  # it would be ignored: no cluster is read
-            raise ValueError("--kubeconfig needs --selector (a cluster), not --endpoints")
+        for flag in ("kubeconfig", "namespace", "port_name"):  # each would be ignored: no cluster is read
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} needs --selector (a cluster), not --endpoints")
         try:
             return StaticEndpoints(parse_endpoints(args.endpoints)), None
         except ValueError as exc:
@@ -154,12 +154,18 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
         else:
             config.load_kube_config(config_file=args.kubeconfig,
                                     client_configuration=configuration)
-    except Exception as exc:  # noqa: BLE001 - ConfigException, missing or broken files
+    except config.ConfigException as exc:
         raise ValueError(f"cannot load Kubernetes config: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a file that is no YAML, or no mapping
+        where = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        raise ValueError(f"{where} is not a kubeconfig "
+                         f"({type(exc).__name__}: {exc})") from None
     api = client.ApiClient(configuration)
+    namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
     traffic = None if args.inference_service is None else \
-        InferenceServiceTraffic(api, args.namespace, args.inference_service)
-    return EndpointSliceSource(api, args.namespace, args.selector, args.port_name), traffic
+        InferenceServiceTraffic(api, namespace, args.inference_service)
+    port_name = "http" if args.port_name is None else args.port_name
+    return EndpointSliceSource(api, namespace, args.selector, port_name), traffic
 
 
 @asynccontextmanager
