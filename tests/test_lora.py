@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.engine import lora
 from kiln.engine.config import Config
 from kiln.engine.lora import LoRAError, load_adapter
 from kiln.engine.lora_cache import LoRACapacityError
@@ -18,7 +19,7 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
 
-from lora_support import make_one_tensor_integer, merged_into, write_adapter
+from lora_support import SMOLLM2, make_one_tensor_integer, merged_into, write_adapter
 from test_model import forward_prefill, rel_err
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -269,6 +270,24 @@ def test_an_adapter_of_another_model_or_module_is_refused(tmp_path, hf_smollm2, 
     save_file({key: tensors[key]}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(LoRAError, match="without its other half"):
         load_adapter("half", str(tmp_path), llm.engine.runner.model, 16)
+
+
+def test_a_file_holding_other_tensors_is_refused_before_any_tensor_is_read(tmp_path, monkeypatch) -> None:
+    """A path to a whole model's checkpoint is refused from the file's header: every tensor was read
+    into host memory first (enough to OOM-kill the pod for a large model)."""
+    write_adapter(tmp_path, SMOLLM2, seed=5, layers=range(1))
+    tensors_file = tmp_path / "adapter_model.safetensors"
+    save_file({**load_file(str(tensors_file)), "model.embed_tokens.weight": torch.zeros(8, 576)}, str(tensors_file))
+    reads: list[str] = []
+
+    def spy(path: str, *args, **kwargs) -> dict[str, torch.Tensor]:
+        reads.append(path)
+        return load_file(path, *args, **kwargs)
+    monkeypatch.setattr(lora, "load_file", spy)
+    with pytest.raises(LoRAError, match=r"LoRA adapter 'checkpoint': tensor 'model\.embed_tokens\.weight' is not a "
+                                        r"LoRA weight of an attention or MLP projection .*only those take adapters"):
+        load_adapter("checkpoint", str(tmp_path), torch.nn.Module(), 16)  # refused before the model is looked at
+    assert reads == []
 
 
 def test_lora_settings_are_checked(llm, adapters) -> None:

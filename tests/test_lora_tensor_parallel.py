@@ -13,11 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kiln.engine import tp_ranks
 from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.llm import LLM
-from kiln.engine.lora import LoRANotLoadedError, lora_mapping
+from kiln.engine.lora import LoRAAdapter, LoRANotLoadedError, lora_mapping
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculative import SpeculativeConfig
+from kiln.engine.tensor_parallel import Shard
 
 from lora_support import write_adapter
 from test_lora_server import adapter_call
@@ -142,3 +144,23 @@ def test_a_tensor_parallel_server_serves_adapters_from_its_flags_and_over_http(t
         assert code == 200 and reply["choices"][0]["text"] == want["all"], reply
     finally:
         server.stop()
+
+
+def test_rank_0_cuts_an_adapter_before_the_workers_are_sent_it(monkeypatch):
+    """A cut that fails on rank 0 (shapes, out of memory) sends the workers nothing: sent first, each
+    worker kept its copy for good (the adapter cache, never holding the adapter, never removes it).
+    No ranks spawned: a runner with a stand-in group records what would be sent."""
+    sent: list[str] = []
+    runner = tp_ranks.LeaderRunner.__new__(tp_ranks.LeaderRunner)
+    runner.group = SimpleNamespace(send=lambda kind, *_: sent.append(kind))
+    runner.model = SimpleNamespace(inner=SimpleNamespace(config=None), shard=Shard(0, 2))
+    adapter = LoRAAdapter("a", "/adapters/a", 8, next(_ids), {})
+
+    def cut_fails(*_: object) -> LoRAAdapter:
+        raise torch.OutOfMemoryError("no room for rank 0's cut")
+    with monkeypatch.context() as patch:
+        patch.setattr(tp_ranks, "shard_adapter", cut_fails)
+        with pytest.raises(torch.OutOfMemoryError):
+            runner.add_lora(adapter)
+    assert sent == []
+    assert runner.add_lora(adapter).name == "a" and sent == ["add_lora"]  # the cut done, then sent

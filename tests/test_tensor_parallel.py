@@ -7,6 +7,7 @@ share the machine's cores."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import pickle
 import signal
@@ -19,6 +20,7 @@ import psutil
 import pytest
 import torch
 
+from kiln.engine import llm_engine
 from kiln.engine.config import Config
 from kiln.engine.context import prefill_context, reset_context, set_context
 from kiln.engine.llm import LLM
@@ -182,6 +184,26 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
 def test_heads_tp_cannot_split_are_refused_before_any_rank_starts(smollm2_path):
     with pytest.raises(ShardingError, match=r"num_attention_heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
         LLM(str(smollm2_path), tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=256)
+    assert not rank_processes()
+
+
+@pytest.mark.parametrize("overrides, tp, error", [
+    ({}, 3, r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"),
+    ({"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}, 2,
+     r"num_key_value_heads \(3\) and tensor_parallel_size \(2\): one must divide the other"),
+    ({"intermediate_size": 130}, 4, r"intermediate_size \(130\) is not divisible by tensor_parallel_size \(4\)"),
+])
+def test_a_folder_tp_cannot_split_is_refused_before_any_weight_is_read(overrides, tp, error, tiny_llama_dir, tmp_path,
+                                                                       monkeypatch):
+    """Refused from its config.json: it was refused only once rank 0 had loaded the whole model."""
+    raw = json.loads((tiny_llama_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **overrides}))  # no weights: none may be read
+
+    def load_model(config: Config) -> None:
+        raise AssertionError("the weights were read")
+    monkeypatch.setattr(llm_engine, "load_model", load_model)
+    with pytest.raises(ShardingError, match=error):
+        LLM(str(tmp_path), tensor_parallel_size=tp, **TINY)
     assert not rank_processes()
 
 
@@ -352,16 +374,29 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     gpus = torch.cuda.device_count()
     with pytest.raises(TensorParallelError, match=rf"tensor_parallel_size {gpus + 1} is larger than the {gpus} GPU"):
-        WorkerGroup(Config(device="cuda", tensor_parallel_size=gpus + 1))
+        WorkerGroup(Config(device="cuda", tensor_parallel_size=gpus + 1, kv_cache_memory=1 << 22))
 
 
 def test_a_gpu_index_is_refused(monkeypatch):
     # Rank 0 on cuda:1 and rank 1 on cuda:1 too: NCCL refused the pair after every rank had loaded.
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(TensorParallelError, match="device 'cuda:1': tensor parallelism puts rank r on cuda:r"):
-        WorkerGroup(Config(device="cuda:1", tensor_parallel_size=2))
+        WorkerGroup(Config(device="cuda:1", tensor_parallel_size=2, kv_cache_memory=1 << 22))
 
 
 def test_tensor_parallel_size_must_be_positive():
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer, got 0"):
         Config(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_tensor_parallel_on_cuda_without_kv_cache_memory_is_refused_by_the_config(device, monkeypatch):
+    # ModelRunner refused it too, but only once rank 0 had loaded the whole model.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # as on a two-GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"tensor parallelism on CUDA needs kv_cache_memory \(per rank\): the pool "
+                                         r"is not sized from free GPU memory across ranks"):
+        Config(device=device, tensor_parallel_size=2)
+    assert Config(device=device, tensor_parallel_size=2, kv_cache_memory=1 << 30).kv_cache_memory == 1 << 30
+    assert Config(device=device).tensor_parallel_size == 1  # one rank: its pool is sized from free memory
+    assert Config(device="cpu", tensor_parallel_size=2).kv_cache_memory is None  # the CPU default per rank

@@ -116,6 +116,11 @@ class Config:
                                  "that and a container runtime that exposes the GPU)")
             if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
                 raise ValueError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        # Each rank's profile forward (the GPU pool's sizing) would wait on collectives the others
+        # are not running yet.
+        if self.tensor_parallel_size > 1 and self.kv_cache_memory is None and self.torch_device.type == "cuda":
+            raise ValueError("tensor parallelism on CUDA needs kv_cache_memory (per rank): the pool is not sized "
+                             "from free GPU memory across ranks")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"unknown quantization method {self.quantization!r}; "
                              f"choose one of {', '.join(QUANTIZATION_METHODS)}")

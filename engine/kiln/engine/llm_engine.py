@@ -94,6 +94,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: Config):
+        if config.tensor_parallel_size > 1:  # a shape the ranks cannot split, said before any weight is read
+            from kiln.engine.tensor_parallel import check_before_load
+            check_before_load(config.model, config.tensor_parallel_size)
         loaded = load_model(config)
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer if config.chat_template is None else \

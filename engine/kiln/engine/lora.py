@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -81,15 +82,19 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
         raise LoRAError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
     scale = _scale(name, config, max_rank)
     try:
+        # The names first, from the header alone: a path to a whole model's checkpoint read every
+        # tensor into host memory (enough to OOM-kill the pod) before it was refused.
+        with safe_open(str(tensors_file), framework="pt") as f:
+            for key in f.keys():
+                _lora_key(name, key)
         tensors = load_file(str(tensors_file))
+    except LoRAError:
+        raise
     except Exception as e:  # safetensors' own errors name no file
         raise LoRAError(f"LoRA adapter {name!r}: cannot read {tensors_file}: {e}") from None
     shards: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None or match.group(2) not in _TARGETS:
-            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of an attention or MLP "
-                            f"projection ({', '.join(_TARGETS)}): only those take adapters here")
+        match = _lora_key(name, key)
         if not tensor.is_floating_point():  # PEFT writes float weights: integers cast to floats are not an adapter
             raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} in {tensors_file} is {tensor.dtype}, not a "
                             "floating-point type")
@@ -103,6 +108,15 @@ def load_adapter(name: str, path: str, model: nn.Module, max_rank: int) -> LoRAA
         raise LoRAError(f"LoRA adapter {name!r}: {tensors_file} holds no LoRA weights")
     weights = {key: _fuse(name, model, key, parts, config["r"], scale) for key, parts in sorted(shards.items())}
     return LoRAAdapter(name, str(path), int(config["r"]), next(_ids), weights)
+
+
+def _lora_key(name: str, key: str) -> re.Match[str]:
+    """The match of a tensor name that is a LoRA weight of a projection taking adapters; LoRAError if not."""
+    match = _KEY.match(key)
+    if match is None or match.group(2) not in _TARGETS:
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of an attention or MLP "
+                        f"projection ({', '.join(_TARGETS)}): only those take adapters here")
+    return match
 
 
 def _scale(name: str, config: dict, max_rank: int) -> float:

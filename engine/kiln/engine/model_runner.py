@@ -155,10 +155,6 @@ class ModelRunner:
             return config.kv_cache_memory, "kv_cache_memory"
         if self.device.type != "cuda":
             return CPU_KV_CACHE_MEMORY, "the CPU default"
-        if config.tensor_parallel_size > 1:
-            # Each rank's profile forward would wait on collectives the others are not running yet.
-            raise ValueError("tensor parallelism on CUDA needs kv_cache_memory (per rank): the pool is not sized "
-                             "from free GPU memory across ranks")
         return self._measure_gpu_kv_budget(config), f"gpu_memory_utilization={config.gpu_memory_utilization}"
 
     @torch.inference_mode()

@@ -27,6 +27,7 @@ from torch import nn
 
 from kiln.engine.config import ModelConfig
 from kiln.engine.llama import Linear, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from kiln.engine.loader import read_hf_config, resolve_model_path
 from kiln.engine.lora import LoRAAdapter
 from kiln.engine.quantization import Fp8Linear, Int4Linear, Int8Linear, pack_int4, unpack_int4
 
@@ -58,6 +59,15 @@ def check_shardable(cfg: ModelConfig, tp: int) -> None:
     if cfg.intermediate_size % tp:
         raise ShardingError(f"intermediate_size ({cfg.intermediate_size}) is not divisible by "
                             f"tensor_parallel_size ({tp})")
+
+
+def check_before_load(model: str, tp: int) -> None:
+    """check_shardable from a model folder's config.json, before rank 0 reads any weight: said only
+    after the whole model had loaded. A GGUF file's config is read with its tensors: check_model
+    refuses it once loaded."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        check_shardable(read_hf_config(path), tp)
 
 
 def local_model_config(cfg: ModelConfig, tp: int) -> ModelConfig:

@@ -300,9 +300,12 @@ class LeaderRunner(ModelRunner):
         super().release_kv_cache()
 
     def add_lora(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        # Read and checked here once; each worker cuts its own part from a host copy.
+        # Read and checked here once; each worker cuts its own part from a host copy. Rank 0 cuts
+        # first: had its cut failed (shapes, out of memory) after the send, the adapter cache would
+        # never hold it, never send remove_lora, and every worker would keep its copy for good.
+        local = shard_adapter(adapter, self.model.inner.config, self.model.shard)
         self.group.send("add_lora", on_device(adapter, "cpu"))
-        return shard_adapter(adapter, self.model.inner.config, self.model.shard)
+        return local
 
     def remove_lora(self, adapter: LoRAAdapter) -> None:
         self.group.send("remove_lora", adapter.id)
