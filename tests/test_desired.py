@@ -175,7 +175,7 @@ def test_router_discovers_every_revision_with_least_privilege():
     revision_svc = wanted.stable.service
     labels = dict(pair.split("=") for pair in args.selector.split(","))
     assert labels.items() <= revision_svc["metadata"]["labels"].items() and "kiln.dev/revision" not in labels
-    assert [p["name"] for p in revision_svc["spec"]["ports"]] == [args.port_name]
+    assert [p["name"] for p in revision_svc["spec"]["ports"]] == [args.port_name or router_main.DEFAULT_PORT_NAME]
     assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     account, binding = child(wanted, "ServiceAccount", "chat-router"), child(wanted, "RoleBinding", "chat-router")
@@ -260,6 +260,7 @@ def test_engine_container_command_resources_probes_and_hardening():
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # weights may load for minutes
+    assert startup["httpGet"]["path"] == "/ready"  # /health answered as soon as it listened: a hung load passed
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] < pod["terminationGracePeriodSeconds"]
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}

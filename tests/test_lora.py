@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.engine import lora
 from kiln.engine.config import Config
 from kiln.engine.lora import LoRAError, load_adapter
 from kiln.engine.lora_cache import LoRACapacityError
@@ -283,7 +282,7 @@ def test_a_file_holding_other_tensors_is_refused_before_any_tensor_is_read(tmp_p
     def spy(path: str, *args, **kwargs) -> dict[str, torch.Tensor]:
         reads.append(path)
         return load_file(path, *args, **kwargs)
-    monkeypatch.setattr(lora, "load_file", spy)
+    monkeypatch.setattr("kiln.engine.lora.load_file", spy)
     with pytest.raises(LoRAError, match=r"LoRA adapter 'checkpoint': tensor 'model\.embed_tokens\.weight' is not a "
                                         r"LoRA weight of an attention or MLP projection .*only those take adapters"):
         load_adapter("checkpoint", str(tmp_path), torch.nn.Module(), 16)  # refused before the model is looked at

@@ -554,6 +554,36 @@ def test_a_prompt_far_past_the_context_is_refused_before_tokenizing(server, toke
     assert code == 400 and "tokens" in reply["error"]["message"] and "characters" not in reply["error"]["message"]
 
 
+def test_a_long_prompt_is_tokenized_while_the_event_loop_runs_on(tokenizer):
+    """Under the length bound of a long-context model (a megabyte of text at 8k tokens), tokenizing
+    took seconds on the event loop, with the GIL held: every stream, /health and /metrics stalled,
+    past the probes' timeout. The loop (a ticker here) now runs on while a long prompt tokenizes."""
+    from types import SimpleNamespace
+
+    from kiln.engine.openai_serving import OFF_LOOP_CHARS, OpenAIServing
+    text = "A long prompt, as a pasted document would be. " * 10_000
+    assert len(text) >= 10 * OFF_LOOP_CHARS
+    serving = SimpleNamespace(max_model_len=8192, tokenizer=tokenizer)
+
+    async def tokenize_and_tick() -> tuple[list[int], int]:
+        ticks, done = 0, asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                ticks += 1
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)  # the ticker's first turn
+        ids = await OpenAIServing._encode(serving, text, "prompt", True)
+        done.set()
+        await task
+        return ids, ticks
+    ids, ticks = asyncio.run(tokenize_and_tick())
+    assert ids == tokenizer.encode(text)
+    assert ticks >= 10  # with the GIL held throughout: 0 or 1
+
+
 def test_bad_input_through_openai_client(server):
     with pytest.raises(openai.BadRequestError, match="unsupported parameter: guided_json"):
         server.client.completions.create(model=MODEL, prompt="hi", extra_body={"guided_json": {}})

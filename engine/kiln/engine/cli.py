@@ -76,7 +76,7 @@ def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where quantized variants are cached, or 'off' (default $KILN_CACHE/variants)")
     parser.add_argument("--gguf-dequantize", action=argparse.BooleanOptionalAction, default=None,
                         help="dequantize a GGUF's Q8_0/Q4_0/Q4_1 weights on load, or (--no-...) serve them packed; "
-                             "default: packed except float32 on the CPU")
+                             "default: packed, but for float32 on the CPU, and Q8_0 on the CPU (no packed matmul there)")
 
 
 def structured_outputs(args: argparse.Namespace) -> StructuredOutputs | None:

@@ -2,6 +2,7 @@
 engine, then answer with one JSON body or an SSE stream of OpenAI-format chunks."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
@@ -26,6 +27,9 @@ from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A prompt this long or longer is tokenized beside the event loop (a few ms of tokenizing below it:
+# a thread's hop would cost more than it saves).
+OFF_LOOP_CHARS = 1 << 15
 MAX_SCORED_ENTRIES = 1 << 22  # prompt logprob entries a completion request may ask for, over its choices
 # What the server itself gives the chat template or its rendering (kiln.engine.tokenizer): no request's
 # chat_template_kwargs override them.
@@ -183,7 +187,7 @@ class OpenAIServing:
         lora = self._check_model(req.model)
         prompts = req.prompts()
         self._check_choices(len(prompts), req.n)
-        prompt_ids = [self._prompt_ids(p) for p in prompts]
+        prompt_ids = [await self._prompt_ids(p) for p in prompts]
         self._check_bias(req)
         prompt_only = req.max_tokens == 0
         if prompt_only and not req.echo:
@@ -208,11 +212,11 @@ class OpenAIServing:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await request.read())
         cache_salt.apply(req, request.headers)
-        ids, params, tools, lora = self.chat_inputs(req)
+        ids, params, tools, lora = await self.chat_inputs(req)
         return await self._generate(request, req, [ids], [params], lambda index: ChatShape(
             self.tokenizer, req.logprobs, index, tools), None, lora)
 
-    def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls | None, str | None]:
+    async def chat_inputs(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolCalls | None, str | None]:
         """A conversation's prompt ids, sampling parameters, tool calls and LoRA adapter; a 400 or
         404 (APIError) for what the engine cannot take."""
         lora = self._check_model(req.model)
@@ -220,7 +224,7 @@ class OpenAIServing:
         self._check_bias(req)
         tools = tool_calls(req, self.tool_call_parser)
         # The template already wrote the special tokens.
-        ids = self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
+        ids = await self._encode(self._chat_text(req.template_messages(), req), "messages", add_special_tokens=False)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         # As vLLM: the model's max_new_tokens bounds a chat that names no limit; completions keep 16.
         max_tokens = self._max_tokens(len(ids), "messages", req.requested_max_tokens(), param,
@@ -240,9 +244,9 @@ class OpenAIServing:
         self._check_model(req.model)
         if req.messages is not None:
             text = self._chat_text(template_messages(req.messages), req)
-            ids = self._encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+            ids = await self._encode(text, "messages", add_special_tokens=bool(req.add_special_tokens))
         else:
-            ids = self._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
+            ids = await self._encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens is not False)
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                                   "token_strs": [self.token_text(t) for t in ids] if req.return_token_strs else None})
 
@@ -268,9 +272,9 @@ class OpenAIServing:
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self._encode(prompt, "prompt", add_special_tokens=True)
+            return await self._encode(prompt, "prompt", add_special_tokens=True)
         return self._in_vocabulary(prompt, "prompt")
 
     def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
@@ -290,14 +294,17 @@ class OpenAIServing:
                                 f"most {self.engine.capacity} requests at once (--max-num-seqs + --max-queue)",
                            param="n" if prompts == 1 else "prompt")
 
-    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
-        # Tokenizing holds the GIL, so a prompt of megabytes stalled every stream and /health for
-        # seconds only to be refused for its length. Text longer than the context's tokens could
-        # cover is refused first (x2: Unicode normalization may merge up to 3 characters into 2).
+    async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        # Text longer than the context's tokens could cover is refused untokenized (x2: Unicode
+        # normalization may merge up to 3 characters into 2).
         if len(text) > 2 * self.max_model_len * self.tokenizer.most_chars_per_token:
             raise APIError(400, f"the prompt has {len(text)} characters, more than the model's context of "
                                 f"{self.max_model_len} tokens can hold", param=param, code="context_length_exceeded")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if len(text) < OFF_LOOP_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # Under that bound a long-context model still takes a megabyte prompt, seconds to tokenize:
+        # on the event loop, every stream, /health and /metrics stalled past the probes' timeout.
+        return await asyncio.to_thread(self.tokenizer.encode_letting_threads_run, text, add_special_tokens)
 
     def _check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names, or None for the base model (also when not

@@ -132,7 +132,7 @@ class ResponsesServing:
         cache_salt.apply(req, request.headers)
         chat = chat_request(req)
         try:
-            ids, params, tools, lora = self.serving.chat_inputs(chat)
+            ids, params, tools, lora = await self.serving.chat_inputs(chat)
         except APIError as e:
             raise _in_our_names(e) from None
         answer = Answer(req, params, lora or self.serving.model_name, len(ids), ChatShape(None, False, 0, tools))

@@ -156,6 +156,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_letting_threads_run(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode, through the library call that releases the GIL (encode_batch: encode holds it
+        throughout), for a thread beside the event loop."""
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -157,8 +157,10 @@ def render_deployment(owner: Owner, spec: InferenceServiceSpec, image: str,
         "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "resources": container_resources(spec),
-        # Loading weights and warming kernels can take minutes: the startup probe allows 30.
-        "startupProbe": probe("/health", 5, 360),
+        # Loading weights and warming kernels can take minutes: the startup probe allows 30, on
+        # /ready (/health answers from the moment the server listens, so a load that hung, on a
+        # stalled volume say, passed it and was never restarted).
+        "startupProbe": probe("/ready", 5, 360),
         # Probed often: a replica that turns ready releases the requests held at zero.
         "readinessProbe": probe("/ready", 2, 3),
         "livenessProbe": probe("/health", 10, 3),
