@@ -418,7 +418,7 @@ def test_gguf_metadata_out_of_range_is_named() -> None:
     with pytest.raises(ModelLoadError, match=r"x\.gguf: GGUF metadata: cannot convert float infinity"):
         read_model_config({**meta, "llama.embedding_length": float("inf")}, [], "x.gguf")  # an OverflowError
     # Sizes the tensors do not have (a model built from them asked for terabytes, or took seconds and GiBs).
-    tensors = [GGUFTensor(name, None, shape, None) for name, shape in (
+    tensors = [GGUFTensor(name, Q.F32, shape, None) for name, shape in (
         ("token_embd.weight", (64, 100)), ("blk.0.ffn_gate.weight", (64, 128)), ("blk.1.ffn_gate.weight", (64, 128)))]
     assert read_model_config(meta, tensors, "x.gguf").num_hidden_layers == 2
     for key, value, held in (("feed_forward_length", 2**40, 128), ("block_count", 20000, 2),

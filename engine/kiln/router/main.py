@@ -27,6 +27,7 @@ DEFAULTS = Limits()
 # Under Kubernetes' default 30 s grace period: streams still running when the router
 # stops are cut by the router, which closes them properly, not by SIGKILL.
 SHUTDOWN_SECONDS = 25.0
+DEFAULT_PORT_NAME = "http"  # of the Service port the engines listen on: the operator's name for it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +165,7 @@ def _sources(args: argparse.Namespace) -> tuple[EndpointSource, TrafficSource | 
     namespace = args.namespace or os.environ.get("POD_NAMESPACE", "default")
     traffic = None if args.inference_service is None else \
         InferenceServiceTraffic(api, namespace, args.inference_service)
-    port_name = "http" if args.port_name is None else args.port_name
+    port_name = DEFAULT_PORT_NAME if args.port_name is None else args.port_name
     return EndpointSliceSource(api, namespace, args.selector, port_name), traffic
 
 
