@@ -257,6 +257,18 @@ def test_value_prometheus_url_and_extra_args(tmp_path) -> None:
     assert (args.prometheus_url, args.interval) == ("http://prometheus.observability.svc:9090", 60)
 
 
+@pytest.mark.parametrize("flag", ["--liveness=http://:8081/healthz", "--metrics-port=9091", "--leader-elect",
+                                  "--lease-namespace=other", "--namespace=team-c"])
+def test_extra_args_that_the_chart_builds_on_are_refused(flag: str, tmp_path) -> None:
+    """Given again the last wins: another liveness port crash-looped the pod, another metrics port
+    left the Service and NetworkPolicy on 9090, another Lease namespace or a namespace of its own had
+    no RBAC (403s)."""
+    (tmp_path / "extra.yaml").write_text(yaml.safe_dump({"operator": {"extraArgs": ["--interval=60", flag]}}))
+    refused = helm("template", "kiln", str(CHART), "--kube-version", KUBE_VERSION, "-f", str(tmp_path / "extra.yaml"),
+                   check=False)
+    assert refused.returncode != 0 and f"operator.extraArgs: {flag} is the chart's to set" in refused.stderr
+
+
 @pytest.mark.parametrize("values, message", [
     ({"operator": {"nodeselector": {"pool": "x"}}}, "additional properties 'nodeselector' not allowed"),
     ({"engine": {"gpu": {"tolerations": ["nvidia.com/gpu=present: NoSchedule"]}}}, "does not match pattern"),
