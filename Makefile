@@ -36,7 +36,10 @@ test: $(STAMP) local-bins images
 up: $(STAMP) local-bins
 	$(PY) -m kiln.local.demo up
 
-down: $(STAMP)
+# Taking it down needs only what kiln.local.demo and its teardown import (the operator extra): installed where the venv
+# lacks it, never the whole test stack, and no reinstall because pyproject.toml changed.
+down: | $(PY)
+	$(PY) -c 'import kiln.local.demo, kiln.local.containers, kiln.local.images' 2>/dev/null || $(PY) -m pip install -q -e '.[operator]'
 	$(PY) -m kiln.local.demo down $(if $(filter 1 yes true,$(FORCE)),--force)
 
 clean-venv:

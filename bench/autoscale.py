@@ -11,7 +11,10 @@ by the router) -> the engine pod exists -> it is scheduled -> its process answer
 (started, imports done) -> kiln:model_load_seconds is set (weights loaded) -> /ready (warm-up
 done) -> the first byte reaches the client.
 
-    .venv/bin/python bench/autoscale.py          # writes bench/results/autoscale-<date>.json
+    .venv/bin/python bench/autoscale.py          # writes bench/results/autoscale-<date>-<cpu kind>.json
+
+On a failure the operator's log and the pods' logs are kept in a folder under the system's temp
+directory (its path printed), never among the results.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import json
 import os
 import shutil
 import statistics
+import tempfile
 import threading
 import time
 import urllib.request
@@ -31,13 +35,11 @@ from pathlib import Path
 import openai
 import yaml
 
-from cpu_common import machine
+from cpu_common import REPO, machine, write_result
 from kiln.local import cluster, demo
 from kiln.local.kwok import EXTERNAL_READINESS
 from kiln.local.testing import OperatorProcess, eventually, kubectl
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 POLL_S = 0.05
 
 
@@ -210,7 +212,8 @@ def main() -> int:
     kubectl(c.kubeconfig, "create", "namespace", namespace)
     eventually(lambda: kubectl(c.kubeconfig, "get", "sa", "default", "-n", namespace, check=False).returncode == 0,
                "the namespace's ServiceAccount", timeout=60)
-    log = RESULTS / f".operator-{namespace}.log"
+    logs = Path(tempfile.mkdtemp(prefix=f"{namespace}-"))  # kept on a failure, never in bench/results
+    log = logs / "operator.log"
     operator = OperatorProcess(demo.operator_kubeconfig(c), log, ("-n", namespace,
                                                                  f"--pod-annotation={EXTERNAL_READINESS}=runtime"))
     operator.start(interval=5)
@@ -238,14 +241,12 @@ def main() -> int:
                 print(f"warm start {i + 1}, standby {label}: {warms[label][-1]}", flush=True)
             kubectl(c.kubeconfig, "delete", "isvc", warm_svc.name, "-n", namespace)
     except BaseException:
-        kept = RESULTS / f".logs-{namespace}"
-        kept.mkdir(exist_ok=True)
         for pod_log in (c.dir / "logs" / "pods").glob(f"{namespace}_*.log"):
-            shutil.copy(pod_log, kept)
-        print(f"failed; the operator's log: {log}; the pods' logs: {kept}")
+            shutil.copy(pod_log, logs)
+        print(f"failed; the operator's and the pods' logs: {logs}")
         raise
     else:
-        log.unlink(missing_ok=True)
+        shutil.rmtree(logs, ignore_errors=True)
     finally:
         operator.stop()
         kubectl(c.kubeconfig, "delete", "namespace", namespace, "--wait=false", check=False)
@@ -267,10 +268,7 @@ def main() -> int:
           f"{warm_s['awake']} s with the standby awake ({rss['awake']} MiB resident), {warm_s['asleep']} s asleep "
           f"({rss['asleep']} MiB; cold x{cold_s / warm_s['asleep']:.1f}); cold phases (last run): "
           f"{', '.join(f'{k} {v}s' for k, v in colds[-1]['phase_s'].items())}")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"autoscale-{datetime.date.today():%Y%m%d}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_result('autoscale', result)}")
     return 0
 
 

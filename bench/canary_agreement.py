@@ -10,7 +10,7 @@ as the canary at a time, the real router app (in this process) with both as revi
 mirroring every request, and the 12 prompts of `kiln eval` (data/eval_prompts.txt), 24
 tokens each.
 
-    .venv/bin/python bench/canary_agreement.py   # writes bench/results/canary-agreement-<date>.json
+    .venv/bin/python bench/canary_agreement.py   # writes bench/results/canary-agreement-<date>-<cpu kind>.json
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from cpu_common import machine
+from cpu_common import REPO, machine, write_result
 from online import ServerUnderTest, free_port
 from kiln.engine.evaluate import CONTINUATION_TOKENS, eval_prompts
 from kiln.router.endpoints import Endpoint, StaticEndpoints
@@ -32,8 +32,6 @@ from kiln.router.main import serving
 from kiln.router.proxy import build_app
 from kiln.router.traffic import Mirror, StaticTraffic, Traffic
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
 MODEL = "smollm2-135m"
 VARIANTS = ("int8", "fp8", "int4", "int4-rtn")
 
@@ -112,10 +110,7 @@ def main() -> None:
                   f"difference {row['difference']:+.3f}", flush=True)
     finally:
         stable.stop()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"canary-agreement-{datetime.date.today():%Y%m%d}.json"
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_result('canary-agreement', record)}")
 
 
 if __name__ == "__main__":

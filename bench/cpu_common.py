@@ -4,7 +4,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import platform
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,17 +17,36 @@ WORKLOAD = REPO.parent / "shared" / "bench" / "mixed_workload_seed0.json"
 
 
 def machine() -> dict:
-    """CPU model, cores, the SIMD flags that matter for bf16, and the load when measured."""
+    """CPU model, cores, the SIMD flags that matter for bf16, the load when measured, and the software
+    measured (versions())."""
+    return {"cpu": _cpuinfo("model name"), "cores": os.cpu_count(), "load_average": os.getloadavg(),
+            "cpu_flags": sorted(f for f in _cpuinfo("flags").split() if f.startswith(("avx", "amx", "fma"))),
+            **versions()}
+
+
+def versions() -> dict:
+    """Python, torch and the kiln commit. torch is imported here, not at the module's top: the
+    control-plane benchmarks (autoscale, operator_handover) need no torch of their own, and its
+    version is None where it is not installed (a venv with the operator extra only)."""
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)  # keeps the build's label (+cu132, +cpu): pip's metadata drops it
+    except ImportError:
+        torch_version = None
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    return {"python": platform.python_version(), "torch": torch_version, "kiln_git": rev.strip()}
+
+
+def _cpuinfo(key: str) -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    field = lambda key: next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")  # noqa: E731
-    return {"cpu": field("model name"), "cores": os.cpu_count(), "load_average": os.getloadavg(),
-            "cpu_flags": sorted(f for f in field("flags").split() if f.startswith(("avx", "amx", "fma")))}
+    return next((l.split(":", 1)[1].strip() for l in cpuinfo.splitlines() if l.startswith(key)), "")
 
 
 def cpu_kind() -> str:
     """'xeon', 'epyc', ...: the CPU model's family word, so that runs of one day on the different
     machines sessions get (BENCHMARKS.md) are kept apart rather than written over each other."""
-    words = re.findall(r"[a-z]+", machine()["cpu"].lower())
+    words = re.findall(r"[a-z]+", _cpuinfo("model name").lower())
     return next((w for w in words if w in ("xeon", "epyc", "core", "ryzen", "neoverse")), "cpu")
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 
 import torch
@@ -29,9 +27,8 @@ from online import served_dtype
 def machine_info() -> dict:
     import transformers
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    return {**machine(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "kiln_git": rev.strip()}
+    # machine() has python, torch and the kiln commit (cpu_common.versions).
+    return {**machine(), "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__}
 
 
 def run_kiln(requests: list[dict], profile: bool, dtype: str) -> dict:

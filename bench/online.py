@@ -36,6 +36,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
+import cpu_common
 from cpu_common import ceilings, cpu_kind, machine
 from kiln.engine.dtype_choice import auto_dtype, host_cpu_flags
 
@@ -277,10 +278,7 @@ def start_llama(binary: Path, gguf: Path, args: argparse.Namespace) -> ServerUnd
 
 
 def versions() -> dict:
-    import torch
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-    return {"kiln_git": rev.strip(), "torch": torch.__version__, "python": sys.version.split()[0],
-            "llama_cpp_python_sdist": os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")}
+    return {**cpu_common.versions(), "llama_cpp_python_sdist": os.environ.get("LLAMA_CPP_PYTHON_VERSION", "0.3.36")}
 
 
 def main() -> None:

@@ -7,7 +7,9 @@ Each TP size runs in a fresh process (one torch.distributed group a process): a 
 timed greedy run of --prompts prompts x --max-tokens tokens (nothing instrumented: tokens/s), then
 the same run again with rank 0's all_reduce / all_gather timed (CUDA synchronised around each, so
 that pass is slower; its share is the figure, not its speed). Rank 0's collective time includes
-waiting for the slowest rank to arrive. Writes bench/results/tensor-parallel-<device>-<date>-<cpu kind>.json.
+waiting for the slowest rank to arrive. Writes bench/results/tensor-parallel-<device>-<YYYYMMDD>-<cpu kind>.json
+(cpu_common.write_result: the host CPU's kind, xeon, epyc, ..., with --device cuda too; -2, -3, ... before
+.json for a later run of the day).
 On two shared CPU cores TP cannot speed anything up: the CPU run records what the collectives cost.
 """
 from __future__ import annotations

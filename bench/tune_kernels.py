@@ -288,8 +288,10 @@ def tune(kernel: str, keys: list[tuple[str, list[Shape]]], candidates: list[dict
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="tuned configs (default engine/kiln/engine/kernels/tuned/<gpu>.json)")
-    parser.add_argument("--report", type=Path, help="summary JSON (default bench/results/tune_kernels-<gpu>.json)")
+    parser.add_argument("--out", type=Path, help="tuned configs (default engine/kiln/engine/kernels/tuned/<gpu slug>.json)")
+    parser.add_argument("--report", type=Path, help="summary JSON (default bench/results/tune_kernels-<gpu slug>.json, "
+                        "e.g. tune_kernels-nvidia-h200.json, undated: the next run on that GPU replaces it; "
+                        "bench/gpu_all.sh passes OUT/tune-report.json)")
     parser.add_argument("--budget-s", type=float, default=150, help="skip remaining candidates after this long")
     parser.add_argument("--keys", nargs="+", metavar="KEY", help="tune only these keys (e.g. w4-g128-m1); "
                         "the others keep what the file holds")

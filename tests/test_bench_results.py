@@ -19,3 +19,28 @@ def test_runs_of_a_day_keep_their_own_files(tmp_path: Path, monkeypatch: pytest.
     assert second != first and second.name == first.name.replace(".json", "-2.json")
     assert json.loads(first.read_text()) == {"run": 1} and json.loads(second.read_text()) == {"run": 2}
     assert cpu_common.write_result("per-step", {}).name.startswith("per-step-")  # names apart
+
+
+def test_machine_records_the_software(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CPU result's machine() has the versions (BENCHMARKS.md); torch's is None where torch
+    cannot be imported (a venv with the operator extra only: the control-plane benchmarks)."""
+    import platform
+    import subprocess
+
+    import torch
+
+    m = cpu_common.machine()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=cpu_common.REPO,
+                          capture_output=True, text=True).stdout.strip()
+    assert m["python"] == platform.python_version() and m["kiln_git"] == head and m["torch"] == torch.__version__
+    assert {"cpu", "cores", "load_average", "cpu_flags"} <= set(m)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert cpu_common.versions()["torch"] is None
+
+
+@pytest.mark.parametrize("script", ["autoscale", "canary_agreement", "cold_start", "prefix_routing",
+                                    "tensor_parallel", "operator_handover", "images"])
+def test_results_are_written_through_write_result(script: str) -> None:
+    """A fixed <name>-<date>.json would replace the day's earlier run and lack the CPU kind."""
+    source = (Path(cpu_common.__file__).parent / f"{script}.py").read_text()
+    assert "write_result(" in source and "write_text(" not in source and "RESULTS" not in source
