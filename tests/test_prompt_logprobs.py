@@ -11,7 +11,8 @@ import torch
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine import evaluate as ev
-from kiln.engine.prompt_logprobs import score_rows
+from kiln.engine.openai_responses import top_of
+from kiln.engine.prompt_logprobs import entry, score_rows
 from kiln.engine.sequence import Sequence
 from test_engine_generate import one_thread  # noqa: F401 (an autouse fixture)
 from test_model import forward_prefill
@@ -67,6 +68,34 @@ def test_ranks_and_top_k_on_ties() -> None:
     assert [[r for _, _, r in s.top] for s in whole] == [[1, 2], [1, 2], [1, 2]]
     assert whole[2].logprob == pytest.approx(logits[2].log_softmax(-1)[3].item())
     assert score_rows(lambda h: h, logits, [0, 1, 2], 0, chunk=8)[0].top == []
+
+
+def naive_rank(row: list[float], token: int) -> int:
+    """1 + the tokens ordered before `token`, counted one by one: a greater logit, or an equal one at
+    a lower id."""
+    return 1 + sum(v > row[token] or (v == row[token] and t < token) for t, v in enumerate(row))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ranks_and_top_k_match_a_naive_count(seed: int) -> None:
+    """The top k are the first k tokens in rank order, ranked 1..k, ties across the k-th included:
+    torch's topk picked any of the tied tokens there, a higher id then ranked k + 1 and top_of
+    dropped it (fewer alternatives than asked)."""
+    gen, vocab = torch.Generator().manual_seed(seed), 12
+    logits = torch.randint(0, 4, (6, vocab), generator=gen).float()  # four values: ties everywhere
+    logits[0] = torch.randn(vocab, generator=gen)  # a row without ties
+    logits[1] = 1.0  # all tied
+    targets = torch.randint(0, vocab, (6,), generator=gen).tolist()
+    for k in (0, 1, 3, 5, vocab - 1, vocab):
+        for row, s in zip(logits.tolist(), score_rows(lambda h: h, logits, targets, k, chunk=4)):
+            assert s.rank == naive_rank(row, s.token_id)
+            expected = sorted(range(vocab), key=lambda t: naive_rank(row, t))[:k]
+            assert [(t, r) for t, _, r in s.top] == [(t, naive_rank(row, t)) for t in expected]
+            assert [r for _, _, r in s.top] == list(range(1, k + 1))
+            assert [lp for _, lp, _ in s.top] == pytest.approx(torch.tensor(row).log_softmax(-1)[expected].tolist())
+            for n in range(k + 1):  # what a request asking n of the k gets
+                kept = top_of(entry(s, str), s.token_id, n)
+                assert set(kept) == set(expected[:n]) | {s.token_id}
 
 
 def test_non_finite_logits_give_finite_figures() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from kiln.engine import LLM, SamplingParams
 from kiln.engine.sampling_params import StructuredOutputs
-from kiln.engine.structured_output import allowed_tokens
+from kiln.engine.structured_output import allowed_tokens, to_grammar
 from kiln.engine.speculative import SpeculativeConfig
 from test_engine_generate import one_thread  # noqa: F401 (autouse: one torch thread, as there)
 
@@ -188,6 +188,8 @@ def test_long_chains_of_rules_and_refs_compile_and_hold(llm):
     (chain(40_000), r"the grammar is too large: \d+ characters as a grammar, at most 524288"),
     (dict(json="[" * 5000 + "]" * 5000), "json is not a JSON schema"),  # a RecursionError, once a 500
     (dict(regex="[a-"), "the regex does not compile"),
+    # llguidance dropped a final lone backslash: "a\\" was taken as /a/, "\\" as //.
+    *[(dict(regex=r), "the regex does not compile: .*incomplete escape") for r in ("a\\", "\\", "a\\\\\\")],
     (dict(grammar="start: nothing_defined"), "the grammar does not compile"),
     (dict(json={"type": "martian"}), "the json does not compile"),
     (dict(json="{not json"), "json is not a JSON schema"),
@@ -198,6 +200,11 @@ def test_a_constraint_that_does_not_compile_is_refused_and_leaves_nothing(llm, s
     with pytest.raises(ValueError, match=message):
         llm.generate("Hi", SamplingParams(structured_outputs=StructuredOutputs(**spec)))
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+
+
+def test_a_regex_ending_in_an_escaped_backslash_is_kept():
+    grammar = json.loads(to_grammar(StructuredOutputs(regex=r"a\\")))["grammars"][0]["lark_grammar"]
+    assert grammar == r"start: /a\\/"  # "a" then a backslash
 
 
 def test_a_constraint_is_compiled_once_for_all_its_choices(llm, monkeypatch):

@@ -1,9 +1,12 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`): how the model scores the prompt it was given.
 
 For each prompt position i >= 1: the logprob of the prompt's own token i given tokens < i, its
-rank, and the top-k tokens there. The rank is 1 + the number of vocabulary tokens whose logit is
-strictly greater, so rank 1 means the token is the model's argmax (teacher-forced greedy
-agreement is the share of rank-1 positions) and tokens that tie share a rank.
+rank, and the top-k tokens there. Tokens are ordered as greedy decoding prefers them: a greater
+logit first, and among equal logits the lower id (argmax takes the first). The rank is 1 + the
+number of tokens ordered before it, so no two tokens share a rank and rank 1 is exactly the token
+greedy decoding emits (teacher-forced greedy agreement is the share of rank-1 positions). vLLM
+counts only strictly greater logits, so tied tokens share its ranks; without ties both agree.
+The top k are the first k tokens in that order, ranked 1..k.
 
 Only requests that ask pay for this: the runner computes logits for their prompt rows alone, at
 most LOGITS_BUDGET floats of them at a time, and keeps just these figures, never a prompt's
@@ -59,21 +62,39 @@ def _score(logits: torch.Tensor, targets: list[int], k: int) -> list[ScoredPosit
     # A NaN logit is never preferred, so its token ranks last. In a row of NaNs every bounded
     # logit ties and would rank first: a broken canary would "agree" with every token.
     ranks = torch.where(nan_target, logits.shape[-1], _ranks(logits, index).squeeze(1))
-    top_logits, top_ids = logits.topk(k, dim=-1)
-    top_ranks = _ranks(logits, top_ids)
+    top_logits, top_ids = _top(logits, k)
+    # The first k in rank order rank 1..k: no pass over the vocabulary per alternative.
+    top_ranks = torch.arange(1, k + 1, device=logits.device).expand(len(targets), k)
     rows = zip(targets, (target_logits - log_norm).squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
                (top_logits - log_norm).tolist(), top_ranks.tolist())
     return [ScoredPosition(t, lp, r, list(zip(ids, lps, rks))) for t, lp, r, ids, lps, rks in rows]
 
 
 def _ranks(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """ids [R, m] -> their ranks [R, m]: 1 + the tokens greedy decoding prefers to each, a greater
-    logit or an equal one at a lower id (argmax takes the first). Rank 1 is greedy's token: with
-    ties sharing it, a canary whose logits were all equal (or all +inf) "agreed" with every token."""
+    """ids [R, 1] -> their ranks [R, 1]: 1 + the tokens greedy decoding prefers to each, a greater
+    logit or an equal one at a lower id. Rank 1 is greedy's token: with ties sharing it, a canary
+    whose logits were all equal (or all +inf) "agreed" with every token."""
+    own = logits.gather(1, ids)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
-    ranks = [1 + ((logits > own) | ((logits == own) & (vocab < ids[:, j:j + 1]))).sum(-1)
-             for j in range(ids.shape[1]) for own in [logits.gather(1, ids[:, j:j + 1])]]
-    return torch.stack(ranks, 1) if ranks else ids.new_zeros(ids.shape)
+    return 1 + ((logits > own) | ((logits == own) & (vocab < ids))).sum(-1, keepdim=True)
+
+
+def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first k tokens of each row in rank order (see _ranks), best first: (logits, ids) [R, k]."""
+    vocab = logits.shape[-1]
+    values, ids = logits.topk(min(k + 1, vocab) if k else 0, dim=-1)
+    # topk's values are right, but among tokens tied at the k-th it picks any: where the (k+1)-th
+    # ties with the k-th, a stable sort of the row (rare; all of it) takes the lower ids.
+    if 0 < k < vocab:
+        tied = (values[:, k - 1] == values[:, k]).nonzero().squeeze(1)
+        if tied.numel():
+            row_values, row_ids = logits[tied].sort(dim=-1, descending=True, stable=True)
+            values[tied], ids[tied] = row_values[:, :k + 1], row_ids[:, :k + 1]
+    values, ids = values[:, :k], ids[:, :k]
+    # Within the k, equal logits in id order: sort by id, then stably by logit.
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, by_value)
 
 
 def entry(scored: ScoredPosition, decode: Callable[[int], str]) -> PromptLogprob:

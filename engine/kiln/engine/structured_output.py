@@ -42,6 +42,11 @@ COMPILED_KEPT = 4  # compiled grammars kept to copy (Grammars.matcher)
 def to_grammar(spec: StructuredOutputs) -> str:
     """The constraint as an llguidance grammar (ValueError if a JSON schema is not JSON)."""
     if spec.regex is not None:
+        # llguidance wraps the regex in /.../ and drops a final lone backslash ("a\" became /a/):
+        # refused here, as the compiler refuses any other invalid regex.
+        if (len(spec.regex) - len(spec.regex.rstrip("\\"))) % 2:
+            raise ValueError(f"structured outputs: the regex does not compile: invalid regex "
+                             f"{json.dumps(spec.regex)}: it ends in an incomplete escape (a lone backslash)")
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.grammar is not None:
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
