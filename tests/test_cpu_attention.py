@@ -4,6 +4,7 @@ block sizes 16/32, contexts split across threads; the build cache; the fallback 
 cannot build; bad input; and SmolLM2's greedy tokens under both backends."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -170,6 +171,24 @@ def test_cached_build_is_reused() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert library.stat().st_mtime_ns == built  # loaded, not rebuilt
+
+
+def test_a_library_cut_short_mid_link_is_linked_again(tmp_path) -> None:
+    """A build killed while linking (OOM, eviction) left a partial .so: only its existence was
+    checked, and its dlopen died of SIGBUS in every process using that cache, with no fallback."""
+    import shutil
+    assert cpu_library.available()
+    folder = tmp_path / "ops" / cpu_library.build_dir().name  # this build's folder under KILN_CACHE=tmp_path
+    shutil.copytree(cpu_library.build_dir(), folder)  # its objects too: only the link is redone
+    library = folder / "kiln_cpu_ops.so"
+    library.write_bytes(library.read_bytes()[:library.stat().st_size // 3])  # the link cut short
+    (folder / "built").unlink(missing_ok=True)
+    code = "from kiln.engine import cpu_library as c; assert c.available(), c.unavailable_reason()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "KILN_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]  # was -7: SIGBUS
+    assert (folder / "built").exists() and library.stat().st_size == cpu_library.build_dir().joinpath(
+        "kiln_cpu_ops.so").stat().st_size
 
 
 def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch: pytest.MonkeyPatch,

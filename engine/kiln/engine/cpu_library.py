@@ -6,7 +6,8 @@ The library is compiled with torch.utils.cpp_extension on first use and cached u
 $KILN_CACHE/ops/<hash> (~/.cache/kiln/ops/...): the hash covers the sources, the compiler flags,
 torch's version and the CPU's flags (-march=native), so a changed source, torch or machine
 rebuilds and nothing else does. A file lock makes concurrent builders (test workers, pods on
-one volume) wait for one build. If the build fails (no compiler, say) the reason is logged once
+one volume) wait for one build, and a "built" marker, written once it loaded, tells a whole build from a
+link cut short. If the build fails (no compiler, say) the reason is logged once
 and `available()` is False: "auto" then runs the torch path.
 """
 from __future__ import annotations
@@ -53,16 +54,21 @@ def _load() -> None:
     folder = build_dir()
     name = "kiln_cpu_ops"
     library = folder / f"{name}.so"
+    # Written once a build has loaded: the linker writes the .so in place, so one killed mid-link
+    # (OOM, eviction) left a file whose dlopen died of SIGBUS in every later process, no fallback.
+    built = folder / "built"
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others then find the .so
-        if library.exists():
+        if built.exists():
             torch.ops.load_library(str(library))  # no ninja run, no version checks: milliseconds
             return
+        library.unlink(missing_ok=True)  # a link cut short: ninja links it again (its objects are kept)
         from torch.utils.cpp_extension import load
         log.info("building Kiln's CPU ops in %s (once per source, torch and CPU)", folder)
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              build_directory=str(folder), is_python_module=False, verbose=False)
+        built.touch()
 
 
 def _why(message: str) -> str:
