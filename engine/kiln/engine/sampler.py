@@ -73,15 +73,15 @@ CANDIDATES = (256, 4096)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf what top-k (0 = off), top-p and min-p rule out; per-row values of shape [M].
-    Top-p keeps the smallest prefix, best first, whose mass reaches top_p, of the distribution
-    renormalized over the row's top k (vLLM's order)."""
-    if bool(((top_k > 0) | (top_p < 1.0)).any()):
-        logits = _top_k_top_p(logits, top_k, top_p)
+    """Set to -inf what min-p, top-k (0 = off) and top-p rule out, in that order (vLLM's); per-row
+    values of shape [M]. Min-p cuts the whole distribution; top-p keeps the smallest prefix, best
+    first, whose mass reaches top_p, of the distribution renormalized over what min-p and top-k left."""
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):
+        logits = _top_k_top_p(logits, top_k, top_p)
     return logits
 
 
@@ -198,6 +198,8 @@ class Sampler:
         """The tokens (on the device) and, if any row asked for logprobs, the raw log-probabilities.
         Nothing here changes state that a second call would see (constrain gives drafts back)."""
         logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        if any(p.logit_bias for p in params):  # before the penalties, as vLLM: a penalty scales the biased logit
+            logits = self._biased(logits, params)
         if any(p.penalized for p in params):
             logits = finite_logits(apply_penalties(
                 logits,
@@ -207,8 +209,6 @@ class Sampler:
                 self._column(params, "presence_penalty"),
                 self._column(params, "frequency_penalty"),
             ))
-        if any(p.logit_bias for p in params):
-            logits = self._biased(logits, params)
         if any(seq.matcher is not None for seq in seqs):
             logits = constrain(logits, seqs, drafts)
         if any(not seq.may_stop for seq in seqs):

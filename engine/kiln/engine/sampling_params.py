@@ -74,7 +74,8 @@ class SamplingParams:
     # Prefix-cache isolation: blocks are shared only between requests with the same salt.
     cache_salt: str | None = None
     # OpenAI's logit_bias: token id -> a number in [-100, 100] added to its logit before choosing
-    # (greedy too); -100 all but bans a token, 100 all but forces it. Logprobs stay the model's.
+    # (greedy too) and, as vLLM, before the penalties; -100 all but bans a token, 100 all but
+    # forces it. Logprobs stay the model's.
     logit_bias: dict[int, float] | None = None
     # The output follows a JSON schema, regex, choice or grammar (kiln.engine.structured_output).
     structured_outputs: StructuredOutputs | None = None
