@@ -565,6 +565,21 @@ def test_gguf_llama_with_llama3_rope_matches_transformers(tmp_path: Path, tiny_l
     assert loaded.tokenizer.eos_token_ids == [2]
 
 
+def test_the_tokenizers_own_eos_stops_too_and_is_the_templates(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """A fine-tune that set its end of turn in tokenizer_config.json only (ChatML's <|im_end|> over
+    the base's eos in config.json): it was read only when config.json named none, so answers ran to
+    max_tokens; and templates wrote the base's eos as eos_token, where transformers writes this one."""
+    folder = tmp_path / "tuned"
+    shutil.copytree(tiny_llama_dir, folder)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok_config, "eos_token": "w7",
+                                                              "chat_template": "{{ eos_token }}"}))
+    tokenizer = load_model(Config(model=str(folder), dtype="float32", load_format="dummy")).tokenizer
+    w7 = tokenizer.tokenizer.token_to_id("w7")
+    assert tokenizer.eos_token_ids == [w7, 2]  # config.json's 2 still stops
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "w7"
+
+
 def test_config_resolves_auto_choices(smollm2_fp32) -> None:
     config = Config()
     on_gpu = config.torch_device.type == "cuda"

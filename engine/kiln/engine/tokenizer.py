@@ -279,14 +279,18 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: list[int], bos_token_id: int 
         template, tool_use = by_name.get("default"), by_name.get("tool_use")
     else:
         template = named
-    if not eos_token_ids and tok_config.get("eos_token"):
+    if tok_config.get("eos_token"):
         eos = tok_config["eos_token"]
         eos = eos.get("content") if isinstance(eos, dict) else eos  # transformers' AddedToken, or the text
         if not isinstance(eos, str):  # a KeyError or TypeError from deep in the start-up, naming no file
             raise ModelLoadError(f"{config_path}: eos_token must be the token's text (or {{\"content\": text}}), "
                                  f"got {tok_config['eos_token']!r}")
         eos_id = tokenizer.token_to_id(eos)
-        eos_token_ids = [] if eos_id is None else [eos_id]
+        # transformers' tokenizer.eos_token: first, as templates write it as eos_token, and a stop
+        # token beside config.json's (vLLM's too): a fine-tune that set only this one (ChatML's
+        # <|im_end|> over the base's <|endoftext|>) ran every answer to max_tokens.
+        if eos_id is not None:
+            eos_token_ids = [eos_id, *(i for i in eos_token_ids if i != eos_id)]
     return Tokenizer(tokenizer, eos_token_ids, bos_token_id, template, template_path, tool_use)
 
 
