@@ -65,7 +65,10 @@ def test_penalties_match_definition() -> None:
     logits = torch.randn(2, VOCAB) * 3
     prompts, outputs = [[1, 2, 3], [4]], [[3, 3, 5], []]
     rep, pres, freq = torch.tensor([1.3, 0.7]), torch.tensor([0.5, -0.4]), torch.tensor([0.25, 1.0])
-    got = apply_penalties(logits, prompts, outputs, rep, pres, freq)
+    seen = torch.zeros(2, VOCAB, dtype=torch.bool)
+    for i, prompt in enumerate(prompts):
+        seen[i, prompt] = True
+    got = apply_penalties(logits, seen, outputs, rep, pres, freq)
     expected = logits.clone()
     for i in range(2):
         for t in range(VOCAB):
@@ -76,6 +79,23 @@ def test_penalties_match_definition() -> None:
             expected[i, t] -= freq[i] * n + pres[i] * (n > 0)
     torch.testing.assert_close(got, expected)
     assert not torch.equal(got, logits)
+
+
+def test_a_penalized_sequence_makes_its_prompt_mask_once() -> None:
+    """The prompt's tokens were counted from the list again every step (a greedy step of 16 penalized
+    8k-token requests took 157 ms on a 2-core CPU); now once a sequence, and the penalty is the same."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, VOCAB)
+    params = SamplingParams(temperature=0.0, repetition_penalty=3.0)
+    (seq,) = make_seqs([params], prompt=[int(logits.argmax()), 5, 5])
+    tokens, _ = Sampler()(logits.clone(), [seq])
+    made = seq.prompt_mask
+    assert made.nonzero().flatten().tolist() == sorted({int(logits.argmax()), 5})
+    expected = apply_penalties(logits, made[None], [[]], torch.tensor([3.0]), torch.zeros(1), torch.zeros(1))
+    assert tokens == [int(expected.argmax())] and tokens != [int(logits.argmax())]
+    seq.append_token(tokens[0])
+    Sampler()(logits.clone(), [seq])
+    assert seq.prompt_mask is made
 
 
 def test_filters_keep_the_right_tokens() -> None:

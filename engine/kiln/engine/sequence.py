@@ -54,6 +54,7 @@ class Sequence:
         self.generator: Any = None
         # With params.structured_outputs: what may come next (kiln.engine.structured_output).
         self.matcher: Any = None
+        self.prompt_mask: Any = None  # which vocabulary tokens its prompt holds, for penalties (sampler)
         self.detokenizer: Any = None
         self.text = ""
         self.num_emitted_tokens = 0
