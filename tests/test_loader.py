@@ -64,12 +64,16 @@ def _f16(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).astype(np.float32)
 
 
-def ref_dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
-    """Q4_K per ggml's dequantize_row_q4_K: 8 sub-blocks of 32 with 6-bit scales and mins."""
+def ref_dequant_q4_k_q5_k(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K and Q5_K per ggml's dequantize_row_q4_K / _q5_K: 8 sub-blocks of 32 with 6-bit scales
+    and mins; Q5_K's blocks (176 bytes, Q4_K's 144) hold each value's fifth bit in qh."""
+    fifth = blocks.shape[1] == 176
     out = []
     for b in blocks:
-        d, dmin = _f16(b[0:2].view(np.float16)), _f16(b[2:4].view(np.float16))
-        sc, qs = b[4:16].astype(np.int32), b[16:144].astype(np.int32)
+        d, dmin = _f16(b[0:2].view(np.float16))[0], _f16(b[2:4].view(np.float16))[0]
+        sc = b[4:16].astype(np.int32)
+        qh = b[16:48].astype(np.int32) if fifth else np.zeros(32, np.int32)
+        qs = b[48:176].astype(np.int32) if fifth else b[16:144].astype(np.int32)
 
         def scale_min(j: int) -> tuple[int, int]:
             if j < 4:
@@ -78,30 +82,9 @@ def ref_dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
         y = []
         for chunk in range(4):
             q = qs[chunk * 32:(chunk + 1) * 32]
-            for j, nibbles in ((2 * chunk, q & 0xF), (2 * chunk + 1, q >> 4)):
+            for j, low in ((2 * chunk, q & 0xF), (2 * chunk + 1, q >> 4)):
                 s, m = scale_min(j)
-                y.extend(d[0] * s * nibbles - dmin[0] * m)
-        out.append(y)
-    return np.array(out, dtype=np.float32).reshape(-1)
-
-
-def ref_dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
-    """Q5_K per ggml's dequantize_row_q5_K: Q4_K's scales and mins, a fifth bit from qh."""
-    out = []
-    for b in blocks:
-        d, dmin = _f16(b[0:2].view(np.float16))[0], _f16(b[2:4].view(np.float16))[0]
-        sc, qh, ql = b[4:16].astype(np.int32), b[16:48].astype(np.int32), b[48:176].astype(np.int32)
-
-        def scale_min(j: int) -> tuple[int, int]:
-            if j < 4:
-                return sc[j] & 63, sc[j + 4] & 63
-            return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
-        y = []
-        for chunk in range(4):
-            q = ql[chunk * 32:(chunk + 1) * 32]
-            for j, low, bit in ((2 * chunk, q & 0xF, 2 * chunk), (2 * chunk + 1, q >> 4, 2 * chunk + 1)):
-                s, m = scale_min(j)
-                y.extend(d * s * (low + 16 * ((qh >> bit) & 1)) - dmin * m)
+                y.extend(d * s * (low + 16 * ((qh >> j) & 1)) - dmin * m)
         out.append(y)
     return np.array(out, dtype=np.float32).reshape(-1)
 
@@ -126,8 +109,8 @@ def ref_dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind,block_bytes,scale_at,ref", [
-    ("Q4_K", 144, (0, 2), ref_dequant_q4_k),
-    ("Q5_K", 176, (0, 2), ref_dequant_q5_k),
+    ("Q4_K", 144, (0, 2), ref_dequant_q4_k_q5_k),
+    ("Q5_K", 176, (0, 2), ref_dequant_q4_k_q5_k),
     ("Q6_K", 210, (208,), ref_dequant_q6_k),
 ])
 def test_k_quants_match_reference_decoder(tmp_path: Path, kind: str, block_bytes: int, scale_at: tuple, ref) -> None:
