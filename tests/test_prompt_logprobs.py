@@ -184,8 +184,8 @@ def agreement_over_http(server: ServerProcess, prompts: list[list[int]], continu
     agree = total = 0
     for prompt, continuation in zip(prompts, continuations):
         scored = completion(server, prompt + continuation, max_tokens=1, prompt_logprobs=0)["prompt_logprobs"]
-        for token, entry in zip(continuation, scored[len(prompt):]):
-            agree += entry[str(token)]["rank"] == 1
+        for token, scores in zip(continuation, scored[len(prompt):]):
+            agree += scores[str(token)]["rank"] == 1
             total += 1
     return agree / total
 
