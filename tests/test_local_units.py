@@ -23,6 +23,7 @@ from kubernetes.client import V1Container, V1ObjectMeta, V1Pod, V1PodList, V1Pod
 from kiln.local import build, cluster, demo, images, network, processes, runtime
 from kiln.local.network import PodNetwork
 from kiln.local.pod_spec import Probe
+from kiln.local.testing import eventually
 
 pytestmark = pytest.mark.timeout(60)
 SUBNET = ipaddress.IPv4Network("10.213.0.0/24")
@@ -258,6 +259,28 @@ def test_an_exit_stop_collected_on_another_thread_is_still_reported(tmp_path):
     stopping.join()
     assert processes.reap(record["pid"]) is None  # collected already
     assert processes.exit_code(record) == -signal.SIGTERM
+
+
+def test_a_process_that_dies_just_after_a_collect_is_still_collected_by_stop(tmp_path, monkeypatch):
+    """Under load (a CI run) the process died between stop()'s collect and its alive() check: a
+    zombie is not alive, so stop() returned with the exit uncollected and unrecorded. The collect
+    here waits for that death, as the load made it happen."""
+    record = processes.launch([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "p.log")
+    collect = processes._collect
+
+    def then_it_dies(rec: dict) -> None:
+        collect(rec)
+        if "exit" not in rec and rec.get("signalled"):
+            eventually(lambda: processes.start_ticks(rec["pid"]) is None, "the child a zombie", timeout=30)
+    kill = os.kill
+
+    def signalled(pid: int, sig: int) -> None:
+        record["signalled"] = True
+        kill(pid, sig)
+    monkeypatch.setattr(processes, "_collect", then_it_dies)
+    monkeypatch.setattr(processes.os, "kill", signalled)
+    processes.stop(record, 5.0)
+    assert record.get("exit") == -signal.SIGTERM and processes.reap(record["pid"]) is None
 
 
 @pytest.fixture

@@ -85,17 +85,15 @@ def stop(record: dict, grace: float = 10.0) -> None:
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        _collect(record)
-        if not alive(record):
-            return
+    while alive(record) and time.monotonic() < deadline:
         time.sleep(0.1)
     if alive(record):
         with contextlib.suppress(ProcessLookupError):
             os.kill(record["pid"], signal.SIGKILL)
     while alive(record):
-        _collect(record)
         time.sleep(0.05)
+    # A zombie is not alive(): collected here, on this thread, always. (Collected before each
+    # check, one that died between the two was left to the next reap(), the exit code unrecorded.)
     _collect(record)
 
 
