@@ -196,8 +196,7 @@ def _qk_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
     return {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads} if arch == "llama" else {}
 
 
-def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str,
-                kinds: tuple[str, ...] = PACKED_TYPES) -> dict[str, PackedPlan]:
+def plan_packed(tensors: list[GGUFTensor], cfg: ModelConfig, arch: str, kinds: tuple[str, ...]) -> dict[str, PackedPlan]:
     """The decoder projections whose GGUF weights all share one of `kinds` (of PACKED_TYPES). A
     fused module whose parts differ in type (q Q4_1, v Q8_0, say) is left to dequantize."""
     by_name = {t.name: t for t in tensors}
@@ -266,6 +265,6 @@ def load_gguf(path: Path, keep_quantized: tuple[str, ...] = ()) -> GGUFModel:
     tokenizer = Tokenizer(build_gguf_tokenizer(meta, source), cfg.eos_token_ids, cfg.bos_token_id,
                           meta.get("tokenizer.chat_template"), source, meta.get("tokenizer.chat_template.tool_use"))
     arch = meta["general.architecture"]
-    plans = plan_packed(file.tensors, cfg, arch, keep_quantized) if keep_quantized else {}
+    plans = plan_packed(file.tensors, cfg, arch, keep_quantized)
     skip = frozenset(tensor.name for plan in plans.values() for tensor, _ in plan)
     return GGUFModel(cfg, tokenizer, iter_weights(file.tensors, cfg, arch, source, skip), plans)
