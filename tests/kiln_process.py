@@ -2,6 +2,7 @@
 127.0.0.1 from this checkout, waited on until a probe answers 200, their output kept."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -12,7 +13,21 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def spawned_ranks(pid: int | None = None) -> list[psutil.Process]:
+    """The tensor-parallel ranks spawned below process PID (this one by default); not
+    multiprocessing's resource tracker. A child that exited and is not yet collected (a zombie)
+    or is gone is no rank: reading its command line raised, failing whichever test looked."""
+    ranks = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.ZombieProcess, psutil.NoSuchProcess):
+            if "spawn_main" in " ".join(child.cmdline()):
+                ranks.append(child)
+    return ranks
 
 
 def get(url: str) -> tuple[int, str]:

@@ -30,6 +30,7 @@ from kiln.engine.quantization import Int4Linear, quantize_int4
 from kiln.engine.tensor_parallel import ShardingError, _column_slice, _row_slice
 from kiln.engine import tp_ranks
 from kiln.engine.tp_ranks import COLLECTIVE_TIMEOUT_ENV, JOIN_TIMEOUT_ENV, TensorParallelError, WorkerGroup
+from kiln_process import spawned_ranks
 from tiny_models import write_tiny_model
 
 # Lengths 5..70 under a 32-token budget: long prompts are prefilled in chunks while the short
@@ -42,14 +43,9 @@ GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def rank_processes() -> list[psutil.Process]:
-    """Processes spawned below this one (the TP ranks; not multiprocessing's resource tracker)."""
-    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-
-
 def assert_no_ranks_left(llm: LLM) -> None:
     llm.close()
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +80,7 @@ def tiny_tp2(tiny_llama_dir):
 
 class TestTP2:
     def test_tp2_logits_equal_tp1(self, tiny_reference, tiny_tp2):
-        assert len(rank_processes()) == 1
+        assert len(spawned_ranks()) == 1
         want, got = logits(tiny_reference, TINY_PROMPTS), logits(tiny_tp2, TINY_PROMPTS)
         assert got.shape == want.shape == (sum(map(len, TINY_PROMPTS)), 96)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
@@ -123,7 +119,7 @@ class TestTP2:
         group = tiny_tp2.engine.runner.group
         reported = threading.Event()
         group.on_failure = lambda error: reported.set()  # what the server's async engine hooks
-        (worker,) = rank_processes()
+        (worker,) = spawned_ranks()
         worker.kill()
         assert reported.wait(5), "the watchdog did not report the dead rank"
         assert f"tensor-parallel rank 1 (pid {worker.pid}) exited with code -9" in str(group.failure)
@@ -184,7 +180,7 @@ def test_smollm2_tp3_greedy_equals_tp1(smollm2_path):
 def test_heads_tp_cannot_split_are_refused_before_any_rank_starts(smollm2_path):
     with pytest.raises(ShardingError, match=r"num_attention_heads \(9\) is not divisible by tensor_parallel_size \(2\)"):
         LLM(str(smollm2_path), tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=256)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 @pytest.mark.parametrize("overrides, tp, error", [
@@ -204,7 +200,7 @@ def test_a_folder_tp_cannot_split_is_refused_before_any_weight_is_read(overrides
     monkeypatch.setattr(llm_engine, "load_model", load_model)
     with pytest.raises(ShardingError, match=error):
         LLM(str(tmp_path), tensor_parallel_size=tp, **TINY)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 def test_kv_heads_tp_cannot_split_are_refused(tiny_llama_dir):
@@ -214,7 +210,7 @@ def test_kv_heads_tp_cannot_split_are_refused(tiny_llama_dir):
     with pytest.raises(ShardingError, match="o_proj: its int4 groups of 64 input channels do not split into 2 "
                                             "slices of 32"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, quantization="int4-rtn", quantization_cache="off", **TINY)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 def test_int8_weights_shard_qwen2_biases_tied_embeddings_and_one_kv_head(tiny_hf_models, tmp_path):
@@ -271,7 +267,7 @@ def test_a_rank_that_does_not_join_in_time_is_a_clear_error(tiny_llama_dir, monk
     monkeypatch.setenv(JOIN_TIMEOUT_ENV, "0.01")  # a spawned interpreter takes seconds to start
     with pytest.raises(TensorParallelError, match=rf"rank 1 did not join within 0.01 s \({JOIN_TIMEOUT_ENV}\)"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 def test_a_ctrl_c_mid_step_breaks_the_group_at_once(tiny_llama_dir):
@@ -287,12 +283,12 @@ def test_a_ctrl_c_mid_step_breaks_the_group_at_once(tiny_llama_dir):
             llm.generate(TINY_PROMPTS[:2], GREEDY_64)
         with pytest.raises(TensorParallelError, match=r"interrupted mid-step \(KeyboardInterrupt\)"):
             llm.generate(TINY_PROMPTS[:2], GREEDY_64)
-        assert not rank_processes()  # stopped with the group
+        assert not spawned_ranks()  # stopped with the group
     finally:
         llm.close()
     with LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY) as again:  # the process may start another
         assert greedy(again, TINY_PROMPTS[:1]) == greedy(LLM(str(tiny_llama_dir), **TINY), TINY_PROMPTS[:1])
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -312,6 +308,7 @@ def test_ranks_do_not_outlive_a_rank_0_stopped_while_they_start(tiny_llama_dir, 
         assert not alive, f"ranks left running: {alive}"
     finally:
         server.kill()
+        server.wait(60)  # collected, or it stays a zombie below this process for the tests after
         for rank in ranks:
             with contextlib.suppress(psutil.NoSuchProcess):
                 rank.kill()
@@ -320,7 +317,7 @@ def test_ranks_do_not_outlive_a_rank_0_stopped_while_they_start(tiny_llama_dir, 
 def eventually_ranks(pid: int) -> list[psutil.Process]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        ranks = [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        ranks = spawned_ranks(pid)
         if ranks:
             return ranks
         time.sleep(0.05)
@@ -337,18 +334,19 @@ def test_a_rank_that_hangs_breaks_the_group_within_the_collective_timeout(tmp_pa
     tokens = 20_000
     llm = LLM(str(folder), tensor_parallel_size=2, dtype="float32", device="cpu", max_model_len=tokens + 8,
               max_num_batched_tokens=tokens + 8, kv_cache_memory=16 << 20)
-    (worker,) = rank_processes()
-    worker.suspend()
     try:
+        (worker,) = spawned_ranks()
+        worker.suspend()
         started = time.monotonic()
         with pytest.raises(TensorParallelError, match="collective"):
             llm.generate([[5 + i % 80 for i in range(tokens)]], SamplingParams(temperature=0, max_tokens=1))
         assert time.monotonic() - started < 60
-    finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            worker.kill()
+    finally:  # whatever failed, the engine is closed: a second one in this process is refused
+        for rank in spawned_ranks():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
         llm.close()
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 @pytest.mark.parametrize("value", ["soon", "inf", "nan", "-1"])  # inf was an OverflowError, its ranks left running
@@ -356,7 +354,7 @@ def test_a_bad_timeout_setting_is_refused_before_any_rank_starts(tiny_llama_dir,
     monkeypatch.setenv(JOIN_TIMEOUT_ENV, value)
     with pytest.raises(ValueError, match=f"{JOIN_TIMEOUT_ENV} must be a positive number of seconds, got '{value}'"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 def test_ranks_do_not_outlive_a_start_that_fails_after_they_joined(tiny_llama_dir, monkeypatch):
@@ -366,7 +364,7 @@ def test_ranks_do_not_outlive_a_start_that_fails_after_they_joined(tiny_llama_di
     monkeypatch.setattr(tp_ranks.dist, "init_process_group", refused)
     with pytest.raises(RuntimeError, match="rank 0 could not join"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
-    assert not rank_processes()
+    assert not spawned_ranks()
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):

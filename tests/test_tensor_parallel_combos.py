@@ -16,7 +16,8 @@ from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams, StructuredOutputs
 from kiln.engine.speculative import SpeculativeConfig
 
-from test_tensor_parallel import TINY, TINY_PROMPTS, assert_no_ranks_left, greedy, rank_processes
+from test_tensor_parallel import TINY, TINY_PROMPTS, assert_no_ranks_left, greedy
+from kiln_process import spawned_ranks
 from tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -168,7 +169,7 @@ def test_an_engine_that_fails_after_its_ranks_started_stops_them(tiny_llama_dir)
     # The pool check runs once the ranks hold their pools: 2 blocks of 16 tokens a rank, 64 wanted.
     with pytest.raises(ValueError, match="the KV cache holds 32 tokens .* less than max_model_len=64"):
         LLM(str(tiny_llama_dir), tensor_parallel_size=2, **dict(TINY, kv_cache_memory=2 * 4096, max_model_len=64))
-    assert not rank_processes()
+    assert not spawned_ranks()
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)  # the process's group is free again
     assert_no_ranks_left(llm)
 

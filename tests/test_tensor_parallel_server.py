@@ -16,6 +16,7 @@ import pytest
 
 from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
+from kiln_process import spawned_ranks
 from test_server import MODEL, ServerProcess, get, post
 
 PROMPT = " ".join(f"w{i % 90}" for i in range(12))
@@ -28,7 +29,7 @@ def tp_server(tiny_llama_dir) -> ServerProcess:
 
 
 def ranks(server: ServerProcess) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    return spawned_ranks(server.proc.pid)
 
 
 def stream(url: str, max_tokens: int, first: threading.Event, events: list) -> None:
