@@ -72,10 +72,14 @@ class KilnProcess:
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
         deadline = time.monotonic() + timeout
-        while get(self.url + probe)[0] != 200:
-            assert self.proc.poll() is None, f"kiln {command[0]} died:\n" + "".join(self.log)
-            assert time.monotonic() < deadline, f"kiln {command[0]} never answered {probe}:\n" + "".join(self.log)
-            time.sleep(0.1)
+        try:
+            while get(self.url + probe)[0] != 200:
+                assert self.proc.poll() is None, f"kiln {command[0]} died:\n" + "".join(self.log)
+                assert time.monotonic() < deadline, f"kiln {command[0]} never answered {probe}:\n" + "".join(self.log)
+                time.sleep(0.1)
+        except BaseException:  # no caller holds it to stop: left running (its TP ranks too), or a zombie
+            self.stop()
+            raise
         self.ready_after = time.monotonic() - launched  # an upper bound of the process's own cold start
 
     def stop(self, graceful: bool = False) -> None:

@@ -310,7 +310,9 @@ def test_a_stopping_leader_keeps_its_lease_until_its_passes_have_written(monkeyp
     """The stop handler cancelled the Lease's renewal before it waited for the running passes:
     the Lease lapsed while they still wrote, and its release was skipped."""
     monkeypatch.setattr(leader, "RETRY_S", 0.05)
-    monkeypatch.setattr(leader, "RENEW_DEADLINE_S", 0.5)  # scaled down: a pass outlasts it
+    # Scaled down: a pass outlasts it. 2 s, not 0.5: a renewal held up that long by a busy CPU
+    # lapsed the Lease, and a write of the pass (or the release) was refused.
+    monkeypatch.setattr(leader, "RENEW_DEADLINE_S", 2.0)
     renewals, writes, released, started = [], [], [], threading.Event()
 
     class Elector:
@@ -326,7 +328,7 @@ def test_a_stopping_leader_keeps_its_lease_until_its_passes_have_written(monkeyp
     def slow_pass(api, namespace, name, settings, woken=True):
         started.set()
         for _ in range(6):
-            time.sleep(0.2)
+            time.sleep(0.5)
             api.fence()  # as each write does
             writes.append(time.monotonic())
         return 60.0

@@ -499,6 +499,7 @@ def test_cli_ctrl_c_exits_130_without_a_traceback() -> None:
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+        proc.wait()  # collected, or a zombie stays below this process for the tests after
     assert proc.returncode == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kiln generate: interrupted"
 

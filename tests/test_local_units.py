@@ -241,13 +241,24 @@ def test_runtime_readiness_ignores_the_log_of_an_earlier_launch(tmp_path, monkey
     write_state(directory)
     (directory / "logs").mkdir()
     (directory / "logs" / "runtime.log").write_text("05:00:00 INFO pod runtime up; API relay at 10.213.0.1:40000\n")
-    launch = processes.launch
-    monkeypatch.setattr(processes, "launch", lambda argv, log, env=None: launch(
-        [sys.executable, "-c", "import time; time.sleep(1.5)"], log, env))
+    launch, launched = processes.launch, []
+
+    def exits_soon(argv: list[str], log: Path, env: dict[str, str] | None = None) -> dict:
+        launched.append(launch([sys.executable, "-c", "import time; time.sleep(1.5)"], log, env))
+        return launched[-1]
+    monkeypatch.setattr(processes, "launch", exits_soon)
     with pytest.raises(RuntimeError, match="runtime: process exited"):
         cluster.ensure_runtime(cluster.Cluster(directory), sys.stderr)
-    # and reaped: a zombie left in this (test) process would trip whatever lists its children
-    assert not [p for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    # and reaped: a zombie left in this (test) process would trip whatever lists its children.
+    # Its own child only: another test's child, reaped as this looked, raised NoSuchProcess.
+    assert launched and not [r["pid"] for r in launched if zombie(r["pid"])]
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_an_exit_stop_collected_on_another_thread_is_still_reported(tmp_path):

@@ -51,8 +51,12 @@ def start(model_dir: Path, adapter_dirs: dict[str, Path], tp: int, quantization:
     llm = LLM(str(model_dir), tensor_parallel_size=tp, enable_lora=True, max_loras=3,
               lora_modules=(("all", str(adapter_dirs["all"])),), quantization=quantization,
               quantization_cache=str(cache) if cache else "off", **TINY, **settings)
-    for name in ("attn", "mlp"):
-        llm.add_lora(name, str(adapter_dirs[name]))
+    try:
+        for name in ("attn", "mlp"):
+            llm.add_lora(name, str(adapter_dirs[name]))
+    except BaseException:  # not returned, so no test closes it: open, it refuses every later TP engine
+        llm.close()
+        raise
     return llm
 
 

@@ -470,12 +470,12 @@ def test_operator_serving_one_namespace_needs_a_rolebinding_there_only(local_clu
     who = "system:serviceaccount:kiln-system:scoped-operator"
     assert kubectl("auth", "can-i", "list", "deployments", f"--as={who}", "-n", namespace,
                    check=False).stdout.strip() == "no"
-    operator.stop()  # the cluster-wide one would serve the namespace too
     scoped_operator = OperatorProcess(
         service_account_kubeconfig(local_cluster.api_client, "kiln-system", "scoped-operator", tmp_path / "kubeconfig"),
         tmp_path / "operator.log", env={"KILN_ENGINE_IMAGE": "kiln/engine:test"})
-    scoped_operator.start("--namespace", scoped)
-    try:
+    operator.stop()  # the cluster-wide one would serve the namespace too
+    try:  # from here on: a failure left the module's operator stopped for every later test
+        scoped_operator.start("--namespace", scoped)
         until(lambda: apis["core"].read_namespaced_service_account("default", scoped), "default SA")
         apply(kubectl, scoped, smollm2("scoped"))
         until(lambda: ready(apis, scoped, "scoped"), "scoped Ready")

@@ -144,6 +144,7 @@ def test_a_stop_while_the_model_loads_ends_the_server_cleanly():
         rest, = proc.communicate(timeout=120)[1:]
     finally:
         proc.kill()
+        proc.wait()  # collected, or a zombie stays below this process for the tests after
     assert proc.returncode == 0 and "stopped while loading" in rest, "".join(seen) + rest
     assert "listening on http://127.0.0.1:0 " not in seen[-1]  # --port 0: the port it got, not 0
 

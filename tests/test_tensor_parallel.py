@@ -140,14 +140,18 @@ def test_a_view_sent_to_the_workers_carries_only_its_own_rows():
 def test_cpu_ranks_share_rank_0s_threads(tiny_llama_dir):
     """The ranks compute at once on the same CPUs: each takes its share of the thread budget (a
     whole budget each oversubscribes the cores), and rank 0 gets its own count back on close."""
+    before = torch.get_num_threads()
     torch.set_num_threads(4)
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
     try:
-        assert llm.engine.runner.group.rank_threads == [2, 2]
-        assert torch.get_num_threads() == 2
-    finally:
-        assert_no_ranks_left(llm)
-    assert torch.get_num_threads() == 4
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY)
+        try:
+            assert llm.engine.runner.group.rank_threads == [2, 2]
+            assert torch.get_num_threads() == 2
+        finally:
+            assert_no_ranks_left(llm)
+        assert torch.get_num_threads() == 4
+    finally:  # one_torch_thread's one thread again: 4 made the later tests' ranks oversubscribe the cores
+        torch.set_num_threads(before)
 
 
 def test_tp4_replicates_two_kv_heads(tiny_llama_dir, tiny_reference, caplog):

@@ -51,9 +51,18 @@ def start_stream(server: ServerProcess, max_tokens: int) -> tuple[threading.Thre
     return t, events
 
 
+def running(pid: int) -> bool:
+    """Neither gone nor a zombie; one that exits between the two looks (pid_exists, then status)
+    raised NoSuchProcess."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def assert_all_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 15
-    while (left := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]):
+    while (left := [p for p in pids if running(p)]):
         assert time.monotonic() < deadline, f"processes left behind: {left}"
         time.sleep(0.1)
 
