@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -282,6 +283,85 @@ def test_overwrite_replaces_a_damaged_variant_and_leaves_none_of_its_files(tiny_
     assert kiln([*base, "--model", str(other), "--overwrite"]) == 0
     assert quantized_folder.read_marker(out)["method"] == "int8"
     assert not (out / GENERATION_CONFIG).exists()  # qwen2's folder has none: no temperature 0.3 from llama's
+
+
+@pytest.fixture(scope="module")
+def tiny_rtn(tiny_llama_dir):
+    """The tiny Llama's float model and its int4-rtn state dict, for write_quantized_folder."""
+    loaded = load_model(Config(model=str(tiny_llama_dir), dtype="float32", device="cpu"))
+    return loaded, variants.quantized_state_dict(loaded.model, "int4-rtn", loaded.tokenizer, tiny_llama_dir, None)
+
+
+def write_variant(out: Path, tiny_rtn, state: dict[str, torch.Tensor] | None = None, sha: str = "a" * 64) -> None:
+    loaded, rtn = tiny_rtn
+    quantized_folder.write_quantized_folder(out, loaded.model, loaded.model_config, loaded.tokenizer, "int4-rtn",
+                                            rtn if state is None else state, sha)
+
+
+def test_a_variant_cut_short_while_moved_in_is_refused_at_load_and_written_again(tiny_rtn, tiny_llama_dir,
+                                                                                 tmp_path, monkeypatch,
+                                                                                 capsys) -> None:
+    """Ctrl-C between the renames into --out: the marker was gone and some files new, so the folder
+    loaded as no variant and kiln quantize refused to write into it, --overwrite or not."""
+    out = (tmp_path / "variant").resolve()
+    write_variant(out, tiny_rtn)
+    replace, moved = os.replace, []
+
+    def interrupted(src: str, dst: str) -> None:
+        if Path(dst).parent == out and not Path(src).name.endswith(".tmp"):  # a staged file, not atomic_write's
+            moved.append(dst)
+            if len(moved) == 2:
+                raise KeyboardInterrupt
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_variant(out, tiny_rtn)
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(ModelLoadError, match="did not finish"):
+        load_model(Config(model=str(out), dtype="float32", device="cpu"))
+    assert kiln(["quantize", "--model", str(tiny_llama_dir), "--method", "int4-rtn", "--out", str(out)]) == 2
+    assert "did not finish" in (err := capsys.readouterr().err) and "--overwrite replaces it" in err
+    quantize_cli.check_out_dir(out)  # what --overwrite does next: write it again
+    write_variant(out, tiny_rtn)
+    assert quantized_folder.read_marker(out)["method"] == "int4-rtn"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["variant"]
+
+
+def test_two_runs_into_one_folder_leave_one_whole_variant(tiny_rtn, tmp_path, monkeypatch) -> None:
+    """Concurrent runs into one --out: their renames interleaved, and the last marker vouched for
+    the other run's weights."""
+    out = tmp_path / "variant"
+    rtn = tiny_rtn[1]
+    other = {k: v * 2 if k.endswith(".scales") else v for k, v in rtn.items()}
+    paused, go, errors = threading.Event(), threading.Event(), []
+    replace = os.replace
+
+    def held(src: str, dst: str) -> None:  # the first run stops before its marker goes in
+        if Path(src).name == quantized_folder.MARKER and threading.current_thread().name == "first":
+            paused.set()
+            go.wait(60)
+        replace(src, dst)
+
+    def run(state: dict[str, torch.Tensor], sha: str) -> None:
+        try:
+            write_variant(out, tiny_rtn, state, sha)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+    monkeypatch.setattr(os, "replace", held)
+    first = threading.Thread(target=run, args=(rtn, "a" * 64), name="first")
+    second = threading.Thread(target=run, args=(other, "b" * 64), name="second")
+    first.start()
+    assert paused.wait(60)
+    second.start()
+    second.join(5)  # done where nothing holds it back; waiting for the first, where the folder is locked
+    go.set()
+    first.join(60)
+    second.join(60)
+    assert not errors and not first.is_alive() and not second.is_alive()
+    scales = next(k for k in rtn if k.endswith(".scales"))
+    written = "b" if torch.equal(safetensors.torch.load_file(out / quantized_folder.WEIGHTS)[scales], other[scales]) \
+        else "a"
+    assert quantized_folder.read_marker(out)["source_sha256"] == written * 64
 
 
 def test_a_shorter_max_model_len_calibrates_into_its_own_variant(smollm2_path, tmp_path, caplog) -> None:

@@ -7,10 +7,12 @@ A folder is a Hugging Face-style model folder that Kiln's loader reads:
                          each quantized projection under Kiln's fused name (`...qkv_proj.qweight`,
                          `.scales`, `.zeros`, `.act_scale`, `.bias`: Quantizer's state dict)
   kiln_quantization.json method, int4 group sizes, the source weights' sha256, format version;
-                         written last, so a folder without it is not (yet) a variant
+                         moved in last; while the files are moved in it says "unfinished",
+                         so a folder cut short there is refused at load, not served as a mix
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ from kiln.engine.variants import FORMAT_VERSION, atomic_write
 
 MARKER = "kiln_quantization.json"
 WEIGHTS = "model.safetensors"
+UNFINISHED = {"unfinished": True}  # the marker while write_quantized_folder moves files in
 
 
 def read_marker(folder: Path) -> dict[str, Any] | None:
@@ -41,6 +44,8 @@ def read_marker(folder: Path) -> dict[str, Any] | None:
         marker = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: unreadable: {e}") from None
+    if marker == UNFINISHED:
+        raise ModelLoadError(f"{path}: left by a kiln quantize that did not finish (cut short, or still running)")
     if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
         raise ModelLoadError(f"{path}: not a format-version-{FORMAT_VERSION} Kiln quantized folder (one written by "
                              "another Kiln version is quantized again with kiln quantize)")
@@ -85,12 +90,25 @@ def write_quantized_folder(out: Path, model: nn.Module, model_config: ModelConfi
         if source is not None and (source / GENERATION_CONFIG).is_file():
             shutil.copyfile(source / GENERATION_CONFIG, staging / GENERATION_CONFIG)
         out.mkdir(exist_ok=True)
-        (out / MARKER).unlink(missing_ok=True)  # an earlier variant stops being one before its files change
+        _move_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    # Locked: two runs into one out interleaved their renames, and the last marker vouched for
+    # the other run's weights.
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # Unfinished, not absent, while files change: cut short, out is refused at load and
+        # --overwrite replaces it (kiln quantize refuses a folder of files with no marker at all).
+        atomic_write(out / MARKER, json.dumps(UNFINISHED).encode())
         (out / GENERATION_CONFIG).unlink(missing_ok=True)  # the earlier source's, should this one have none
         for path in sorted(staging.iterdir(), key=lambda p: p.name == MARKER):
             os.replace(path, out / path.name)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        os.close(fd)
 
 
 def _write_files(out: Path, model: nn.Module, model_config: ModelConfig, tokenizer: Tokenizer,
