@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +190,23 @@ def test_a_library_cut_short_mid_link_is_linked_again(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]  # was -7: SIGBUS
     assert (folder / "built").exists() and library.stat().st_size == cpu_library.build_dir().joinpath(
         "kiln_cpu_ops.so").stat().st_size
+
+
+def test_a_lock_file_left_by_a_killed_build_is_not_waited_on(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's FileBaton (before its file lock) builds while a `lock` file exists and deletes it when
+    done: a build killed mid-way (OOM, eviction) left it, and every later start waited on it forever."""
+    import torch.utils.cpp_extension
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_library, "_state", {})
+    folder = cpu_library.build_dir()
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what the killed build left
+
+    def load(build_directory: str, **_: object) -> None:  # FileBaton.wait, failing where it waits forever
+        if (Path(build_directory) / "lock").exists():
+            raise TimeoutError("waits on the lock file forever")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    assert cpu_library.available(), cpu_library.unavailable_reason()
 
 
 def test_failed_build_falls_back_to_torch(tmp_path, monkeypatch: pytest.MonkeyPatch,

@@ -64,6 +64,9 @@ def _load() -> None:
             torch.ops.load_library(str(library))  # no ninja run, no version checks: milliseconds
             return
         library.unlink(missing_ok=True)  # a link cut short: ninja links it again (its objects are kept)
+        # torch's lock file before it took a file lock (FileBaton): a build killed mid-way left it and
+        # every later load waited on it forever. Builds here are one at a time (build.lock): it is stale.
+        (folder / "lock").unlink(missing_ok=True)
         from torch.utils.cpp_extension import load
         log.info("building Kiln's CPU ops in %s (once per source, torch and CPU)", folder)
         load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
