@@ -169,11 +169,11 @@ struct Group {  // a (sequence, tile) whose context was split: merged after all 
 template <typename T, int C>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int32_t* cu,
          const int32_t* lens, const int32_t* tables, int64_t table_stride, double scale,
-         const std::vector<Item>& items, const std::vector<Group>& groups, int64_t tile_tokens,
+         const std::vector<Item>& items, const std::vector<Group>& groups, int64_t widest_tile,
          at::Tensor& out) {
   constexpr int64_t d = C * kLanes;
   const int64_t hq = q.size(1), bs = k_cache.size(1), hkv = k_cache.size(2);
-  const int64_t group = hq / hkv, rows_max = tile_tokens * hq;
+  const int64_t group = hq / hkv, rows_max = widest_tile * hq;
   const T* qp = q.data_ptr<T>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1);  // q may be a view into the fused qkv
   const T* kp = k_cache.data_ptr<T>();
@@ -328,13 +328,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
   std::vector<Item> items;
   std::vector<Group> groups;
-  int64_t slot = 0;
+  int64_t slot = 0, widest_tile = 1;  // buffers are sized by the widest tile run (decode: 1 token, not a full tile)
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = cu[b + 1] - cu[b], first_pos = lens[b] - q_len;
     if (max_q_len > 0 && q_len > max_q_len) continue;  // the caller attends to this one (see cpu_attention.py)
     for (int64_t t0 = 0; t0 < q_len; t0 += tile_tokens) {
       const int64_t ntok = std::min(tile_tokens, q_len - t0), key_end = first_pos + t0 + ntok;
       const int64_t nsplits = (key_end + part - 1) / part;
+      widest_tile = std::max(widest_tile, ntok);
       if (nsplits > 1) groups.push_back({b, t0, ntok, slot, nsplits});
       for (int64_t sp = 0; sp < nsplits; ++sp)
         items.push_back({b, t0, ntok, sp * part, std::min(key_end, (sp + 1) * part), nsplits > 1 ? slot++ : -1});
@@ -345,7 +346,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "kiln_paged_attention", [&] {
     auto call = [&](auto chunks) {
       run<scalar_t, decltype(chunks)::value>(q, k_cache, v_cache, cu, lens, tables, max_blocks, scale, items, groups,
-                                             tile_tokens, out);
+                                             widest_tile, out);
     };
     switch (d / kLanes) {
       case 1: return call(std::integral_constant<int, 1>{});
