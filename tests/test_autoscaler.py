@@ -278,6 +278,22 @@ def test_a_pod_no_node_fits_is_not_loading_and_holds_no_scale_down():
     assert decision.replicas == 1
 
 
+def test_a_pod_held_by_a_scheduling_gate_is_not_loading_and_holds_no_scale_down():
+    """A scheduling gate (Kueue admitting pods against a quota) may hold a pod for good, as a
+    missing node may: counted as loading, it held every scale-down, to zero too, while it waited."""
+    from kiln.operator.observed import Observed
+    from kiln.operator.scaling import pod_counts
+    gated = pod("b", False, unschedulable=True)
+    gated["status"]["conditions"][1].update(reason="SchedulingGated",
+                                            message="Scheduling is blocked due to non-empty scheduling gates")
+    ready, loading, waiting, why = pod_counts(Observed.of(pod("a", True), gated), "r1")
+    assert (ready, loading, waiting, why) == (1, 0, 1, "Scheduling is blocked due to non-empty scheduling gates")
+    samples = [Sample(1000.0 - i, 0.0) for i in range(60)]
+    decision, _ = decide(samples, spec(minReplicas=0, scaleDownDelay="60s"), ScalerState(2, lower_since=0.0),
+                         ready, loading, 1000.0)
+    assert (decision.replicas, decision.reason) == (0, "ScaledToZero")
+
+
 def test_a_spike_during_an_update_scales_on_the_old_revisions_serving_replicas():
     """A plain update: the old revision serves it all while the new one's pods load. Counting the
     new revision's ready pods (0) alone, the rate limit held the decision at 4 for a 16-replica spike."""

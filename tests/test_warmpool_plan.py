@@ -13,6 +13,12 @@ def pods(*specs: str) -> list[Pod]:
             for i, s in enumerate(specs)]
 
 
+def rolled(*specs: str) -> list[Pod]:
+    """Pods of a Deployment rolling in place: 'old:s+', 'new:w+', a template, then as pods()."""
+    return [Pod(f"p{i}", s[-1] == "+", s[-2] == "s", f"2026-01-01T00:00:0{i}Z", template=s.split(":")[0])
+            for i, s in enumerate(specs)]
+
+
 def names(plan: PoolPlan) -> dict[str, list[str]]:
     return {role: [p.name for p in getattr(plan, role)] for role in ("promote", "demote", "sleep")
             if getattr(plan, role)}
@@ -123,9 +129,6 @@ def test_a_rolling_template_is_served_by_its_new_pods_before_the_old_ones_go():
     """An in-place roll (an operator upgrade, new resources): new pods are born standbys and count
     as available, so the old ReplicaSet removed its serving pod next, and only then was a new
     standby promoted: nothing served meanwhile."""
-    def rolled(*specs: str) -> list[Pod]:  # 'old:s+' and 'new:w+': a template, then as pods()
-        return [Pod(f"p{i}", s[-1] == "+", s[-2] == "s", f"2026-01-01T00:00:0{i}Z", template=s.split(":")[0])
-                for i, s in enumerate(specs)]
     # 1 serving + 1 standby of the old template, a new standby ready: it takes the serving place.
     assert names(plan_pool(1, rolled("old:s+", "old:w+", "new:w+"))) == {"promote": ["p2"], "demote": ["p0"]}
     # The new one still loads: the old pod serves on.
@@ -142,3 +145,14 @@ def test_a_rolling_template_is_served_by_its_new_pods_before_the_old_ones_go():
     assert names(plan_pool(2, rolled("old:s-", "old:s+", "new:w-"))) == {}
     assert [p.template for p in pods_of([{"metadata": {"name": "p", "labels": {"pod-template-hash": "abc"}},
                                           "status": {}}])] == ["abc"]
+
+
+def test_a_roll_swaps_no_ready_pod_for_another_of_its_own_template():
+    """plan_roll kept the newest ready pods of each template: at a roll's start an old standby newer
+    than the old serving pod took its place (a demotion mid-request and a wake, for nothing), and
+    each new pod made ready later demoted the new one serving before it."""
+    assert names(plan_pool(1, rolled("old:s+", "old:w+", "new:w-"))) == {}
+    assert names(plan_pool(1, rolled("old:w+", "new:s+", "new:w+"))) == {}
+    assert names(plan_pool(2, rolled("old:s+", "old:s+", "old:w+", "new:w-"))) == {}
+    # The new template still serves first: a ready new pod takes an old one's place.
+    assert names(plan_pool(2, rolled("old:s+", "new:s+", "old:w+", "new:w+"))) == {"promote": ["p3"], "demote": ["p0"]}

@@ -52,13 +52,19 @@ def stuck(pod: dict[str, Any], now: float) -> bool:
     return started is not None and now - started > LOAD_DEADLINE_S
 
 
+# PodScheduled=False reasons of a pod that is not on its way: no node fits it, or a scheduling gate
+# holds it until something (a quota's admission) lifts the gate, which may never happen.
+NOT_SCHEDULED = ("Unschedulable", "SchedulingGated")
+
+
 def pod_counts(observed: Observed, revision: str, now: float | None = None) -> tuple[int, int, int, str | None]:
     """(ready, loading, unschedulable, why they cannot be scheduled) for a revision's pods;
     terminating pods are neither capacity nor on their way, a warm pool's ready standbys serve
-    nobody yet, and neither a pod no node fits nor one whose engine fails (a crash loop, an image
-    that cannot be pulled) is loading: it must not hold a scale-down, even to zero (it may never
-    start, and holding it would keep a cluster autoscaler adding nodes for no load). Given `now`,
-    nor is one started LOAD_DEADLINE_S ago and still not ready (a load hung on its storage)."""
+    nobody yet, and neither a pod no node fits (or that a scheduling gate holds) nor one whose
+    engine fails (a crash loop, an image that cannot be pulled) is loading: it must not hold a
+    scale-down, even to zero (it may never start, and holding it would keep a cluster autoscaler
+    adding nodes for no load). Given `now`, nor is one started LOAD_DEADLINE_S ago and still not
+    ready (a load hung on its storage)."""
     ready = loading = unschedulable = 0
     why = None
     for pod in observed.pods(revision):
@@ -69,7 +75,7 @@ def pod_counts(observed: Observed, revision: str, now: float | None = None) -> t
             continue
         conditions = {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
         scheduled = conditions.get("PodScheduled", {})
-        if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        if scheduled.get("status") == "False" and scheduled.get("reason") in NOT_SCHEDULED:
             unschedulable += 1
             why = scheduled.get("message", "no node fits the pod")
         elif not failing(pod) and not (now is not None and stuck(pod, now)):

@@ -88,7 +88,10 @@ def plan_roll(serving_wanted: int, pods: list[Pod], sleep: bool) -> PoolPlan:
     standby in the pass that sees one (promoted, then the old pod demoted: patched in that order,
     the Service never has fewer), not once it is gone, which left nothing serving meanwhile."""
     newest = max(pods, key=lambda p: p.since).template
-    ready = sorted((p for p in pods if p.ready), key=lambda p: (p.template == newest, p.since), reverse=True)
+    # Within a template those serving stay first: a ready pod swapped for another of its own
+    # template is a demotion mid-request (and a wake) that brings the roll no nearer.
+    ready = sorted((p for p in pods if p.ready), key=lambda p: (p.template == newest, p.serving, p.since),
+                   reverse=True)
     keep = ready[:serving_wanted]
     # One not ready keeps its place while too few are ready to replace it: it may recover.
     demote = [p for p in pods if p.serving and p not in keep and (p.ready or len(keep) >= serving_wanted)]
