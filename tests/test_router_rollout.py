@@ -77,6 +77,17 @@ async def test_requests_split_by_weight_within_five_points_and_metrics_count_per
 
 
 @on_event_loop
+async def test_one_at_a_time_requests_rotate_over_each_revisions_replicas() -> None:
+    """Ties rotated on one count of every pick: a 50/50 split alternates revisions, so each
+    two-replica revision got turns 0, 2, 4... and all of its requests went to its first replica."""
+    async with service(4, revisions=["stable", "stable", "canary", "canary"],
+                       traffic=split({"stable": 50, "canary": 50})) as svc:
+        for _ in range(8):
+            assert (await svc.complete()).status == 200
+        assert svc.hits() == [2, 2, 2, 2]
+
+
+@on_event_loop
 async def test_requests_wait_for_the_split_when_several_revisions_are_ready_and_it_is_unknown() -> None:
     """The router's first read of its InferenceService failed (the API server away as it started):
     with a stable and a canary ready it cannot tell their weights, so requests wait for the split
@@ -257,6 +268,18 @@ async def every_request_mirrored(**flags: bool | str) -> AsyncIterator:
     finally:
         for name, value in saved.items():
             setattr(ScoringEngine, name, value)
+
+
+@on_event_loop
+async def test_one_comparison_at_a_time_is_scored_by_each_canary_replica_in_turn() -> None:
+    """Whether a canary replica was there to score was asked by picking one: each comparison took
+    two canary turns, and every score went to the same replica (the other was never judged)."""
+    traffic = split({"stable": 100, "canary": 0}, Mirror(sample_rate=1.0, floor_sample_rate=0.0))
+    async with service(3, revisions=["stable", "canary", "canary"], traffic=traffic, fake=ScoringEngine) as svc:
+        for scored in range(1, 5):
+            assert (await svc.complete()).status == 200
+            await until(lambda: sum(e.scored for e in svc.engines) == scored)  # bounded by the test timeout
+        assert [e.scored for e in svc.engines] == [0, 2, 2]
 
 
 @on_event_loop

@@ -19,7 +19,10 @@ class LeastInFlight:
         """routed: told each prefix-affinity outcome (affinity.Affinity.choose), for metrics."""
         self._source = source
         self._in_flight: Counter[Endpoint] = Counter()
-        self._turn = 0
+        # Picks so far from each pool (a revision; None: every ready replica), whose ties rotate on
+        # its own count: on one count for all, a 50/50 split alternating revisions gave each only
+        # even turns, and every request to its first replica. A few ints: one per revision.
+        self._turns: Counter[str | None] = Counter()
         self._affinity, self._routed = affinity, routed
 
     def pick(self, exclude: Collection[Endpoint] = (), revision: str | None = None,
@@ -37,8 +40,8 @@ class LeastInFlight:
             chosen, outcome = self._affinity.choose(keys, candidates, self._in_flight)
             self._routed(outcome)
         if chosen is None:
-            start = self._turn % len(candidates)
-            self._turn += 1
+            start = self._turns[revision] % len(candidates)
+            self._turns[revision] += 1
             rotated = candidates[start:] + candidates[:start]
             chosen = min(rotated, key=lambda e: self._in_flight[e])  # min keeps the first tie
         if self._affinity is not None and keys:

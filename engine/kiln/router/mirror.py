@@ -134,7 +134,10 @@ class Mirroring:
             self._metrics.mirrored.labels("skipped").inc()
             return
         generator = self._balancer.pick(revision=stable)
-        if generator is None or self._balancer.pick(revision=canary) is None:
+        # The canary's scorer is picked once, here: a pick made only to see that one is there took
+        # a turn of the rotation, and every comparison was scored by the same canary replica.
+        canary_scorer = self._balancer.pick(revision=canary)
+        if generator is None or canary_scorer is None:
             self._metrics.mirrored.labels("skipped").inc()
             return
         answer = await self._post(generator, path, request, authorization)
@@ -144,8 +147,8 @@ class Mirroring:
         scorers = [canary] + ([stable] if floor else [])
         for revision in scorers:
             # The floor is scored by another stable replica where there is one.
-            scorer = self._balancer.pick(revision=revision, exclude=[generator] if revision == stable else ())
-            scorer = scorer or self._balancer.pick(revision=revision)
+            scorer = canary_scorer if revision == canary else \
+                self._balancer.pick(revision=stable, exclude=[generator]) or self._balancer.pick(revision=stable)
             if scorer is None:
                 continue
             scored = await self._post(scorer, "/v1/completions", {
