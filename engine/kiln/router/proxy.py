@@ -193,11 +193,6 @@ class Router:
                                       "invalid_body")
             body = b"".join(chunks)
             del chunks  # or the body is held twice until its answer ends, and counted once
-            more = len(body) - held
-            if more > 0:
-                if not self._hold_body(more, mine=held):
-                    return self._bodies_refused()
-                held += more
             if request.method == "POST":
                 self.mirroring.offer(request.path, body, self.traffic.current(),
                                      request.headers.get("Authorization"))
