@@ -329,6 +329,18 @@ def test_a_canary_failing_every_request_fails_even_with_no_mirrored_tokens():
     assert check(figures(page("c", 99, 1))["c"], stable, Analysis(minRequests=5)).verdict == PASS
 
 
+def test_a_canary_whose_every_stream_stalls_fails_on_latency_with_no_request_answered():
+    """Clients that give up on a stalled stream are 499s, no answers, but their waits are timed:
+    with none answered the check returned inconclusive before it looked at them, and a hung
+    canary kept its step's share of requests for ever, never failed."""
+    stable = figures(page("s", 100, 0, (90, 10, 0, 0)))["s"]
+    stalled = figures(page("c", 0, 0, (0, 0, 0, 20)))["c"]  # 20 waits past the last bound, all 499s
+    result = check(stalled, stable, ROLLOUT.analysis)
+    assert result.verdict == FAIL and result.failed[0].startswith("TTFT p95 ratio")
+    # Too few answers and too few streams is still no verdict.
+    assert check(figures(page("c", 0, 0, (0, 0, 0, 4)))["c"], stable, ROLLOUT.analysis).verdict == INCONCLUSIVE
+
+
 def test_nan_counts_are_no_figures_and_never_pass_the_quality_gate():
     stable = figures(page("s", 100, 0, tokens=40, agreed=39))["s"]
     for tokens, agreed in ((float("nan"), float("nan")), (100, float("nan")), (float("inf"), 100)):
@@ -690,6 +702,19 @@ def test_a_steps_pause_runs_once_the_canary_has_the_replicas_the_step_sized_it_f
     # A person may still go on while it is short.
     short = run(d.state, "canary-b", Facts(2, False, step_size=5, resume_token="go"), None, 90)
     assert short.state.step == 3
+
+
+def test_a_check_passed_before_the_step_had_its_replicas_does_not_carry_it_on():
+    """A check passed while 1 of 2 replicas was ready (a tenth of the step's share) moved the
+    step on once the pause from the second one's readiness was over, with no check at the
+    step's weight."""
+    d = run(None, "canary-b", READY, None, 0)
+    d = run(d.state, "canary-b", Facts(1, False, step_size=2), None, 1)
+    d = run(d.state, "canary-b", Facts(1, False, step_size=2), verdict(PASS), 20)
+    sized = Facts(2, False, step_size=2, became_ready=50)
+    d = run(d.state, "canary-b", sized, None, 81)
+    assert d.state.step == 1 and "the pause is over but no analysis interval has passed" in d.state.message
+    assert run(d.state, "canary-b", sized, verdict(PASS), 90).state.step == 2
 
 
 def test_the_step_size_the_machine_waits_for_is_the_one_the_canary_is_given():

@@ -134,13 +134,15 @@ def error_baseline(stable: Figures, least: int) -> float | None:
 
 def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
     """Canary against stable over one interval (both are `minus`-ed figures). Too few canary
-    requests: inconclusive, never a failure; the error rate fails past maxErrorRate above the
-    stable revision's (error_baseline), and past maxErrorRate alone it is inconclusive, never a
-    pass; a latency ratio is judged only where both revisions
-    streamed at least minRequests responses. Too few mirrored tokens leaves quality unjudged
-    (inconclusive unless another check failed: a canary failing every request scores no tokens,
-    and that must not hide its errors). The agreement threshold is relative to the noise floor:
-    stable scoring its own tokens on another replica (1.0 when the interval had too few of those)."""
+    requests: inconclusive, unless a latency ratio fails; the error rate fails past maxErrorRate
+    above the stable revision's (error_baseline), and past maxErrorRate alone it is inconclusive,
+    never a pass; a latency ratio is judged only where both revisions streamed at least
+    minRequests responses, answered or not (a canary whose every stream stalls until its client
+    leaves answers nothing, only 499s, but its waits are timed). Too few mirrored tokens leaves
+    quality unjudged (inconclusive unless another check failed: a canary failing every request
+    scores no tokens, and that must not hide its errors). The agreement threshold is relative to
+    the noise floor: stable scoring its own tokens on another replica (1.0 when the interval had
+    too few of those)."""
     ttft = p95_ratio(canary.ttft, stable.ttft, analysis.minRequests)
     itl = p95_ratio(canary.itl, stable.itl, analysis.minRequests)
     error_rate = canary.errors / canary.requests if canary.requests else None
@@ -153,12 +155,11 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
         "errorRate": rounded(error_rate), "stableErrorRate": rounded(baseline), "ttftP95Ratio": rounded(ttft),
         "itlP95Ratio": rounded(itl), "greedyAgreement": rounded(agreement), "agreementTokens": int(canary.tokens),
         "noiseFloor": rounded(floor), "noiseFloorTokens": int(stable.tokens)}
-    if canary.requests < analysis.minRequests:
-        return Check(INCONCLUSIVE, shown, [])
-    quality_judged = quality is not None and canary.tokens >= quality.minTokens
+    enough = canary.requests >= analysis.minRequests
+    quality_judged = enough and quality is not None and canary.tokens >= quality.minTokens
     failed = []
     # baseline + maxErrorRate, not their difference: with a clean stable revision exactly the old threshold.
-    if error_rate is not None and error_rate > (baseline or 0.0) + analysis.maxErrorRate:
+    if enough and error_rate is not None and error_rate > (baseline or 0.0) + analysis.maxErrorRate:
         failed.append(f"error rate {error_rate:.3f} > {analysis.maxErrorRate}"
                       + (f" + stable's {baseline:.3f}" if baseline else ""))
     # Failing as often as stable is no regression, nor any evidence for the canary: a shared outage
@@ -176,7 +177,7 @@ def check(canary: Figures, stable: Figures, analysis: Analysis) -> Check:
                           f"{int(canary.tokens)} tokens)")
     if failed:
         return Check(FAIL, shown, failed)
-    return Check(INCONCLUSIVE if excused or (quality and not quality_judged) else PASS, shown, [])
+    return Check(INCONCLUSIVE if not enough or excused or (quality and not quality_judged) else PASS, shown, [])
 
 
 def rounded(value: float | None) -> float | None:

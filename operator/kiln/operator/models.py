@@ -380,7 +380,8 @@ class Analysis(Spec):
     failureLimit: int = Field(2, ge=0, le=100, description=(
         "Failed checks that roll the canary back (0 and 1 both: the first)."))
     minRequests: int = Field(10, ge=1, le=1_000_000, description=(
-        "Canary requests an interval needs before it is judged; fewer: inconclusive."))
+        "Canary requests an interval needs before its error rate and quality are judged; fewer: inconclusive, "
+        "unless a latency ratio fails (judged on minRequests streams each side, answered or not)."))
     maxErrorRate: Ratio = Field(0.01, description=(
         "How far the canary's 5xx share may exceed the stable revision's over an interval; the stable's "
         "counts when it answered at least minRequests, else 0 (the threshold is then absolute)."))

@@ -209,8 +209,9 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
     if facts.canary_ready < facts.step_size:
         # The router gives it a share in proportion to its ready replicas: until it has the step's,
-        # the step's weight is not what is being judged, so its pause does not run yet.
-        return Decision(replace(state, phase=PROGRESSING, message=(
+        # the step's weight is not what is being judged, so its pause does not run yet, nor does a
+        # check passed meanwhile carry the step on once it is over.
+        return Decision(replace(state, phase=PROGRESSING, passed=0, message=(
             f"{words}, {facts.canary_ready}/{facts.step_size} of its replicas ready: the pause runs once they "
             f"are; {analysis_words(state)}")), events)
     # From when it had them: its last replica's turn to ready, if that came after the step began.
