@@ -856,6 +856,49 @@ def test_choices_are_admitted_as_one_against_the_queued_token_cap():
         s.stop()
 
 
+def test_choices_the_engine_refuses_leave_no_error_unread(tiny_llama_dir, caplog):
+    """Choices refused by the engine, read together or after their client left while they were
+    queued: every refusal is read (asyncio logged each one not read as an error with its
+    traceback, n - 1 of them per refused request) and nothing stays behind."""
+    import gc
+
+    from kiln.engine import SamplingParams
+    from kiln.engine.async_engine import AsyncEngine
+    from kiln.engine.config import Config
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.engine.metrics import ServerMetrics
+
+    def refused(prefix: str, n: int) -> list:  # token ids past the vocabulary: the engine's ValueError
+        return [(f"{prefix}-{i}", [10_000], SamplingParams(max_tokens=2)) for i in range(n)]
+
+    async def run() -> AsyncEngine:
+        core = LLMEngine(Config(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=64,
+                                kv_cache_memory=1 << 20))
+        engine = AsyncEngine(core, ServerMetrics(MODEL), max_queue=8)
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match="prompt token ids"):
+                await engine.submit_all(refused("whole", 3))
+            entered, gate = threading.Event(), threading.Event()
+            held = asyncio.ensure_future(engine.call(lambda: (entered.set(), gate.wait(60))))
+            assert await asyncio.to_thread(entered.wait, 60)  # the engine thread is held: the choices queue
+            gone = asyncio.ensure_future(engine.submit_all(refused("gone", 2)))
+            while engine._commands.qsize() < 2:
+                await asyncio.sleep(0.01)
+            gone.cancel()  # the client left
+            gate.set()
+            await held
+            await engine.call(lambda: None)  # after the refusals: their answers are in
+            return engine
+        finally:
+            await engine.stop()
+
+    engine = asyncio.run(run())
+    gc.collect()
+    assert "never retrieved" not in caplog.text, caplog.text
+    assert not engine._streams and not engine.engine.has_unfinished_requests()
+
+
 def test_sigterm_drains_in_flight_streams():
     s = ServerProcess("--max-model-len", "512", "--drain-timeout", "120")
     try:

@@ -150,10 +150,12 @@ class AsyncEngine:
         try:
             await asyncio.wait(added)
         except asyncio.CancelledError:  # client gone while queued: the adds still run, so undo them
-            for stream in streams:
+            for stream, future in zip(streams, added):
+                future.cancel()  # no reader now: a refusal left on it was logged as never retrieved
                 self.abort(stream.request_id)
             raise
-        refused = next((f.exception() for f in added if f.exception() is not None), None)
+        # Every answer read: each refusal not read was logged as an error ("never retrieved").
+        refused = next((e for e in [f.exception() for f in added] if e is not None), None)
         if refused is not None:  # the engine refused one (or died): the client sees an error, not an abort
             for stream in streams:
                 if self._streams.pop(stream.request_id, None) is not None:
