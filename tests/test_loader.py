@@ -348,6 +348,10 @@ def test_only_the_shards_the_index_names_are_read(tmp_path: Path, tiny_llama_dir
      r"rope_scaling\.factor must be a positive number, got '2'"),
     ("config.json", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
      r"config\.json: unsupported rope_scaling type 'yarn'"),
+    # rotated every dimension of a head, in silence
+    ("config.json", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     r"config\.json: partial_rotary_factor 0\.5 is not supported"),
+    ("config.json", {"partial_rotary_factor": 0.25}, r"config\.json: partial_rotary_factor 0\.25 is not supported"),
     ("config.json", {"hidden_act": "gelu"}, r"config\.json: hidden_act 'gelu' is not supported"),  # ran as silu
     ("config.json", {"bos_token_id": "x"}, r"config\.json: bos_token_id must be a token id, got 'x'"),
     ("config.json", {"eos_token_id": 10**6}, r"config\.json: token id\(s\) \[1000000\] \(bos/eos_token_id\) beyond"),

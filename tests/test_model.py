@@ -158,6 +158,15 @@ def test_hf_folder_logits_match_transformers(tiny_hf_models: dict[str, Path], ki
     assert loaded.tokenizer.encode("w1 w2 zzz") == [4, 5, 0]
 
 
+def test_a_tiny_model_written_with_other_settings_leaves_the_next_one_as_it_was(tmp_path: Path) -> None:
+    """transformers' config wrote rope_theta into TINY_HF_CONFIGS' rope_scaling dict, so every later
+    tiny Llama of the session had the first override's rope_theta."""
+    from tiny_models import write_tiny_model
+    write_tiny_model("llama", tmp_path / "other", rope_theta=5e5)
+    config = json.loads((write_tiny_model("llama", tmp_path / "plain") / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+
+
 def naive_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_lens: list[int],
                     scale: float) -> torch.Tensor:
     """Dense causal attention, one sequence and one head at a time, in float64."""

@@ -2,6 +2,7 @@
 (tests/ through conftest's tiny_hf_models; e2e/ writes one for a hostpath:// source)."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def write_tiny_model(kind: str, folder: Path, **overrides) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     arch, kwargs = TINY_HF_CONFIGS[kind]
-    kwargs = {**kwargs, **overrides}
+    # A copy: transformers' config writes into the dicts it is given (rope_theta into rope_scaling),
+    # which changed every later model of this kind.
+    kwargs = copy.deepcopy({**kwargs, **overrides})
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(93)]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     torch.manual_seed(0)

@@ -113,6 +113,10 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: rope_parameters / rope_scaling must be an object, got {rope!r}")
     rope = dict(rope)
     rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    # RoPE here turns whole heads (transformers' Llama fails on a part); a part was ignored in silence.
+    partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1):
+        raise ModelLoadError(f"{path}: partial_rotary_factor {partial!r} is not supported (whole-head RoPE only)")
     rope_scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
     # Before head_dim's default divides by them; absent or null: a default or a KeyError below.
     for key in POSITIVE_INTS:
