@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kiln.engine.attention import paged_attention, store_kvcache
-from kiln.engine.config import Config
+from kiln.engine.config import Config, ModelLoadError, resolve_max_model_len
 from kiln.engine.context import Context, prefill_context, reset_context, set_context
-from kiln.engine.loader import load_model
+from kiln.engine.loader import load_model, read_hf_config
 from kiln.engine.lora import lora_mapping
 from kiln.engine.tokenizer import IncrementalDetokenizer
 
@@ -165,6 +165,32 @@ def test_a_tiny_model_written_with_other_settings_leaves_the_next_one_as_it_was(
     write_tiny_model("llama", tmp_path / "other", rope_theta=5e5)
     config = json.loads((write_tiny_model("llama", tmp_path / "plain") / "config.json").read_text())
     assert config["rope_parameters"]["rope_theta"] == 10000.0
+
+
+def test_a_sliding_window_caps_the_context_where_whole_attention_is_the_same(tmp_path: Path, caplog) -> None:
+    """Sliding-window configs (Mistral-7B-v0.1, Qwen2 with use_sliding_window) were refused: whole
+    attention is theirs up to the window, so they load with the context capped there."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import write_tiny_model
+    folder = write_tiny_model("qwen2", tmp_path / "slides", use_sliding_window=True, sliding_window=16,
+                              max_window_layers=0)
+    loaded = load_model(Config(model=str(folder), dtype="float32", device="cpu"))
+    assert loaded.model_config.max_position_embeddings == 16 and "capped at 16" in caplog.text
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = torch.randint(3, 96, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        assert rel_err(forward_prefill(loaded.model, [prompt]), ref_model(torch.tensor([prompt])).logits[0]) < 1e-4
+    with pytest.raises(ValueError, match="max_model_len 17 exceeds the model's maximum of 16"):
+        resolve_max_model_len(Config(max_model_len=17), loaded.model_config)
+    config = json.loads((folder / "config.json").read_text())
+    # Mistral's window needs no switch; Qwen2's none while every layer is under max_window_layers.
+    for changes, context in (({"architectures": ["MistralForCausalLM"], "use_sliding_window": None}, 16),
+                             ({"max_window_layers": 2}, 512)):
+        (folder / "config.json").write_text(json.dumps({**config, **changes}))
+        assert read_hf_config(folder).max_position_embeddings == context
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": "16"}))
+    with pytest.raises(ModelLoadError, match="sliding_window must be a positive number of tokens, got '16'"):
+        read_hf_config(folder)
 
 
 def naive_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], q_lens: list[int],

@@ -105,8 +105,6 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: mlp_bias is not supported")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):  # swish is silu; the MLP computes silu only
         raise ModelLoadError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (silu only)")
-    if raw.get("use_sliding_window") or (not qwen2 and raw.get("sliding_window")):
-        raise ModelLoadError(f"{path}: sliding-window attention is not supported")
     # transformers >= 5 writes rope_parameters (theta included); older versions rope_scaling + rope_theta.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
@@ -123,6 +121,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
         value = raw.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise ModelLoadError(f"{path}: {key} must be a positive integer, got {value!r}")
+    window = sliding_window(raw, qwen2, path)
     gen_path = folder / GENERATION_CONFIG
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     eos_token_ids = _eos_ids((path, raw.get("eos_token_id")), (gen_path, gen.get("eos_token_id")))
@@ -141,7 +140,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
             num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=rope_theta, rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=min(raw.get("max_position_embeddings") or 2048, window or float("inf")),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama's attention_bias covers o_proj too.
             attention_bias=qwen2 or bool(raw.get("attention_bias")),
@@ -153,6 +152,26 @@ def read_hf_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: missing key {e.args[0]!r}") from None
     except (ValueError, TypeError) as e:  # ModelConfig's checks
         raise ModelLoadError(f"{path}: {e}") from None
+
+
+def sliding_window(raw: dict[str, Any], qwen2: bool, path: Path) -> int | None:
+    """The window of a config whose attention slides (Mistral's sliding_window; Qwen2's where
+    use_sliding_window and a layer at or past max_window_layers), or None. Kiln attends over the
+    whole context, which is the window's attention up to its length: the context is capped there,
+    as vLLM's --disable-sliding-window does (refusing them refused Mistral-7B-v0.1)."""
+    window = raw.get("sliding_window")
+    if qwen2:
+        full = raw.get("max_window_layers", 28)  # transformers' default: the first 28 layers attend fully
+        if not raw.get("use_sliding_window") or (isinstance(full, int) and full >= (raw.get("num_hidden_layers") or 0)):
+            return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"{path}: sliding_window must be a positive number of tokens, got {window!r}")
+    if window < (raw.get("max_position_embeddings") or 2048):
+        log.warning("%s: attention slides over %d tokens; Kiln attends over the whole context, the same up to "
+                    "that length: the context is capped at %d", path, window, window)
+    return window
 
 
 def check_sizes(folder: Path, config: ModelConfig) -> None:
