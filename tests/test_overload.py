@@ -150,8 +150,10 @@ def test_queued_token_cap_refuses_past_it_and_never_refuses_a_lone_request():
 
 
 def test_a_preempted_request_counts_against_the_queued_token_cap_again():
-    # 22 blocks of 16 tokens: two requests that each grow to 20 blocks cannot both stay, and the
-    # newer one goes back to the queue (with its 30 prompt tokens) until the older one is done.
+    # 22 blocks of 16 tokens: two requests of 150 prompt tokens (10 blocks each) that grow to 19
+    # cannot both stay past 176 tokens, and the newer one goes back to the queue (with its prompt
+    # tokens) until the older one is done. Long prompts, so a few decode steps get there: with 30,
+    # a CI machine under load took over a minute.
     s = ServerProcess("--max-model-len", "320", "--max-num-seqs", "2", "--kv-cache-memory", KV_CACHE,
                       "--max-num-queued-tokens", "40")
     try:
@@ -160,14 +162,14 @@ def test_a_preempted_request_counts_against_the_queued_token_cap_again():
                                                max_tokens=max_tokens, stream=True, extra_body={"ignore_eos": True})
 
         before = s.wait_metrics(kiln__num_requests_running=0)["kiln:num_preemptions_total"]
-        older = stream(1000, 30, 280)
+        older = stream(1000, 150, 150)
         s.wait_metrics(kiln__num_requests_running=1)
-        newer = stream(2000, 30, 280)
-        m = s.wait_metrics(kiln__num_requests_waiting=1)
+        newer = stream(2000, 150, 150)
+        m = s.wait_metrics(300, kiln__num_requests_waiting=1)
         assert m["kiln:num_preemptions_total"] > before and m["kiln:num_requests_running"] == 1, m
         code, reply = post(s.url + "/v1/completions", {"model": MODEL, "prompt": [3000 + i for i in range(15)],
                                                        "max_tokens": 1})
-        assert code == 429 and "30 prompt tokens are waiting" in reply["error"]["message"], (code, reply)
+        assert code == 429 and "150 prompt tokens are waiting" in reply["error"]["message"], (code, reply)
         for st in (older, newer):
             assert sum(1 for _ in st) > 0
         idle(s)

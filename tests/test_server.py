@@ -45,9 +45,9 @@ class ServerProcess(KilnProcess):
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
-    def wait_metrics(self, **want: float) -> dict[str, float]:
+    def wait_metrics(self, timeout: float = 60, **want: float) -> dict[str, float]:
         """Poll /metrics until each named gauge (':' written as '__') has its wanted value."""
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
             if all(m[k.replace("__", ":")] == v for k, v in want.items()):
