@@ -731,3 +731,29 @@ def test_the_step_size_the_machine_waits_for_is_the_one_the_canary_is_given():
     canary_revision = next(r for r in desired(owner, spec_of("int8"), observed, "img", split=split).revisions
                            if r.name == canary)
     assert canary_revision.replicas == 2
+
+
+def test_a_rollout_added_mid_replacement_waits_for_it_and_the_old_revision_serves_meanwhile():
+    """The spec changed without a rollout (A replaced by B, B still loading), then again with one
+    (C): C's canary started beside B at once, which retired A, the one revision serving, and
+    weighted B at 100 with no replica ready, so requests were held until it loaded."""
+    from kiln.operator.canary import roll
+    owner = Owner("chat", "ns", "uid")
+    a, b, c = (revision_name("chat", spec_of(q)) for q in ("none", "int8", "int4"))
+    previous = {"revisions": [{"name": b, "role": "stable"}, {"name": a, "role": "old"}]}
+    loading = Observed.of(deployment(a, ready=4, replicas=4), deployment(b, ready=1, replicas=4))
+    for target in ("int4", "int8"):  # a new revision, or the one being replaced to (no canary either way)
+        decision = roll(owner, spec_of(target), loading, {}, previous, {}, 10)
+        assert (decision.state.phase, decision.canary, decision.state.stable) == (PROMOTED, None, b)
+        want = desired(owner, spec_of(target), loading, "img", split=split_of(spec_of(target), decision))
+        assert [(r.name, r.role, r.weight) for r in want.revisions] == [(b, "stable", None), (a, "old", None)]
+        assert not [x for x in plan(want, loading) if x.verb == "delete"]
+    waiting = roll(owner, spec_of("int4"), loading, {}, previous, {}, 10)
+    assert f"canary {c} starts once {b} has replaced {a}" in waiting.state.message
+    # B at full strength: the canary starts, A goes, and the split is weighted again.
+    replaced = Observed.of(deployment(a, ready=4, replicas=4), deployment(b, ready=4, replicas=4))
+    started = roll(owner, spec_of("int4"), replaced, {}, {"rollout": dump(waiting.state, ROLLOUT)}, {}, 20)
+    assert (started.state.phase, started.canary, started.state.stable) == (PROGRESSING, c, b)
+    want = desired(owner, spec_of("int4"), replaced, "img", split=split_of(spec_of("int4"), started))
+    assert [(r.name, r.weight) for r in want.revisions] == [(b, 100), (c, 0)]
+    assert ("delete", a) in [(x.verb, x.name) for x in plan(want, replaced) if x.kind == "Deployment"]

@@ -4,7 +4,7 @@ ended), run it, and say how traffic splits. The routers are scraped here; the de
 rollout.py's and analysis.py's, both pure."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .analysis import Check, Figures, check, figures
@@ -12,7 +12,7 @@ from .desired import Split, canary_size, fully_ready
 from .models import InferenceServiceSpec, seconds
 from .observed import Observed, engine_failure, is_ready, replicas_of
 from .render import ROUTER_PORT, Owner, revision_name
-from .rollout import (FAILED_STARTS, RESUME_ANNOTATION, RETRY_ANNOTATION, ROLLED_BACK, Decision, Facts, State,
+from .rollout import (FAILED_STARTS, PROMOTED, RESUME_ANNOTATION, RETRY_ANNOTATION, ROLLED_BACK, Decision, Facts, State,
                       advance, load)
 from .scaling import epoch, serving_replicas
 from .scrape import read_all
@@ -138,6 +138,16 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
     decision = advance(spec.rollout, state, stable, target, facts, result, now)
+    replaced = [d["metadata"]["name"] for d in observed.engines() if d["metadata"]["name"] not in (stable, target)]
+    current = observed.engine(stable)
+    if not (state and state.active) and decision.state.active and replaced \
+            and not fully_ready(current, serving_replicas(spec, current)):
+        # A plain replacement still runs (the spec changed before it had a rollout): the revisions
+        # it replaces serve until the stable one is at full strength, and a canary's start retires
+        # them at once. The canary waits for it, as it would for any stable revision to be ready.
+        waiting = state or State(PROMOTED, stable)
+        return Decision(replace(waiting, message=f"canary {target} starts once {stable} has replaced "
+                                                 f"{', '.join(sorted(replaced))} (it is not ready yet)"))
     if not decision.state.active or any(e.reason in ("RolloutStarted", "RolloutStep") for e in decision.events):
         # The rollout ended (promoted, rolled back, aborted) or another began: one that starts
         # later, even of the same revision, must not count this one's requests in its first interval.

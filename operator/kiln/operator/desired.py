@@ -172,7 +172,14 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
     else:  # no decision yet: keep what serves, or start with the capacity the service has now
         replicas = max(replicas_of(current) - pool, 0) if current else max((replicas_of(d) for d in olds),
                                                                             default=desired_replicas(spec))
-    weighted = split is not None
+    # Old revisions keep serving until the stable one is at full serving strength (its pool may
+    # need the GPUs they hold); during a rollout (a canary replaced by a newer one) and after one
+    # dropped its canary, they go at once: a rolled-back canary kept its replicas, GPUs and all,
+    # while the stable revision was short.
+    keep = [] if fully_ready(current, replicas) or (split and (split.canary or split.dropped)) else olds
+    # While they serve (a plain replacement the spec's new rollout waits for), requests go to every
+    # ready replica alike: weighted, the old revisions' 0 held them until the stable one was ready.
+    weighted = split is not None and not keep
     canary_weight = size = 0
     if split and split.canary:
         size = replicas if split.full_size else canary_size(replicas, split.weight)
@@ -186,14 +193,9 @@ def desired(owner: Owner, spec: InferenceServiceSpec, observed: Observed, image:
         revisions.append(Revision(split.canary, CANARY, render_deployment(owner, spec, image, pod_annotations),
                                   render_revision_service(owner, split.canary, pooled(spec)), size, canary_weight,
                                   size if pooled(spec) else None))
-    # Old revisions keep serving until the stable one is at full serving strength (its pool may
-    # need the GPUs they hold); during a rollout (a canary replaced by a newer one) and after one
-    # dropped its canary, they go at once: a rolled-back canary kept its replicas, GPUs and all,
-    # while the stable revision was short.
-    keep = [] if fully_ready(current, replicas) or (split and (split.canary or split.dropped)) else olds
     revisions += [Revision(d["metadata"]["name"], OLD, None,
                            render_revision_service(owner, d["metadata"]["name"], template_pooled(d)),
-                           old_replicas(d, observed), 0 if weighted else None) for d in keep]
+                           old_replicas(d, observed)) for d in keep]
     router = render_router(owner, spec, image, pod_annotations, router_placement)
     return Desired(revisions, [*render_router_account(owner), router, render_service(owner), *render_pdbs(owner),
                                *render_network_policies(owner, operator_namespace()), *(scalers or [])])
