@@ -100,8 +100,12 @@ def test_a_chat_template_past_one_command_line_argument_is_refused():
     """The engine takes it as one argument: over Linux's 128 KiB in UTF-8 the container could
     never start (E2BIG). Characters alone (the CRD's bound) do not tell: ASCII fits four times more."""
     assert spec_of(engine={"chatTemplate": "x" * 65536}).engine.chatTemplate
-    with pytest.raises(ValueError, match="131072 bytes in UTF-8; the engine takes it as one command-line argument"):
+    with pytest.raises(ValueError, match="131072 bytes in UTF-8 as the engine's argument"):
         spec_of(engine={"chatTemplate": "模" * 43690 + "xx"})
+    # Its backslashes go doubled (the engine decodes an inline template's escapes).
+    assert spec_of(engine={"chatTemplate": "\\" * 65535}).engine.chatTemplate
+    with pytest.raises(ValueError, match="131072 bytes in UTF-8 as the engine's argument"):
+        spec_of(engine={"chatTemplate": "\\" * 65536})
 
 
 def test_sources_durations_and_replica_bounds_are_checked_by_the_operator_too():
@@ -310,14 +314,15 @@ def test_engine_env_is_a_new_revision_and_replaces_kilns_own_by_name():
 
 
 def test_a_chat_template_reaches_the_engine_whole_as_a_new_revision():
-    template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}<|assistant|>\n"
+    # Its backslashes too (the engine decodes an inline template's escapes, as vLLM does).
+    template = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | replace('\\n', ' ') }}\\n\n{% endfor %}<|assistant|>\n"
     spec = spec_of(engine={"chatTemplate": template})
     (c,) = pod_spec(want(spec).stable.deployment)["containers"]
     from kiln.engine import server
     parser = argparse.ArgumentParser()
     server.add_arguments(parser)
     given = parser.parse_args(c["command"][2:]).chat_template
-    assert given == template and server.read_chat_template(given) == template  # the engine takes it as a template
+    assert server.read_chat_template(given) == template  # the engine takes it as a template, verbatim
     assert want(spec).stable.name != want(spec_of()).stable.name
     for bad in ("", "x" * 65537):
         with pytest.raises(ValueError):

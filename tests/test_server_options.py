@@ -92,11 +92,24 @@ def test_the_template_gets_call_arguments_as_objects_and_the_requests_variables(
             model=MODEL, messages=messages, max_tokens=3, extra_body={"chat_template_kwargs": {"messages": []}})
 
 
+def test_an_inline_template_has_its_escapes_decoded_as_vllm_does_and_a_file_is_read_verbatim(tmp_path):
+    """A template typed on a command line holds `\\n` for a line break; it rendered as a backslash
+    and an n (vLLM decodes them). A file's text is the template as written."""
+    from kiln.engine.tokenizer import read_chat_template
+    typed = r"{% for m in messages %}{{ m.content | replace('\d', 'é') }}\n{% endfor %}\u2192 \\ ok"
+    assert read_chat_template(typed) == "{% for m in messages %}{{ m.content | replace('\\d', 'é') }}\n{% endfor %}→ \\ ok"
+    assert read_chat_template("Ünïcode → {{ x }}") == "Ünïcode → {{ x }}"  # characters beyond Latin-1 stay
+    written = tmp_path / "chat.jinja"
+    written.write_text(typed)
+    assert read_chat_template(str(written)) == typed
+
+
 @pytest.mark.parametrize("args, env, message", [
     (["--chat-template", "no/such/template.jinja"], {}, "is neither a file nor a Jinja template"),
     (["--chat-template", "{% if %}"], {}, "the template does not compile"),
     # One line longer than a file name may be: a template, not an OSError.
     (["--chat-template", "{% if %}" + "{{ x }}" * 50], {}, "the template does not compile"),
+    (["--chat-template", "{{ x }}\\"], {}, "a backslash escape in it is malformed"),  # a lone one at the end
     (["--seed", str(2**64)], {}, "seed must be in [0, 2**63 - 1]"),
     (["--drain-timeout", "nan"], {}, "--drain-timeout: must be > 0"),
     (["--api-key", ""], {}, "--api-key must not be empty"),

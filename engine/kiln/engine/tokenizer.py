@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import warnings
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,9 @@ def _render_env() -> ImmutableSandboxedEnvironment:
 
 def read_chat_template(value: str) -> str:
     """--chat-template, read as vLLM reads it: the text of the file it names, else the template
-    itself (a value with a brace or a line break); ValueError for a path to no file, or a
-    template that does not compile."""
+    itself (a value with a brace or a line break) with its backslash escapes decoded (`\\n` typed
+    on a command line is a line break; `\\\\` a backslash); ValueError for a path to no file, a
+    malformed escape, or a template that does not compile."""
     path = Path(value)
     if os.path.isfile(path):  # not Path.is_file: a one-line template over 255 bytes raises "name too long"
         try:
@@ -84,11 +86,25 @@ def read_chat_template(value: str) -> str:
             raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
     elif not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    else:
+        value = unescape(value)
     try:
         _render_env().from_string(value)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"--chat-template: the template does not compile: {e}") from None
     return value
+
+
+def unescape(text: str) -> str:
+    """Python's backslash escapes decoded, every other character kept (beyond Latin-1 too); an
+    unknown escape (`\\d` of a regular expression) stays as written."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "invalid escape sequence": kept, as said
+        try:
+            return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--chat-template: a backslash escape in it is malformed ({e.reason}); "
+                             "write \\\\ for a backslash") from None
 
 
 def _byte_level_alphabet() -> dict[str, int]:

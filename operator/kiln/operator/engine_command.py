@@ -136,6 +136,12 @@ def option(flag: str, value: str) -> list[str]:
     return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
+def template_argument(template: str) -> str:
+    """A chatTemplate as --chat-template takes it: the engine decodes an inline template's
+    backslash escapes (as vLLM does), and the one written in YAML reaches it verbatim."""
+    return template.replace("\\", "\\\\")
+
+
 def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | None = None,
                 lora_modules: list[str] | None = None) -> list[str]:
     engine = spec.engine
@@ -171,7 +177,7 @@ def engine_args(spec: InferenceServiceSpec, model_arg: str, draft_arg: str | Non
     if engine.toolCallParser != "none":
         args += ["--tool-call-parser", engine.toolCallParser]
     if engine.chatTemplate is not None:
-        args += option("--chat-template", engine.chatTemplate)
+        args += option("--chat-template", template_argument(engine.chatTemplate))
     if lora_modules:
         args += ["--enable-lora", "--max-loras", str(engine.maxLoras), "--max-lora-rank", str(engine.maxLoraRank),
                  "--lora-modules", *lora_modules]

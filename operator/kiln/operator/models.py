@@ -244,10 +244,12 @@ class Engine(Spec):
     @classmethod
     def _one_argument(cls, template: str | None) -> str | None:
         # It goes to the engine as one argument, which Linux caps at 128 KiB (MAX_ARG_STRLEN): one
-        # longer in UTF-8 and the container could never start (E2BIG).
-        if template is not None and len(template.encode()) > MAX_ARGUMENT_BYTES:
-            raise ValueError(f"chatTemplate is {len(template.encode())} bytes in UTF-8; the engine takes it as one "
-                             f"command-line argument, at most {MAX_ARGUMENT_BYTES}")
+        # longer in UTF-8 and the container could never start (E2BIG). Its backslashes go doubled
+        # (engine_command.template_argument).
+        size = len(template.encode()) + template.count("\\") if template is not None else 0
+        if size > MAX_ARGUMENT_BYTES:
+            raise ValueError(f"chatTemplate is {size} bytes in UTF-8 as the engine's argument (a backslash "
+                             f"counts twice); the engine takes it as one, at most {MAX_ARGUMENT_BYTES}")
         return template
 
 
