@@ -81,6 +81,24 @@ def test_panic_keeps_scaling_as_replicas_come_up_and_never_down():
     assert set(after) == {5}
 
 
+def test_a_panic_held_at_max_replicas_moves_panic_until_in_steps_not_every_pass():
+    # Asking for more than maxReplicas, it panicked on every pass and wrote a new panicUntil (a
+    # status PATCH, an event to every router watching) each time.
+    run = Run(spec(maxReplicas=3), replicas=3)
+    run.run([40.0] * 5)
+    seen = set()
+    for _ in range(60):
+        run.tick(40.0)
+        seen.add(run.state.panic_until)
+    assert {d.mode for d in run.decisions[-60:]} == {"panic"} and run.state.replicas == 3
+    assert len(seen) <= 60 * TICK / (seconds("60s") / 10) + 1
+    # The panic ends about a stable window after its last ask, not before nine tenths of one.
+    last = run.now
+    while run.tick(0.0).mode == "panic":
+        pass
+    assert 0.9 * seconds("60s") <= run.now - last <= seconds("60s") + TICK
+
+
 def test_a_burst_shorter_than_the_stable_window_does_not_scale_down_before_the_delay():
     run = Run(spec(minReplicas=1), start_ticks=1)
     run.run([4.0] * 30)

@@ -5,7 +5,8 @@ autoscaling block, the state it left last time and the time now, after Knative's
   over the ready engine pods that answered, plus the requests the router holds at zero;
 - desired = ceil(load / targetQueueDepth), averaged over `stableWindow`;
 - a `panicWindow` average takes over when it asks for PANIC_THRESHOLD x the ready replicas:
-  scale up at once, and never down until a whole stable window passed without panic;
+  scale up at once, and never down until a stable window (less a tenth, the step panic-until
+  moves by) passed without panic;
 - scale-down only once demand stayed lower for `scaleDownDelay`, to the most it asked for in
   the last `scaleDownDelay`, never below what the panic window asks, and never while a replica the last decision ordered is still loading (it is
   capacity on its way);
@@ -110,7 +111,11 @@ def decide(samples: list[Sample], spec: Autoscaling, state: ScalerState, ready: 
     panicking = state.panic_until is not None and now < state.panic_until
     serving = ready + elsewhere
     if want_panic > 0 and want_panic >= PANIC_THRESHOLD * max(serving, 1) and want_panic > current:
-        panicking, state = True, replace(state, panic_until=now + stable_window)
+        panicking = True
+        # Moved on in steps of a tenth of the window, not on every pass: held at maxReplicas or by
+        # the rate limit, a panic rewrote status (which every router watches) every tick.
+        if state.panic_until is None or now + stable_window - state.panic_until >= stable_window / 10:
+            state = replace(state, panic_until=now + stable_window)
     if panicking:
         want = max(current, want_panic)  # up fast, never down while panicking
     else:
