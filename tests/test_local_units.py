@@ -602,3 +602,22 @@ def test_a_failed_venv_is_not_left_half_made(tmp_path):
     (fakes / "python3").chmod(0o755)
     assert subprocess.run(["sh", "-c", recipe], env={"PATH": f"{fakes}:/usr/bin:/bin"}).returncode == 1
     assert not venv.exists()
+
+
+def test_keys_and_kubeconfigs_are_never_readable_by_others(tmp_path):
+    """openssl wrote each key with the umask's mode, and kubeconfigs (client keys inlined) were
+    written and then chmod-ed: readable by every user in between, or for good after a crash."""
+    import stat
+
+    from kiln.local import pki
+    old = os.umask(0o022)
+    try:
+        pki.make_pki(tmp_path / "pki", ["127.0.0.1"])
+        config = tmp_path / "admin.kubeconfig"
+        config.write_text("stale")
+        config.chmod(0o644)
+        pki.write_kubeconfig(config, tmp_path / "pki", "admin", "https://127.0.0.1:6443")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "pki").stat().st_mode) == 0o700
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600 and "client-key-data" in config.read_text()

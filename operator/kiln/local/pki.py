@@ -7,6 +7,7 @@ The service-account key pair signs and verifies ServiceAccount tokens.
 from __future__ import annotations
 
 import base64
+import os
 import subprocess
 from pathlib import Path
 
@@ -49,7 +50,10 @@ def sign(pki: Path, name: str, ca: str, subject: str, usage: str, sans: list[str
 
 def make_pki(pki: Path, apiserver_ips: list[str]) -> None:
     """Create every key and certificate the control plane needs under `pki`."""
-    pki.mkdir(parents=True, exist_ok=True)
+    # Private to this user from the start: openssl writes each key with the umask's mode (0644
+    # often) before the chmod below.
+    pki.mkdir(mode=0o700, parents=True, exist_ok=True)
+    pki.chmod(0o700)
     make_ca(pki, "ca", "kiln-local-ca")
     make_ca(pki, "front-proxy-ca", "kiln-local-front-proxy-ca")
     names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
@@ -81,5 +85,12 @@ def write_kubeconfig(path: Path, pki: Path, client: str, server: str) -> None:
             "client-key-data": b64(pki / f"{client}.key")}}],
         "contexts": [{"name": "kiln-local", "context": {"cluster": "kiln-local", "user": client}}],
     }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    path.chmod(0o600)
+    write_private(path, yaml.safe_dump(config, sort_keys=False))
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, from its first byte (a chmod after the write left
+    a moment, or with a crash for good, where a key in it was readable by all)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
+    path.chmod(0o600)  # a file already there kept its mode

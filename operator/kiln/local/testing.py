@@ -28,6 +28,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.local import build
+from kiln.local.pki import write_private
 
 T = TypeVar("T")
 
@@ -94,12 +95,11 @@ def service_account_kubeconfig(admin: kubernetes.client.ApiClient, namespace: st
             Path(admin.configuration.ssl_ca_cert).read_bytes()).decode()
     user = f"system:serviceaccount:{namespace}:{account}"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
+    write_private(path, yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": user,
         "clusters": [{"name": "cluster", "cluster": cluster}],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": user, "context": {"cluster": "cluster", "user": user}}]}))
-    path.chmod(0o600)
     return path
 
 
