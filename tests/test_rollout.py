@@ -663,6 +663,21 @@ def test_a_spec_back_to_a_rolled_back_revision_mid_rollout_leaves_it_rolled_back
     assert run(aborted.state, "canary-b", READY, None, 60).canary == "canary-b"
 
 
+def test_a_spec_back_to_stable_after_a_rollback_is_no_abort():
+    """B rolled back, then the spec back to the stable revision: CanaryReady turned from RolledBack
+    to Aborted, and an Aborted Event repeated the rollback's message, though nothing ran."""
+    from kiln.operator.status import canary_condition, transitions
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", READY, None, 1)
+    d = run(run(d.state, "canary-b", READY, verdict(FAIL), 20).state, "canary-b", READY, verdict(FAIL), 30)
+    rolled_back = [canary_condition(dump(d.state, ROLLOUT))]
+    assert rolled_back[0]["reason"] == "RolledBack"
+    reverted = run(d.state, "stable-a", READY, None, 40)
+    assert (reverted.state.phase, reverted.state.rolled_back, reverted.events) == (ROLLED_BACK, None, [])
+    after = [canary_condition(dump(reverted.state, ROLLOUT), rolled_back)]
+    assert after[0]["reason"] == "RolledBack" and not transitions({"conditions": rolled_back},
+                                                                  {"conditions": after})
+
+
 def test_a_stable_revision_that_never_served_is_replaced_at_once():
     """A first revision whose engine crash-loops (a typo), then a fixed spec: the fix ran as a
     canary through every step and pause, while the router held the stable share for nobody."""
@@ -757,3 +772,25 @@ def test_a_rollout_added_mid_replacement_waits_for_it_and_the_old_revision_serve
     want = desired(owner, spec_of("int4"), replaced, "img", split=split_of(spec_of("int4"), started))
     assert [(r.name, r.weight) for r in want.revisions] == [(b, 100), (c, 0)]
     assert ("delete", a) in [(x.verb, x.name) for x in plan(want, replaced) if x.kind == "Deployment"]
+
+
+def test_a_step_short_of_its_replicas_is_rolled_back_after_the_deadline():
+    """A 50% step sized the canary for 2 replicas, the 2nd could not be placed (no GPU free): the
+    step waited for it, pause not running, forever; neither promoted nor rolled back."""
+    d = run(None, "canary-b", READY, None, 0)
+    d = run(d.state, "canary-b", Facts(1, False, step_size=2), None, 1)  # step 1 begins at 1
+    short = Facts(1, False, step_size=2, became_ready=0)
+    d = run(d.state, "canary-b", short, verdict(PASS), 121)  # inside progressDeadline (2m)
+    assert (d.state.phase, d.state.step, d.state.passed) == (PROGRESSING, 1, 0)
+    assert "1/2 of its replicas ready: the pause runs once they are" in d.state.message
+    # From its last new ready replica, as for the scale-up before promotion: one at 60 is progress.
+    assert run(d.state, "canary-b", Facts(1, False, step_size=2, became_ready=60), None, 170).state.phase == PROGRESSING
+    back = run(d.state, "canary-b", short, None, 122)
+    assert (back.state.phase, back.canary, back.state.rolled_back, back.weight(ROLLOUT)) == \
+        (ROLLED_BACK, None, "canary-b", 0)
+    assert back.state.message.startswith("rolled back canary-b: canary canary-b did not reach step 1/2's 2 replicas "
+                                         "(1 ready): no replica became ready for 2m (progressDeadline)")
+    # A replica that failed to start FAILED_STARTS times rolls it back at once.
+    crashing = run(d.state, "canary-b", Facts(1, False, step_size=2, failing="pod b-2: the engine exited"), None, 30)
+    assert crashing.state.phase == ROLLED_BACK
+    assert f"its engine failed to start {FAILED_STARTS} times (pod b-2: the engine exited)" in crashing.state.message

@@ -183,15 +183,10 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         held = state.held and not asked(facts.resume_token, state.resume_token)
         if facts.canary_full and not held:
             return promote(replace(state, resume_token=facts.resume_token))
-        # Its pods cannot all be placed, say. The deadline runs from its last new ready replica, as
-        # a Deployment's does from its last progress: a stable revision autoscaled up by rising load
-        # moves the size the canary must reach, and a canary still gaining replicas is not stuck.
-        if not facts.canary_full and facts.failing is not None:  # a replica's readiness between crashes is no progress
-            return failed_to_start(state, facts)
-        progressed = max(state.since, facts.became_ready or 0.0)
-        if not facts.canary_full and now - progressed > deadline:
-            return roll_back(state, facts, f"canary {state.canary} did not reach the stable revision's size: "
-                                           f"no replica became ready for {rollout.progressDeadline} (progressDeadline)")
+        # A stable revision autoscaled up by rising load moves the size the canary must reach.
+        stuck = None if facts.canary_full else stalled(rollout, state, facts, now, "the stable revision's size")
+        if stuck is not None:
+            return stuck
         words = f"a failed check holds promotion (annotate {RESUME_ANNOTATION} to promote anyway)" if held \
             else f"scaling canary {state.canary} to the stable revision's size before promotion"
         return Decision(replace(state, message=f"{words}; {analysis_words(state)}"), events)
@@ -208,6 +203,10 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         return next_step(rollout, state, facts, now, events)
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
     if facts.canary_ready < facts.step_size:
+        stuck = stalled(rollout, state, facts, now, f"step {state.step}/{len(steps)}'s {facts.step_size} replicas "
+                                                    f"({facts.canary_ready} ready)")
+        if stuck is not None:
+            return stuck
         # The router gives it a share in proportion to its ready replicas: until it has the step's,
         # the step's weight is not what is being judged, so its pause does not run yet, nor does a
         # check passed meanwhile carry the step on once it is over.
@@ -245,6 +244,18 @@ def promote(state: State) -> Decision:
     return Decision(State(PROMOTED, state.canary or state.stable, None, retry_token=state.retry_token,
                           resume_token=state.resume_token, analysis=state.analysis,
                           message=f"{state.canary} promoted to stable at 100%; {state.stable} drains and goes"))
+
+
+def stalled(rollout: Rollout, state: State, facts: Facts, now: float, size: str) -> Decision | None:
+    """A rollback when a canary short of `size` (its pods cannot all be placed, say) is stuck, else
+    None. The deadline runs from its last new ready replica, as a Deployment's does from its last
+    progress: a canary still gaining replicas is not stuck."""
+    if facts.failing is not None:  # a replica's readiness between crashes is no progress
+        return failed_to_start(state, facts)
+    if now - max(state.since, facts.became_ready or 0.0) > seconds(rollout.progressDeadline):
+        return roll_back(state, facts, f"canary {state.canary} did not reach {size}: no replica became ready "
+                                       f"for {rollout.progressDeadline} (progressDeadline)")
+    return None
 
 
 def failed_to_start(state: State, facts: Facts) -> Decision:

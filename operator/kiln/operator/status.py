@@ -100,9 +100,13 @@ def ready_condition(workload: dict[str, Any], model: dict[str, Any], route: dict
     return condition("Ready", False, blocker["reason"], blocker["message"])
 
 
-def canary_condition(rollout: dict[str, Any]) -> dict[str, Any]:
+def canary_condition(rollout: dict[str, Any], previous: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`previous`: the conditions status had. A spec back to the stable revision forgets the
+    revision it rolled back (asked for again, it is a new rollout): after a rollback, that is no
+    abort, and the RolledBack reason (with its Event) stays."""
     ok, reason = CANARY[rollout["phase"]]
-    if rollout["phase"] == "RolledBack" and not rollout.get("rolledBack"):
+    was = next((c.get("reason") for c in previous or [] if c.get("type") == "CanaryReady"), None)
+    if rollout["phase"] == "RolledBack" and not rollout.get("rolledBack") and was != "RolledBack":
         ok, reason = False, "Aborted"  # the spec went back to the stable revision: nothing failed
     return condition("CanaryReady", ok, reason, rollout.get("message", ""))
 
@@ -141,7 +145,7 @@ def summarize(*, generation: int, desired: Desired, observed: Observed, previous
     if scaling is not None:
         conditions.append(scaling)
     if rollout is not None:
-        conditions.append(canary_condition(rollout))
+        conditions.append(canary_condition(rollout, previous.get("conditions")))
     if warm is not None:
         conditions.append(warm[1])
     revisions = []
