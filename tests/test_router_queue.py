@@ -268,3 +268,24 @@ async def test_a_body_is_held_once_while_its_answer_comes() -> None:
         release.set()
         assert (await pending).status == 200
         assert held < 1.5 * size, f"the router holds {held / size:.2f} copies of the body"
+
+
+@on_event_loop
+async def test_a_declared_length_reserves_nothing_until_its_bytes_arrive() -> None:
+    """Clients that declare a large body and send next to none of it (a slowloris) hold no
+    budget: counted as declared, a few of them took all of --max-body-bytes-in-flight, and every
+    other request got a 429 while the router held a few bytes. Each gets its 408 in the end."""
+    async with service(1, limits=Limits(max_body_bytes=4000, max_body_bytes_in_flight=4000,
+                                         body_timeout=2)) as svc:
+        slow = [await asyncio.open_connection("127.0.0.1", svc.port) for _ in range(3)]
+        for _, writer in slow:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 4000\r\n\r\n{")
+        # One after another: the slow heads, sent first, were read by the second one at the latest.
+        for _ in range(3):
+            assert (await svc.client.post("/v1/completions", json={"p": "x" * 500})).status == 200
+        for reader, writer in slow:
+            async with asyncio.timeout(20):  # body_timeout (2 s) ends each well before
+                head = await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            assert head.split()[1] == b"408", head
+        assert svc.hits() == [3]

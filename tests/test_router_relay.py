@@ -126,3 +126,32 @@ async def test_a_client_leaving_a_large_streaming_request_costs_no_parse_of_its_
         finally:
             tracemalloc.stop()
         assert peak < len(body), f"{peak / len(body):.1f} times the body's size taken on a hang-up"
+
+
+@on_event_loop
+async def test_header_bytes_that_are_not_utf8_are_refused_or_left_out_never_changed() -> None:
+    """Header values are bytes; aiohttp reads those that are not UTF-8 as surrogates, which its
+    writer drops (its C one: an X-Request-Id came to the replica changed) or cannot write (its
+    Python one: a 500). UTF-8 goes through as it came; a request with other bytes is a 400, and a
+    replica's header with them is left out of its answer."""
+    async def replica(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(int(re.search(rb"content-length: *(\d+)", head, re.IGNORECASE).group(1)))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Utf8: caf\xc3\xa9\r\n"
+                     b"X-Latin: caf\xe9\r\nContent-Length: 2\r\n\r\n{}")
+        writer.close()
+
+    async with service(1) as svc:
+        status, _ = await raw_post(svc.port, b"/v1/completions", b"{}", b"X-Request-Id: caf\xc3\xa9\r\n")
+        assert status == 200 and svc.engines[0].headers["X-Request-Id"] == "caf\u00e9"
+        for header in (b"X-Request-Id: caf\xe9", b"Authorization: Bearer \xff\xfe"):
+            status, body = await raw_post(svc.port, b"/v1/completions", b"{}", header + b"\r\n")
+            error = json.loads(body)["error"]
+            assert status == 400 and error["code"] == "invalid_header", header
+            assert header.split(b":")[0].decode().lower() in error["message"].lower()
+        assert svc.hits() == [1]
+    async with raw_replica(replica) as endpoint, service(0, also=[endpoint]) as svc:
+        response = await svc.client.post("/v1/completions", json={})
+        assert response.status == 200 and await response.json() == {}
+        assert (b"X-Utf8", b"caf\xc3\xa9") in response.raw_headers
+        assert not any(name == b"X-Latin" for name, _ in response.raw_headers)

@@ -2,7 +2,7 @@
 back: the end-to-end headers, and a path only without '.' or '..' segments."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kiln.engine import cache_salt
 
@@ -25,9 +25,26 @@ def request_headers(headers: Mapping[str, str], salt: str | None = None) -> list
 
 
 def response_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The response's bytes pass through untouched, so its length and encoding stay."""
+    """The response's bytes pass through untouched, so its length and encoding stay. A header
+    whose value is not UTF-8 is left out, not changed (see header_not_utf8): the answer, its
+    generation done, matters more than a header."""
     dropped = HOP_BY_HOP | _named_in_connection(headers)
-    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped and _is_utf8(v)]
+
+
+def header_not_utf8(headers: Iterable[tuple[str, str]]) -> str | None:
+    """The name of the first header whose value is not UTF-8, if any. aiohttp reads such bytes
+    (latin-1, say) as lone surrogates, which its writer cannot send as they came: the C writer
+    drops them (an X-Request-Id would reach the replica changed), the Python one raises (a 500)."""
+    return next((name for name, value in headers if not _is_utf8(value)), None)
+
+
+def _is_utf8(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:  # a surrogate: a byte that was not UTF-8
+        return False
+    return True
 
 
 def _named_in_connection(headers: Mapping[str, str]) -> frozenset[str]:

@@ -35,7 +35,7 @@ from kiln.router.affinity import MAX_BODY, Affinity, prefix_keys
 from kiln.router.balancer import LeastInFlight
 from kiln.router.endpoints import Endpoint, EndpointSource
 from kiln.router.errors import error_response, http_errors
-from kiln.router.forwarding import has_dot_segment, request_headers, response_headers
+from kiln.router.forwarding import has_dot_segment, header_not_utf8, request_headers, response_headers
 from kiln.router.holding import Holding
 from kiln.router.metrics import NO_REVISION, RouterMetrics
 from kiln.router.mirror import Mirroring
@@ -159,31 +159,28 @@ class Router:
         if has_dot_segment(request.path):
             return error_response(400, "a path with '.' or '..' segments is refused",
                                   "invalid_request_error", "invalid_path")
+        if name := header_not_utf8(request_headers(request.headers)):
+            return error_response(400, f"the {name} header is not UTF-8, so the router cannot pass it on as sent",
+                                  "invalid_request_error", "invalid_header")
         if refused := await self._take_place():
             return refused
         held = 0  # body bytes this request holds
         try:
-            # Counted as the client declares it before a byte is read, and as the bytes arrive
-            # past that (a chunked or compressed body): a body read whole first, then counted,
-            # was memory no limit saw while a client stalled its last bytes.
-            declared = request.content_length or 0
-            if declared > self.limits.max_body_bytes:
+            if (request.content_length or 0) > self.limits.max_body_bytes:
                 return self._too_large()
-            if not self._hold_body(declared):
-                return self._bodies_refused()
-            held = declared
-            chunks, size = [], 0
+            # Counted as the bytes arrive: a body read whole first, then counted, was memory no
+            # limit saw while a client stalled its last bytes; a declared length counted before
+            # its bytes came let a few clients that send none (slowloris) take the whole budget.
+            chunks = []
             try:
                 # A client that stalls its upload would hold its place for ever (slowloris).
                 async with asyncio.timeout(self.limits.body_timeout):
                     while chunk := await request.content.readany():
-                        size += len(chunk)
-                        if size > self.limits.max_body_bytes:
+                        if held + len(chunk) > self.limits.max_body_bytes:
                             return self._too_large()
-                        if size > held:
-                            if not self._hold_body(size - held, mine=held):
-                                return self._bodies_refused()
-                            held = size
+                        if not self._hold_body(len(chunk), mine=held):
+                            return self._bodies_refused()
+                        held += len(chunk)
                         chunks.append(chunk)
             except TimeoutError:
                 return error_response(408, f"the request body did not arrive within "
