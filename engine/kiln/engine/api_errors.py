@@ -29,6 +29,11 @@ def model_not_found(model: str, served: Iterable[str]) -> APIError:
                     param="model", code="model_not_found")
 
 
+def queue_full(exc: Exception) -> APIError:
+    """The 429 for a request the engine has no room for now (async_engine.QueueFullError)."""
+    return APIError(429, str(exc), code="queue_full", type_="rate_limit_error")
+
+
 def unreadable_body(exc: Exception) -> str:
     """What to tell a client whose body aiohttp could not decode (a corrupt gzip body, broken
     chunks): the parser's own words are on the exception's cause."""

@@ -138,7 +138,7 @@ class AsyncEngine:
         prompt tokens wait, EngineDeadError once the engine loop has failed. Room is checked for
         all of them at once: they are refused whole or admitted whole."""
         self._check_alive()
-        self._check_room(len(requests), sum(len(prompt) for _, prompt, _ in requests))
+        self.check_room(len(requests), sum(len(prompt) for _, prompt, _ in requests))
         # All queued at once, not one per engine step (the engine reads its commands between
         # steps: the last of n would wait n steps), and nothing awaited between the room check
         # and the last one's place (a concurrent request is checked against them all).
@@ -174,11 +174,12 @@ class AsyncEngine:
         """Requests held at once: the batch's seats and the queue behind them."""
         return self.engine.config.max_num_seqs + self.max_queue
 
-    def _check_room(self, count: int, prompt_tokens: int) -> None:
+    def check_room(self, count: int, prompt_tokens: int | None = None) -> None:
         """The waiting caps: --max-queue requests beyond the batch's --max-num-seqs seats (so a
         burst fills the seats and the queue both), and --max-num-queued-tokens prompt tokens of
-        requests not in the batch yet. Requests finding nothing waiting are never refused for their
-        length alone: retrying them would not help."""
+        requests not in the batch yet (prompt_tokens None: not counted yet, the first cap alone).
+        Requests finding nothing waiting are never refused for their length alone: retrying them
+        would not help. QueueFullError past either."""
         seats = self.engine.config.max_num_seqs
         if len(self._streams) + count > self.capacity:
             raise QueueFullError(f"the engine holds {len(self._streams)} requests; {count} more would pass what its "
@@ -187,7 +188,7 @@ class AsyncEngine:
         waiting = [s for s in self._streams.values() if not s.running]
         cap = self.max_queued_tokens
         queued = sum(s.prompt_tokens for s in waiting)
-        if cap is not None and waiting and queued + prompt_tokens > cap:
+        if cap is not None and prompt_tokens is not None and waiting and queued + prompt_tokens > cap:
             raise QueueFullError(f"{queued} prompt tokens are waiting already and this request's {prompt_tokens} "
                                  f"would pass the limit of {cap} (--max-num-queued-tokens); retry later")
 

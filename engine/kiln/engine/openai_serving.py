@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kiln.engine import RequestOutput, SamplingParams, cache_salt
-from kiln.engine.api_errors import APIError, model_not_found, parse_request
+from kiln.engine.api_errors import APIError, model_not_found, parse_request, queue_full
 from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.lora import LoRANotLoadedError
 from kiln.engine.lora_cache import LoRACapacityError
@@ -22,7 +22,7 @@ from kiln.engine.openai_protocol import (
     INT64_MIN, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, template_messages)
 from kiln.engine.openai_responses import (
     Cached, chat_logprobs, completion_logprobs, echoed_entries, envelope, new_id, sse, top_of, usage)
-from kiln.engine.output_streams import merged, new_entries
+from kiln.engine.output_streams import DEFAULT_WRITE_TIMEOUT_S, EventStream, merged, new_entries
 from kiln.engine.tokenizer import Tokenizer
 from kiln.engine.tool_calls import ToolCalls, tool_calls
 
@@ -172,9 +172,12 @@ def check_scored(entries: int) -> None:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
-                 sampling_defaults: dict[str, float | int] | None = None) -> None:
-        """sampling_defaults: request field -> value for requests that leave it out (sampling_defaults.py)."""
+                 sampling_defaults: dict[str, float | int] | None = None,
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+        """sampling_defaults: request field -> value for requests that leave it out (sampling_defaults.py);
+        write_timeout: the seconds a stream's write may wait for its client (EventStream)."""
         self.engine, self.model_name, self.tool_call_parser = engine, model_name, tool_call_parser
+        self.write_timeout = write_timeout
         self.defaults = sampling_defaults or {}
         core = engine.engine
         self.tokenizer, self.max_model_len = core.tokenizer, core.config.max_model_len
@@ -288,11 +291,17 @@ class OpenAIServing:
 
     def _check_choices(self, prompts: int, n: int) -> None:
         """Every choice is an engine request, admitted together: more than the engine holds at
-        once could never be, and a 429 would make the client retry for ever."""
+        once could never be, and a 429 would make the client retry for ever. A full engine's 429
+        comes here, before the prompts are tokenized and a chat template rendered: work wasted on
+        a refused request under overload (submit checks again, with the prompt tokens)."""
         if prompts * n > self.engine.capacity:
             raise APIError(400, f"{prompts} prompt(s) x n={n} make {prompts * n} choices; this server holds at "
                                 f"most {self.engine.capacity} requests at once (--max-num-seqs + --max-queue)",
                            param="n" if prompts == 1 else "prompt")
+        try:
+            self.engine.check_room(prompts * n)
+        except QueueFullError as e:
+            raise queue_full(e) from None
 
     async def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         # Text longer than the context's tokens could cover is refused untokenized (x2: Unicode
@@ -379,7 +388,7 @@ class OpenAIServing:
         try:  # EngineDeadError is left to the server's middleware, which answers it alike on every route
             return await self.engine.submit_all(requests, lora)
         except QueueFullError as e:
-            raise APIError(429, str(e), code="queue_full", type_="rate_limit_error") from None
+            raise queue_full(e) from None
         except LoRANotLoadedError:  # unloaded between _check_model and the engine's turn: as if never loaded
             raise self._model_not_found(lora) from None
         except LoRACapacityError as e:
@@ -411,7 +420,7 @@ class OpenAIServing:
 
     async def _stream(self, request: web.Request, req, request_id: str, model: str, choices: list[_Choice],
                       prompt_tokens: int) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = EventStream(request, self.write_timeout)
         await resp.prepare(request)
         extra: dict[str, Any] = {"created": int(time.time())}
         if req.include_usage:  # null on the chunks before the last, unless continuous

@@ -24,7 +24,7 @@ from kiln.engine.api_errors import APIError, parse_request
 from kiln.engine.openai_protocol import ChatCompletionRequest
 from kiln.engine.openai_responses import new_id
 from kiln.engine.openai_serving import ChatShape, OpenAIServing, broken_stream
-from kiln.engine.output_streams import until_finished
+from kiln.engine.output_streams import EventStream, until_finished
 from kiln.engine.responses_protocol import NamedFunction, ResponsesRequest, TextFormat
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.tool_calls import NAMED_CHOICE
@@ -149,7 +149,7 @@ class ResponsesServing:
             self.serving.engine.abort(stream.request_id)
 
     async def _stream(self, request: web.Request, answer: Answer, stream: RequestStream) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = EventStream(request, self.serving.write_timeout)
         await resp.prepare(request)
         opening = answer.opening()  # with the first output: sent at admission, the router timed it as the first token
         try:

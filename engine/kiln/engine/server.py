@@ -32,6 +32,7 @@ from kiln.engine.loader import resolve_model_path
 from kiln.engine.metrics import ServerMetrics
 from kiln.engine.api_errors import APIError, model_not_found, unreadable_body
 from kiln.engine.openai_serving import OpenAIServing
+from kiln.engine.output_streams import DEFAULT_WRITE_TIMEOUT_S
 from kiln.engine.responses_api import ResponsesServing
 from kiln.engine.sampling_defaults import sampling_defaults
 from kiln.engine.speculative import SpeculativeConfig
@@ -73,9 +74,10 @@ class Server:
     def __init__(self, config: Config, model_name: str, max_queue: int, timer: startup.StartupTimer,
                  max_queued_tokens: int | None = None, fault_step: int | None = None,
                  tool_call_parser: str | None = None, api_keys: auth.ApiKeys | None = None,
-                 sampling_defaults: dict[str, float | int] | None = None) -> None:
+                 sampling_defaults: dict[str, float | int] | None = None,
+                 write_timeout: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
         self.config, self.model_name, self.max_queue, self.startup = config, model_name, max_queue, timer
-        self.sampling_defaults = sampling_defaults
+        self.sampling_defaults, self.write_timeout = sampling_defaults, write_timeout
         self.max_queued_tokens, self.fault_step, self.tool_call_parser = max_queued_tokens, fault_step, tool_call_parser
         self.metrics = ServerMetrics(model_name)
         self.engine: AsyncEngine | None = None
@@ -128,7 +130,8 @@ class Server:
         self.engine = AsyncEngine(core, self.metrics, self.max_queue, self.max_queued_tokens, self.fault_step,
                                   self.torch_thread)
         self.engine.start()
-        self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser, self.sampling_defaults)
+        self.serving = OpenAIServing(self.engine, self.model_name, self.tool_call_parser, self.sampling_defaults,
+                                     self.write_timeout)
         self.responses_api = ResponsesServing(self.serving)
         phases = self.startup.ready()
         self.metrics.record_startup(phases)
@@ -345,7 +348,7 @@ async def serve(args: argparse.Namespace, timer: startup.StartupTimer) -> int:
                     "leaves it out (a penalized request does not speculate); --generation-config vllm ignores it",
                     defaults["repetition_penalty"])
     server = Server(config, name, args.max_queue, timer, args.max_num_queued_tokens, fault_step, args.tool_call_parser,
-                    api_keys, defaults)
+                    api_keys, defaults, args.write_timeout)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # shutdown_timeout is short because drain() already waited for in-flight requests.
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -436,6 +439,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens allowed to wait for the engine (default: no limit); more get 429")
     parser.add_argument("--drain-timeout", type=_positive(float), default=30.0,
                         help="seconds to finish in-flight requests after SIGTERM")
+    parser.add_argument("--write-timeout", type=_positive(float), default=DEFAULT_WRITE_TIMEOUT_S,
+                        help="seconds a stream may wait for its client to read; then the request is aborted")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
