@@ -505,6 +505,26 @@ def test_continue_final_message_and_vllm_stop_options(server, tokenizer):
     assert said.choices[0].finish_reason == "stop" and said.choices[0].message.content.endswith("<|im_end|>")
 
 
+def test_stop_reason_names_the_stop_string_or_token_and_is_null_for_eos_and_length(server):
+    """vLLM's stop_reason: a client that stops on several strings or tokens reads which one ended
+    the answer (streamed too, on the finishing chunk); EOS and the length limit leave it null."""
+    prompt = "Count: 1, 2, 3,"
+    free = complete(server, prompt, max_tokens=20, extra_body={"return_token_ids": True}).choices[0]
+    stop = free.text[free.text.index("5"):][:3]
+    hit = complete(server, prompt, max_tokens=20, stop=["never said", stop]).choices[0]
+    assert (hit.finish_reason, hit.model_extra["stop_reason"]) == ("stop", stop)
+    streamed = list(complete(server, prompt, max_tokens=20, stop=[stop], stream=True))
+    assert [c.choices[0].model_extra["stop_reason"] for c in streamed] == [None] * (len(streamed) - 1) + [stop]
+    token = free.model_extra["token_ids"][3]
+    by_token = complete(server, prompt, max_tokens=20, extra_body={"stop_token_ids": [token]}).choices[0]
+    assert (by_token.finish_reason, by_token.model_extra["stop_reason"]) == ("stop", token)
+    short = complete(server, prompt, max_tokens=2).choices[0]
+    assert (short.finish_reason, short.model_extra["stop_reason"]) == ("length", None)
+    said = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 temperature=0, max_completion_tokens=64).choices[0]
+    assert (said.finish_reason, said.model_extra["stop_reason"]) == ("stop", None)  # the model's EOS
+
+
 def test_chat_template_kwargs_may_not_set_continue_final_message(server):
     """The request's own field: as a template variable it was a TypeError, answered as the
     template rejecting the messages."""

@@ -44,6 +44,7 @@ class RequestOutput:
         self.finished = seq.is_finished
         self.finish_reason = seq.finish_reason  # "stop" | "length" | "abort" | "error" | None
         self.error = seq.error  # with "error": what went wrong; the text so far is not a whole answer
+        self.stop_reason = seq.stop_reason  # with "stop": the stop string or stop token id, None for EOS
         self.num_cached_tokens = seq.num_cached_tokens
         # The text is cut from the sequence's when asked, not kept: a string per step, each a copy of
         # all the text so far, made a stalled streaming client's queued outputs O(length^2) in
@@ -409,6 +410,8 @@ class LLMEngine:
             if params.include_stop_str_in_output:  # its text, if it has any once decoded
                 seq.text += seq.detokenizer.add([token])
             seq.text += seq.detokenizer.flush()  # a character left unfinished comes out as U+FFFD
+            eos = not params.ignore_eos and token in self.tokenizer.eos_token_ids  # EOS first, as vLLM
+            seq.stop_reason = None if eos or token not in (params.stop_token_ids or ()) else token
             seq.finish("stop")
             return
         old_len = len(seq.text)
@@ -427,6 +430,7 @@ class LLMEngine:
             if hits:
                 i, s = min(hits)
                 seq.text = seq.text[: i + len(s) if params.include_stop_str_in_output else i]
+                seq.stop_reason = s
                 seq.finish("stop")
                 return
         if seq.matcher is not None and seq.matcher.is_stopped():  # complete: nothing may follow

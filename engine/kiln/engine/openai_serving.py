@@ -412,6 +412,7 @@ class OpenAIServing:
                     completion_tokens += len(out.token_ids)
                     text = echoes[choice.index] + out.text
                     done[choice.index] = {**choice.shape.full(text, entries[choice.index], out.finish_reason),
+                                          "stop_reason": out.stop_reason,
                                           **choice.fields.prompt(out.prompt_token_ids, out),
                                           **choice.fields.generated(out.token_ids)}
         body = envelope(request_id, choices[0].shape.object_full, model, [done[i] for i in sorted(done)],
@@ -452,14 +453,14 @@ class OpenAIServing:
                     # token, text held back as it may begin a stop string, half a character), as vLLM
                     # and llama-server send them: the client sees each token when it is made.
                     if text or entries or out.finished or out.new_token_ids:
-                        choice = {**c.shape.delta(text, entries, out.finish_reason),
+                        choice = {**c.shape.delta(text, entries, out.finish_reason), "stop_reason": out.stop_reason,
                                   **c.fields.prompt(c.prompt_ids, out), **c.fields.generated(out.new_token_ids)}
                         if "tool_calls" in choice.get("delta", ()):  # the finish in a chunk of its own, as
                             # OpenAI's: the openai SDK's stream helper fires tool_calls.function.arguments.done
                             # for the last call only on a finish that comes after it
                             finish = {"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": choice["finish_reason"]}
-                            await resp.write(chunk([{**choice, "finish_reason": None}]))
+                                      "finish_reason": choice["finish_reason"], "stop_reason": out.stop_reason}
+                            await resp.write(chunk([{**choice, "finish_reason": None, "stop_reason": None}]))
                             choice = finish
                         await resp.write(chunk([choice]))
                     completion_tokens += len(out.token_ids) if out.finished else 0

@@ -51,8 +51,10 @@ class PromptTokenLogprob(BaseModel):
 
 
 class _VllmFields(BaseModel):
-    """vLLM's additions to a choice, present only when asked for (return_token_ids,
-    prompt_logprobs): keyed by token id, one entry per prompt token, None for the first."""
+    """vLLM's additions to a choice: stop_reason (the stop string or stop token id that ended it,
+    null for EOS and other finishes), and, only when asked for (return_token_ids, prompt_logprobs),
+    the token fields: keyed by token id, one entry per prompt token, None for the first."""
+    stop_reason: str | int | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None

@@ -42,6 +42,9 @@ class Sequence:
         self.num_draft_cached = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason is "error"
+        # vLLM's stop_reason: the stop string or the request's stop token that ended it; None for
+        # EOS and every other finish.
+        self.stop_reason: str | int | None = None
         # Tokens that end it: the request's stop_token_ids and, unless ignore_eos, the model's EOS
         # (set by the engine, which knows the tokenizer).
         self.stop_token_ids: frozenset[int] = frozenset(params.stop_token_ids or ())
