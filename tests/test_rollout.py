@@ -772,6 +772,11 @@ def test_a_rollout_added_mid_replacement_waits_for_it_and_the_old_revision_serve
     want = desired(owner, spec_of("int4"), replaced, "img", split=split_of(spec_of("int4"), started))
     assert [(r.name, r.weight) for r in want.revisions] == [(b, 100), (c, 0)]
     assert ("delete", a) in [(x.verb, x.name) for x in plan(want, replaced) if x.kind == "Deployment"]
+    # Nor does it wait for a replacement that is stuck (past its Deployment's progress deadline):
+    # the new spec may be its fix.
+    past = [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "m"}]
+    stuck = Observed.of(deployment(a, ready=4, replicas=4), deployment(b, ready=1, replicas=4, conditions=past))
+    assert roll(owner, spec_of("int4"), stuck, {}, previous, {}, 10).canary == c
 
 
 def test_a_step_short_of_its_replicas_is_rolled_back_after_the_deadline():
@@ -794,3 +799,24 @@ def test_a_step_short_of_its_replicas_is_rolled_back_after_the_deadline():
     crashing = run(d.state, "canary-b", Facts(1, False, step_size=2, failing="pod b-2: the engine exited"), None, 30)
     assert crashing.state.phase == ROLLED_BACK
     assert f"its engine failed to start {FAILED_STARTS} times (pod b-2: the engine exited)" in crashing.state.message
+
+
+def test_a_canary_falling_short_long_into_a_step_gets_the_whole_deadline_from_then():
+    """The step's start (or the last replica's turn to ready) was the clock: a stable revision
+    scaled up, or a canary pod evicted, past progressDeadline into a step rolled it back at once."""
+    d = run(run(None, "canary-b", READY, None, 0).state, "canary-b", Facts(1, False, became_ready=0), None, 1)
+    d = run(d.state, "canary-b", Facts(1, False, became_ready=0), None, 100)  # step 1, sized for 1: whole
+    assert d.state.short_since is None
+    short = Facts(1, False, step_size=2, became_ready=0)  # the stable revision doubled at 200
+    d = run(d.state, "canary-b", short, None, 200)
+    assert (d.state.phase, d.state.short_since) == (PROGRESSING, 200)
+    d = run(load(dump(d.state, ROLLOUT)), "canary-b", short, None, 320)  # kept through an operator restart
+    assert d.state.phase == PROGRESSING and d.state.short_since == 200
+    assert run(d.state, "canary-b", short, None, 321).state.phase == ROLLED_BACK
+    # Whole again before that: the next shortfall starts its own clock.
+    whole = run(d.state, "canary-b", Facts(2, False, step_size=2, became_ready=300), None, 310)
+    assert whole.state.short_since is None and "canaryShortSince" not in dump(whole.state, ROLLOUT)
+    # The same before promotion: the canary at full size, then the stable revision scaled up.
+    full = State(PROGRESSING, "stable-a", "canary-b", step=3, since=10)
+    later = run(full, "canary-b", Facts(2, False, became_ready=5), None, 400)
+    assert (later.state.phase, later.state.short_since) == (PROGRESSING, 400)

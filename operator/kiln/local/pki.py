@@ -91,6 +91,7 @@ def write_kubeconfig(path: Path, pki: Path, client: str, server: str) -> None:
 def write_private(path: Path, text: str) -> None:
     """Write a file only its owner can read, from its first byte (a chmod after the write left
     a moment, or with a crash for good, where a key in it was readable by all)."""
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file already there keeps its mode through open: changed before a byte
+    with os.fdopen(fd, "w") as f:
         f.write(text)
-    path.chmod(0o600)  # a file already there kept its mode

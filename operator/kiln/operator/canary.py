@@ -16,6 +16,7 @@ from .rollout import (FAILED_STARTS, PROMOTED, RESUME_ANNOTATION, RETRY_ANNOTATI
                       advance, load)
 from .scaling import epoch, serving_replicas
 from .scrape import read_all
+from .status import deployment_failure
 
 
 # A router busy with a rollout's load can be slow to render /metrics; an analysis that misses
@@ -95,6 +96,14 @@ def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baseli
                  spec.rollout.analysis)
 
 
+def stuck(observed: Observed, revision: str) -> bool:
+    """A revision's Deployment makes no progress (past its progressDeadlineSeconds, or its pods
+    cannot be created), or an engine of it failed to start FAILED_STARTS times."""
+    deployment = observed.engine(revision)
+    return deployment is not None and deployment_failure(deployment) is not None \
+        or engine_failure(observed.pods(revision), FAILED_STARTS) is not None
+
+
 def unserviceable(observed: Observed, revision: str) -> str | None:
     """Why a stable revision can serve nobody, or None: its Deployment is gone (deleted by hand),
     or no pod of it is ready and its engine fails to start (a first revision that never served,
@@ -141,10 +150,11 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     replaced = [d["metadata"]["name"] for d in observed.engines() if d["metadata"]["name"] not in (stable, target)]
     current = observed.engine(stable)
     if not (state and state.active) and decision.state.active and replaced \
-            and not fully_ready(current, serving_replicas(spec, current)):
+            and not fully_ready(current, serving_replicas(spec, current)) and not stuck(observed, stable):
         # A plain replacement still runs (the spec changed before it had a rollout): the revisions
         # it replaces serve until the stable one is at full strength, and a canary's start retires
-        # them at once. The canary waits for it, as it would for any stable revision to be ready.
+        # them at once. The canary waits for it, as it would for any stable revision to be ready;
+        # not for one that is stuck, which it may be there to fix.
         waiting = state or State(PROMOTED, stable)
         return Decision(replace(waiting, message=f"canary {target} starts once {stable} has replaced "
                                                  f"{', '.join(sorted(replaced))} (it is not ready yet)"))

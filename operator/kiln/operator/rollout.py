@@ -46,6 +46,9 @@ class State:
     message: str = ""
     # From step 1 on: since when the canary has had no ready replica, as first seen (None while ready).
     unready_since: float | None = None
+    # Since when it has had fewer ready replicas than its step sizes it for: the step's start, or the
+    # first pass that saw it fall short after it had them all (None: not short).
+    short_since: float | None = None
 
     @property
     def active(self) -> bool:
@@ -176,7 +179,10 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
                                     "(progressDeadline)")
         waiting = "to become ready" if state.step == 0 else "to have a ready replica again"
         return Decision(replace(state, message=f"waiting for canary {state.canary} {waiting}"), events)
-    state = replace(state, unready_since=None)
+    # A stable revision scaled up, or a canary pod evicted, long into a step leaves the canary short:
+    # no stall until progressDeadline has passed from then (stalled).
+    short = not facts.canary_full if state.step > len(steps) else facts.canary_ready < facts.step_size
+    state = replace(state, unready_since=None, short_since=(state.short_since or now) if short else None)
     if state.step > len(steps):
         # A Fail holds promotion until a later check passes (an inconclusive one, too little data,
         # does not clear it), or a person resumes (no check comes while the routers cannot be scraped).
@@ -228,7 +234,8 @@ def next_step(rollout: Rollout, state: State, facts: Facts, now: float, events: 
     # earlier one, not to skip this one's gate.
     steps = rollout.steps
     step = state.step + 1
-    new = replace(state, phase=PROGRESSING, step=step, since=now, passed=0, held=False,
+    # Short of the new step's replicas from its start until a pass sees them all ready.
+    new = replace(state, phase=PROGRESSING, step=step, since=now, passed=0, held=False, short_since=now,
                   resume_token=facts.resume_token)
     if step > len(steps):
         return Decision(replace(new, message=f"every step passed: scaling canary {state.canary} up "
@@ -248,11 +255,13 @@ def promote(state: State) -> Decision:
 
 def stalled(rollout: Rollout, state: State, facts: Facts, now: float, size: str) -> Decision | None:
     """A rollback when a canary short of `size` (its pods cannot all be placed, say) is stuck, else
-    None. The deadline runs from its last new ready replica, as a Deployment's does from its last
-    progress: a canary still gaining replicas is not stuck."""
+    None. The deadline runs from the latest of the step's start, when it fell short and its last new
+    ready replica, as a Deployment's does from its last progress: a canary still gaining replicas
+    is not stuck."""
     if facts.failing is not None:  # a replica's readiness between crashes is no progress
         return failed_to_start(state, facts)
-    if now - max(state.since, facts.became_ready or 0.0) > seconds(rollout.progressDeadline):
+    progressed = max(state.since, state.short_since or 0.0, facts.became_ready or 0.0)
+    if now - progressed > seconds(rollout.progressDeadline):
         return roll_back(state, facts, f"canary {state.canary} did not reach {size}: no replica became ready "
                                        f"for {rollout.progressDeadline} (progressDeadline)")
     return None
@@ -292,7 +301,7 @@ def load(saved: dict[str, Any] | None) -> State | None:
                  saved.get("passedChecks", 0), saved.get("failedChecks", 0),
                  saved.get("promotionHeld", False), saved.get("rolledBack"),
                  saved.get("retryToken"), saved.get("resumeToken"), analysis, saved.get("message", ""),
-                 epoch(saved.get("canaryUnreadySince")))
+                 epoch(saved.get("canaryUnreadySince")), epoch(saved.get("canaryShortSince")))
 
 
 def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
@@ -302,7 +311,8 @@ def dump(state: State, rollout: Rollout | None) -> dict[str, Any]:
         "failedChecks": state.failed, "promotionHeld": state.held or None, "rolledBack": state.rolled_back,
         "retryToken": state.retry_token,
         "resumeToken": state.resume_token, "message": state.message,
-        "canaryUnreadySince": iso(state.unready_since) if state.active and state.unready_since else None}
+        "canaryUnreadySince": iso(state.unready_since) if state.active and state.unready_since else None,
+        "canaryShortSince": iso(state.short_since) if state.active and state.short_since else None}
     if state.analysis:
         out["analysis"] = {**state.analysis, "time": iso(state.analysis["time"])}
     if state.active and rollout is not None and rollout.analysis.quality is not None:

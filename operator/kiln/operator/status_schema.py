@@ -62,6 +62,10 @@ class RolloutStatus(BaseModel):
     canaryUnreadySince: str | None = Field(
         None, json_schema_extra={"format": "date-time"},
         description="From step 1 on: since when the canary has had no ready replica (progressDeadline runs from it).")
+    canaryShortSince: str | None = Field(
+        None, json_schema_extra={"format": "date-time"},
+        description="From step 1 on: since when the canary has had fewer ready replicas than its step sizes it for "
+                    "(progressDeadline runs from it, or from a replica that became ready later).")
     passedChecks: int = 0
     failedChecks: int = 0
     promotionHeld: bool | None = Field(None, description="A check failed in this step and none has passed since: "
