@@ -1,7 +1,7 @@
 """Warm pools on the whole system: real engines and a real router on the local cluster, the
 builtin autoscaler deciding. No client request may fail.
 
-- with `warmPool.size: 1` the standby is Ready (loaded, warmed), asleep (its KV cache released)
+- with `warmPool: {size: 1, sleep: true}` the standby is Ready (loaded, warmed), asleep (its KV cache released)
   and gets none of 100 requests;
 - a load step promotes it: it answers routed requests while its replacement standby is still
   loading (a cold start would only begin there);
@@ -31,7 +31,7 @@ NAME = "warm"
 def apply(target: Target, namespace: str, min_replicas: int) -> None:
     body = yaml.safe_load((REPO / "examples/smollm2.yaml").read_text())
     body["metadata"]["name"] = NAME
-    body["spec"]["warmPool"] = {"size": 1}
+    body["spec"]["warmPool"] = {"size": 1, "sleep": True}
     body["spec"]["autoscaling"] = {"mode": "builtin", "minReplicas": min_replicas, "maxReplicas": 2,
                                    "targetQueueDepth": 2, "stableWindow": "10s", "panicWindow": "4s",
                                    "scaleDownDelay": "10s"}

@@ -80,7 +80,7 @@ def test_idle_cost_adds_up_to_the_time_standbys_were_ready():
 def test_pool_status_counts_ready_standbys_and_accumulates_idle_cost():
     block, cond = pool_status(2, pods("s+", "w+", "w-"), None, 0, {}, gpus=1, now=1000.0)
     assert (block["ready"], block["idleReplicaSeconds"], cond["reason"]) == (1, 0.0, "Filling")
-    block, cond = pool_status(2, pods("s+", "w+", "w+"), None, 1, block, gpus=2, now=1010.0)
+    block, cond = pool_status(2, pods("s+", "w+", "w+", "w+"), None, 1, block, gpus=2, now=1010.0)
     # 10 s at the 1 standby the previous pass saw: 10 replica-seconds, 20 GPU-seconds.
     assert (block["idleReplicaSeconds"], block["idleGPUSeconds"], block["promotions"]) == (10.0, 20.0, 1)
     assert cond["status"] == "True" and "lastPromotion" in block
@@ -156,3 +156,23 @@ def test_a_roll_swaps_no_ready_pod_for_another_of_its_own_template():
     assert names(plan_pool(2, rolled("old:s+", "old:s+", "old:w+", "new:w-"))) == {}
     # The new template still serves first: a ready new pod takes an old one's place.
     assert names(plan_pool(2, rolled("old:s+", "new:s+", "old:w+", "new:w+"))) == {"promote": ["p3"], "demote": ["p0"]}
+
+
+def test_standbys_promoted_this_pass_are_no_longer_counted_in_the_pool():
+    """pool_status sees the pods as read before the promotions: the two standbys a scale-up just
+    took were still counted, WarmPoolReady said Filled (then Filling on the next pass, two Events)
+    and their time serving was accounted as idle pool time."""
+    block, cond = pool_status(2, pods("s+", "w+", "w+"), None, 0, {}, gpus=1, now=1000.0)
+    assert (block["ready"], cond["reason"]) == (2, "Filled")
+    block, cond = pool_status(2, pods("s+", "w+", "w+"), None, 2, block, gpus=1, now=1010.0)
+    assert (block["ready"], block["promotions"], cond["reason"]) == (0, 2, "Filling")
+    block, _ = pool_status(2, pods("s+", "s+", "s+", "w-", "w-"), None, 0, block, gpus=1, now=1020.0)
+    assert block["idleReplicaSeconds"] == 20.0  # 2 standbys for 10 s, none since
+
+
+def test_standbys_stay_awake_unless_sleep_is_asked_for():
+    """sleep defaulted to true, unlike vLLM's opt-in sleep mode: on a GPU a pod holds alone the
+    memory it freed served nothing else, while every promotion waited on a wake (CUDA graphs
+    captured anew)."""
+    from kiln.operator.models import WarmPool
+    assert not WarmPool(size=1).sleep and WarmPool(size=1, sleep=True).sleep

@@ -353,8 +353,12 @@ class WarmPool(Spec):
     """Replicas of the stable revision loaded and warmed but not routed, beyond those that serve;
     promoted to serving (a label change, no restart) when more are wanted, then refilled."""
     size: int = Field(0, ge=0, le=100)
-    sleep: bool = Field(True, description="Standbys release their KV cache while they wait (the engine's "
-                        "POST /sleep) and are woken just before promotion.")
+    # Off by default, as vLLM's sleep mode is: a pod holding its GPUs alone frees memory nothing else
+    # can use, and the wake (CUDA graphs captured anew) can outlast the operator's 1 s wait at promotion.
+    sleep: bool = Field(False, description="Standbys release their KV cache while they wait (the engine's "
+                        "POST /sleep) and are woken just before promotion. Only worth it where others "
+                        "use the memory (shared GPUs): on a GPU the wake captures the CUDA graphs anew, "
+                        "and a promotion's first requests wait for it.")
 
 
 class RolloutStep(Spec):

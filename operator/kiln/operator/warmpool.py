@@ -10,7 +10,7 @@ operator only relabels the pods its ReplicaSet made. Scale-down first demotes se
 (they stop taking requests and finish what they run); standbys carry a lower
 pod-deletion-cost than serving pods, so the ReplicaSet removes standbys, never a serving pod.
 
-With `sleep` (the default) a ready standby is put to sleep (the engine's POST /sleep releases its
+With `sleep` (off by default) a ready standby is put to sleep (the engine's POST /sleep releases its
 KV cache) and woken (POST /wake_up) just before its promotion; a request reaching it first wakes
 it too. The `kiln.dev/asleep` annotation records the engine's restart count when it fell asleep,
 so an engine restarted since (awake again) is put back to sleep."""
@@ -117,8 +117,10 @@ def pool_status(size: int, pods: list[Pod], unschedulable: str | None, promoted:
     """(status.warmPool, the WarmPoolReady condition) for the stable revision's pool. The pool's
     cost is kept visible: replica- and GPU-seconds spent ready and idle, accumulated from pass
     to pass at the count the previous pass saw. `failure`: the Deployment's (reason, message)
-    when it cannot make pods (status.deployment_failure), e.g. a quota short of the standbys."""
-    ready = sum(1 for p in pods if p.ready and not p.serving)
+    when it cannot make pods (status.deployment_failure), e.g. a quota short of the standbys.
+    `pods` as read before this pass's `promoted` standbys (each one ready) were promoted."""
+    # Counted as read, the standbys a scale-up just took said the pool Filled (and idle) for a pass.
+    ready = max(sum(1 for p in pods if p.ready and not p.serving) - promoted, 0)
     now = float(int(now))  # accountedAt keeps whole seconds: the fraction would be counted twice
     since = epoch(previous.get("accountedAt"))
     if since is not None and 0 <= now - since < ACCOUNT_EVERY_S and ready == previous.get("ready") and not promoted:
