@@ -96,6 +96,17 @@ def analyse(spec: InferenceServiceSpec, observed: Observed, state: State, baseli
                  spec.rollout.analysis)
 
 
+def replacing(spec: InferenceServiceSpec, observed: Observed, stable: str, target: str) -> list[str]:
+    """The revisions a plain replacement (the spec changed before it had a rollout) still replaces,
+    while the stable revision is short of full strength; none once it is, or when it is stuck. They
+    serve meanwhile, and a canary's start would retire them at once: it waits, as it would for any
+    stable revision to be ready, but not for a stuck one, which it may be there to fix."""
+    current = observed.engine(stable)
+    if fully_ready(current, serving_replicas(spec, current)) or stuck(observed, stable):
+        return []
+    return sorted(d["metadata"]["name"] for d in observed.engines() if d["metadata"]["name"] not in (stable, target))
+
+
 def stuck(observed: Observed, revision: str) -> bool:
     """A revision's Deployment makes no progress (past its progressDeadlineSeconds, or its pods
     cannot be created), or an engine of it failed to start FAILED_STARTS times."""
@@ -147,17 +158,11 @@ def roll(owner: Owner, spec: InferenceServiceSpec, observed: Observed, annotatio
     if state is not None and state.active and state.step >= 1 and state.canary == target:
         result = analyse(spec, observed, state, baselines, (owner.namespace, owner.name), now)
     decision = advance(spec.rollout, state, stable, target, facts, result, now)
-    replaced = [d["metadata"]["name"] for d in observed.engines() if d["metadata"]["name"] not in (stable, target)]
-    current = observed.engine(stable)
-    if not (state and state.active) and decision.state.active and replaced \
-            and not fully_ready(current, serving_replicas(spec, current)) and not stuck(observed, stable):
-        # A plain replacement still runs (the spec changed before it had a rollout): the revisions
-        # it replaces serve until the stable one is at full strength, and a canary's start retires
-        # them at once. The canary waits for it, as it would for any stable revision to be ready;
-        # not for one that is stuck, which it may be there to fix.
+    starting = not (state and state.active) and decision.state.active
+    if starting and (replaced := replacing(spec, observed, stable, target)):
         waiting = state or State(PROMOTED, stable)
         return Decision(replace(waiting, message=f"canary {target} starts once {stable} has replaced "
-                                                 f"{', '.join(sorted(replaced))} (it is not ready yet)"))
+                                                 f"{', '.join(replaced)} (it is not ready yet)"))
     if not decision.state.active or any(e.reason in ("RolloutStarted", "RolloutStep") for e in decision.events):
         # The rollout ended (promoted, rolled back, aborted) or another began: one that starts
         # later, even of the same revision, must not count this one's requests in its first interval.

@@ -190,8 +190,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
         if facts.canary_full and not held:
             return promote(replace(state, resume_token=facts.resume_token))
         # A stable revision autoscaled up by rising load moves the size the canary must reach.
-        stuck = None if facts.canary_full else stalled(rollout, state, facts, now, "the stable revision's size")
-        if stuck is not None:
+        if short and (stuck := stalled(rollout, state, facts, now, "the stable revision's size")):
             return stuck
         words = f"a failed check holds promotion (annotate {RESUME_ANNOTATION} to promote anyway)" if held \
             else f"scaling canary {state.canary} to the stable revision's size before promotion"
@@ -208,7 +207,7 @@ def progress(rollout: Rollout, state: State, facts: Facts, check: Check | None, 
     if asked(facts.resume_token, state.resume_token):
         return next_step(rollout, state, facts, now, events)
     words = f"step {state.step}/{len(steps)}: {steps[state.step - 1].weight}% to {state.canary}"
-    if facts.canary_ready < facts.step_size:
+    if short:
         stuck = stalled(rollout, state, facts, now, f"step {state.step}/{len(steps)}'s {facts.step_size} replicas "
                                                     f"({facts.canary_ready} ready)")
         if stuck is not None:
